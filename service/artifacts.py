@@ -1,0 +1,65 @@
+"""Where a job's files live under the artifact root, and confinement of paths to it.
+
+Layout::
+
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
+    <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from service.errors import NotFoundError
+
+
+def job_dir(artifact_dir: Path, job_id: int) -> Path:
+    """``<artifact_dir>/jobs/<job_id>``."""
+    return artifact_dir / "jobs" / str(int(job_id))
+
+
+def attempt_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """Directory of one attempt's logs: ``…/jobs/<id>/attempt-<n>``."""
+    return job_dir(artifact_dir, job_id) / f"attempt-{int(attempt)}"
+
+
+def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
+    """Log file of one rank of one attempt: ``…/attempt-<n>/rank-<r>.log``."""
+    return attempt_dir(artifact_dir, job_id, attempt) / f"rank-{int(rank)}.log"
+
+
+def checkpoint_dir(artifact_dir: Path, job_id: int) -> Path:
+    """Checkpoints of a job, shared by its attempts so a relaunch finds them."""
+    return job_dir(artifact_dir, job_id) / "checkpoints"
+
+
+def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
+    """``…/jobs/<id>/checkpoints/step-<step>.pt``."""
+    return checkpoint_dir(artifact_dir, job_id) / f"step-{int(step)}.pt"
+
+
+def confine(artifact_dir: Path, path: str | Path) -> Path:
+    """Resolve ``path`` (symlinks followed) and require it to lie inside ``artifact_dir``.
+
+    Raises:
+        NotFoundError: the path escapes the artifact directory or does not exist as a file.
+    """
+    root = artifact_dir.resolve()
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(root) or not resolved.is_file():
+        raise NotFoundError("file not found")
+    return resolved
+
+
+def result_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """Written by rank 0 once training finished, before teardown: ``…/attempt-<n>/result.json``.
+
+    Its presence decides success even if the process group aborts at interpreter exit.
+    """
+    return attempt_dir(artifact_dir, job_id, attempt) / "result.json"
+
+
+def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
+    """Written by a rank that raised: ``…/attempt-<n>/error-rank-<r>.json``
+    (``{"rank", "exc_type", "message", "traceback", "time"}``)."""
+    return attempt_dir(artifact_dir, job_id, attempt) / f"error-rank-{int(rank)}.json"

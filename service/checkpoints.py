@@ -1,0 +1,81 @@
+"""Checkpoint records: what rank 0 wrote, where, how big, and its sha256."""
+
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.errors import NotFoundError
+from service.metrics import check_attempt
+from service.models import Checkpoint, utcnow
+
+
+def record_checkpoint(
+    session: Session,
+    job_id: int,
+    attempt: int,
+    *,
+    step: int,
+    epoch: int,
+    path: str,
+    size_bytes: int,
+    sha256: str,
+) -> Checkpoint:
+    """Record a checkpoint file of the current attempt; a re-record of the same step updates it.
+
+    Raises:
+        StaleAttemptError / NotFoundError: the attempt is fenced off (see ``check_attempt``).
+    """
+    check_attempt(session, job_id, attempt)
+    ckpt = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+    ).one_or_none()
+    if ckpt is None:
+        ckpt = Checkpoint(job_id=job_id, step=step)
+        session.add(ckpt)
+    ckpt.attempt, ckpt.epoch, ckpt.path = attempt, epoch, path
+    ckpt.size_bytes, ckpt.sha256, ckpt.created_at, ckpt.deleted_at = (
+        size_bytes,
+        sha256,
+        utcnow(),
+        None,
+    )
+    session.flush()
+    return ckpt
+
+
+def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
+    """A job's live (not deleted) checkpoints, newest step first."""
+    return list(
+        session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job_id, Checkpoint.deleted_at.is_(None))
+            .order_by(Checkpoint.step.desc())
+        )
+    )
+
+
+def get_checkpoint(session: Session, job_id: int, step: int) -> Checkpoint:
+    """The live checkpoint of ``job_id`` at ``step``.
+
+    Raises:
+        NotFoundError: none recorded (or it was rotated away).
+    """
+    ckpt = session.scalars(
+        select(Checkpoint).where(
+            Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.deleted_at.is_(None)
+        )
+    ).one_or_none()
+    if ckpt is None:
+        raise NotFoundError(f"job {job_id} has no checkpoint at step {step}")
+    return ckpt
+
+
+def mark_checkpoints_deleted(session: Session, job_id: int, steps: list[int]) -> None:
+    """Mark rotated-away checkpoints deleted (their files are removed by the caller)."""
+    if steps:
+        session.execute(
+            update(Checkpoint)
+            .where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps))
+            .values(deleted_at=utcnow())
+        )

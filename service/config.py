@@ -1,0 +1,90 @@
+"""Settings: every ``DDPQ_*`` environment variable, in one place, read on demand."""
+
+from __future__ import annotations
+
+import fnmatch
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class Settings(BaseSettings):
+    """Deployment settings, read from ``DDPQ_<NAME>`` environment variables.
+
+    With nothing set, ddpq runs its embedded default: SQLite (WAL) at ``./.ddpq/ddpq.db``,
+    artifacts under ``./.ddpq/artifacts``, the API on 127.0.0.1:8000.
+    Nothing here opens a file or a connection; see ``service.db`` for that.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="DDPQ_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".ddpq"), description="State directory of the embedded default."
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL (postgresql+psycopg://user@host/db). Default: SQLite in home.",
+    )
+    artifact_dir: Path | None = Field(
+        default=None, description="Logs and checkpoints. Default: <home>/artifacts."
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_url: str | None = Field(
+        default=None, description="Where the CLI and workers' clients reach the API."
+    )
+    allowed_entrypoints: list[str] = Field(
+        default_factory=list,
+        description='fnmatch patterns of user entrypoints "pkg.module:function" allowed to run.',
+    )
+    slurm_enabled: bool = Field(
+        default=False, description="Whether this deployment accepts launcher 'slurm' jobs."
+    )
+    # Caps on what one job may ask for (HTTP 422 beyond them).
+    max_nnodes: int = Field(default=64, ge=1)
+    max_nproc_per_node: int = Field(default=64, ge=1)
+    max_gpus_per_node: int = Field(default=16, ge=0)
+    max_timeout_min: int = Field(default=7 * 24 * 60, ge=1)
+    max_body_bytes: int = Field(default=1_000_000, ge=1024, description="Request body cap (bytes).")
+    max_list_limit: int = Field(default=500, ge=1)
+    max_metric_points: int = Field(default=10_000, ge=2, description="Cap on limit/max_points.")
+    # Worker liveness.
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    lease_s: float = Field(default=30.0, gt=0, description="A job's lease; renewed each heartbeat.")
+    default_owner: str = Field(default="local", min_length=1, max_length=100)
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to the embedded SQLite file under ``home``."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'ddpq.db').resolve()}"
+
+    @property
+    def resolved_artifact_dir(self) -> Path:
+        """Absolute artifact root (logs, checkpoints)."""
+        return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    @property
+    def resolved_api_url(self) -> str:
+        """Base URL of the API (no trailing slash), as clients should reach it."""
+        if self.api_url:
+            return self.api_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def entrypoint_allowed(self, entrypoint: str) -> bool:
+        """True when ``entrypoint`` matches one of ``allowed_entrypoints`` (fnmatch patterns)."""
+        return any(fnmatch.fnmatchcase(entrypoint, pat) for pat in self.allowed_entrypoints)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings from the environment (cached; tests build their own)."""
+    return Settings()

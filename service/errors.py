@@ -1,0 +1,81 @@
+"""The one exception hierarchy of ddpq; each error carries its HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DdpqError(Exception):
+    """Base of every ddpq error. ``status_code`` is what the API answers with."""
+
+    status_code: int = 400
+    code: str = "error"
+
+    def __init__(self, detail: Any = None) -> None:
+        self.detail = detail if detail is not None else self.__class__.__doc__
+        super().__init__(str(self.detail))
+
+
+class NotFoundError(DdpqError):
+    """The object does not exist (or is not yours)."""
+
+    status_code = 404
+    code = "not_found"
+
+
+class ConflictError(DdpqError):
+    """The request conflicts with the current state."""
+
+    status_code = 409
+    code = "conflict"
+
+
+class InvalidTransitionError(ConflictError):
+    """A state change that the transition table does not allow."""
+
+    code = "invalid_transition"
+
+
+class StaleStateError(ConflictError):
+    """The job was not in the expected state any more (compare-and-set lost)."""
+
+    code = "stale_state"
+
+    def __init__(self, job_id: int, expected: object, actual: object = None) -> None:
+        self.job_id = job_id
+        self.expected = expected
+        super().__init__(
+            f"job {job_id} is no longer {expected!s}"
+            + (f" (now {actual!s})" if actual is not None else "")
+        )
+
+
+class StaleAttemptError(ConflictError):
+    """A write from an attempt that is no longer the job's current one (fenced off)."""
+
+    code = "stale_attempt"
+
+
+class SpecValidationError(DdpqError):
+    """A job spec failed validation. ``errors`` holds one ``{loc, msg}`` per bad field."""
+
+    status_code = 422
+    code = "invalid_spec"
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+        super().__init__(errors)
+
+
+class DatabaseUnavailableError(DdpqError):
+    """The database could not be reached or refused the operation."""
+
+    status_code = 503
+    code = "database_unavailable"
+
+
+class SchemaOutOfDateError(DdpqError):
+    """The database schema is not at the revision this code expects."""
+
+    status_code = 503
+    code = "schema_out_of_date"

@@ -1,0 +1,284 @@
+"""Job operations: submit, get, list, claim, transition, cancel. Each runs inside a session.
+
+Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``) plus a
+``job_events`` row in the same transaction (procrastinate's pattern).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from service.errors import ConflictError, NotFoundError, StaleStateError
+from service.models import Job, JobEvent, utcnow
+from service.spec import JobSpec
+from service.states import TERMINAL_STATES, JobState, check_transition
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A planned state change: printable, testable, applied by ``apply_transition``."""
+
+    job_id: int
+    expected: JobState
+    target: JobState
+    reason: str | None = None
+
+
+def submit_job(
+    session: Session, spec: JobSpec, *, owner: str, idempotency_key: str | None = None
+) -> tuple[Job, bool]:
+    """Store a validated spec as a queued job.
+
+    Returns:
+        ``(job, created)``; ``created`` is False when ``idempotency_key`` matched an earlier
+        submission of the same owner, whose job is returned instead of a new one.
+    """
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, owner, idempotency_key)
+        if existing is not None:
+            return existing, False
+    job = Job(
+        name=spec.name,
+        owner=owner,
+        state=JobState.QUEUED.value,
+        spec=spec.model_dump(mode="json"),
+        launcher=spec.launcher,
+        gpus_per_node=spec.resources.gpus_per_node,
+        priority=spec.priority,
+        attempt=1,
+        idempotency_key=idempotency_key,
+    )
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except sa_exc.IntegrityError:
+        # Another request with the same key won the race; return its job.
+        existing = _by_idempotency_key(session, owner, idempotency_key or "")
+        if existing is None:
+            raise
+        return existing, False
+    session.add(JobEvent(job_id=job.id, attempt=1, from_state=None, to_state=JobState.QUEUED))
+    return job, True
+
+
+def _by_idempotency_key(session: Session, owner: str, key: str) -> Job | None:
+    return session.scalars(
+        select(Job).where(Job.owner == owner, Job.idempotency_key == key)
+    ).one_or_none()
+
+
+def get_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:
+    """The job ``job_id``; with ``owner`` set, only if that owner's (else not found).
+
+    Raises:
+        NotFoundError: no such job (or not the owner's).
+    """
+    job = session.get(Job, job_id)
+    if job is None or (owner is not None and job.owner != owner):
+        raise NotFoundError(f"job {job_id} not found")
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    state: JobState | None = None,
+    owner: str | None = None,
+    limit: int = 50,
+    before_id: int | None = None,
+) -> tuple[list[Job], int | None]:
+    """Jobs newest first, ``limit`` at a time; page on with the returned cursor.
+
+    Returns:
+        ``(jobs, next_before_id)``; the cursor is None on the last page.
+    """
+    stmt = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if state is not None:
+        stmt = stmt.where(Job.state == state.value)
+    if owner is not None:
+        stmt = stmt.where(Job.owner == owner)
+    if before_id is not None:
+        stmt = stmt.where(Job.id < before_id)
+    jobs = list(session.scalars(stmt))
+    if len(jobs) > limit:
+        return jobs[:limit], jobs[limit - 1].id
+    return jobs, None
+
+
+def list_events(session: Session, job_id: int) -> list[JobEvent]:
+    """A job's events, oldest first."""
+    return list(
+        session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+    )
+
+
+def apply_transition(
+    session: Session,
+    t: Transition,
+    *,
+    worker_id: str | None = None,
+    error: str | None = None,
+    values: dict[str, Any] | None = None,
+) -> Job:
+    """Apply ``t`` as one compare-and-set UPDATE plus its event row.
+
+    Side values follow the target: ``running`` stamps ``started_at``; a terminal state stamps
+    ``finished_at`` and releases the worker; ``queued`` (a relaunch) bumps ``attempt`` and
+    releases the worker. ``error`` sets the job's error text.
+
+    Raises:
+        InvalidTransitionError: the table forbids ``expected → target``.
+        StaleStateError: the job was not in ``expected`` any more (someone else moved it).
+    """
+    check_transition(t.expected, t.target)
+    now = utcnow()
+    vals: dict[str, Any] = {"state": t.target.value, "updated_at": now}
+    if t.target == JobState.RUNNING:
+        vals["started_at"] = func.coalesce(Job.started_at, now)
+    if t.target in TERMINAL_STATES:
+        vals.update(finished_at=now, lease_expires_at=None)
+    if t.target == JobState.QUEUED:
+        vals.update(
+            attempt=Job.attempt + 1,
+            worker_id=None,
+            lease_expires_at=None,
+            scheduler_job_id=None,
+        )
+    if error is not None:
+        vals["error"] = error
+    vals.update(values or {})
+    row = session.execute(
+        update(Job)
+        .where(Job.id == t.job_id, Job.state == t.expected.value)
+        .values(**vals)
+        .returning(Job.attempt)
+    ).one_or_none()
+    if row is None:
+        current = session.scalar(select(Job.state).where(Job.id == t.job_id))
+        if current is None:
+            raise NotFoundError(f"job {t.job_id} not found")
+        raise StaleStateError(t.job_id, t.expected, current)
+    session.add(
+        JobEvent(
+            job_id=t.job_id,
+            attempt=row.attempt,
+            from_state=t.expected.value,
+            to_state=t.target.value,
+            reason=t.reason,
+            worker_id=worker_id,
+        )
+    )
+    session.flush()
+    job = session.get(Job, t.job_id, populate_existing=True)
+    assert job is not None
+    return job
+
+
+def claim_next_job(
+    session: Session,
+    *,
+    worker_id: str,
+    launcher: str,
+    max_gpus_per_node: int,
+    lease_s: float,
+) -> Job | None:
+    """Claim the best queued job that fits: highest priority, then oldest.
+
+    One statement: ``UPDATE jobs … WHERE id = (SELECT id … FOR UPDATE SKIP LOCKED LIMIT 1)
+    AND state = 'queued' RETURNING …``. On PostgreSQL concurrent claimers skip each other's
+    locked rows; on SQLite the session's ``BEGIN IMMEDIATE`` serialises claimers and the
+    ``state = 'queued'`` test is the compare-and-set.
+
+    Returns:
+        The job, now ``starting`` and leased to ``worker_id`` until now + ``lease_s``
+        seconds; None when nothing fits.
+    """
+    now = utcnow()
+    candidate = (
+        select(Job.id)
+        .where(
+            Job.state == JobState.QUEUED.value,
+            Job.launcher == launcher,
+            Job.gpus_per_node <= max_gpus_per_node,
+        )
+        .order_by(Job.priority.desc(), Job.id)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    row = session.execute(
+        update(Job)
+        .where(Job.id == candidate, Job.state == JobState.QUEUED.value)
+        .values(
+            state=JobState.STARTING.value,
+            worker_id=worker_id,
+            lease_expires_at=now + timedelta(seconds=lease_s),
+            cancel_requested=False,
+            updated_at=now,
+        )
+        .returning(Job.id, Job.attempt)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if row is None:
+        return None
+    session.add(
+        JobEvent(
+            job_id=row.id,
+            attempt=row.attempt,
+            from_state=JobState.QUEUED.value,
+            to_state=JobState.STARTING.value,
+            reason="claimed",
+            worker_id=worker_id,
+        )
+    )
+    session.flush()
+    return session.get(Job, row.id, populate_existing=True)
+
+
+def cancel_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:
+    """Cancel a job: a queued one at once; a started one gets ``cancel_requested`` for its
+    worker to act on. Idempotent on a job already being cancelled.
+
+    Raises:
+        NotFoundError: no such job (or not the owner's).
+        ConflictError: the job already finished (HTTP 409).
+    """
+    job = get_job(session, job_id, owner=owner)
+    state = JobState(job.state)
+    if state.is_terminal:
+        raise ConflictError(f"job {job_id} already {state}; nothing to cancel")
+    if state == JobState.QUEUED:
+        try:
+            return apply_transition(
+                session, Transition(job_id, state, JobState.CANCELLED, "cancelled while queued")
+            )
+        except StaleStateError:
+            # A worker claimed it meanwhile: fall through to flag it.
+            job = get_job(session, job_id)
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_([s.value for s in JobState if not s.is_terminal]))
+        .values(cancel_requested=True, updated_at=utcnow())
+    )
+    session.flush()
+    refreshed = session.get(Job, job_id, populate_existing=True)
+    assert refreshed is not None
+    return refreshed
+
+
+def set_scheduler_job_id(
+    session: Session, job_id: int, attempt: int, scheduler_job_id: str
+) -> None:
+    """Record Slurm's id for the current attempt (fenced on ``attempt``)."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.attempt == attempt)
+        .values(scheduler_job_id=scheduler_job_id, updated_at=utcnow())
+    )

@@ -1,0 +1,66 @@
+"""Schema migrations through Alembic: upgrade, downgrade, and the "is it at head?" check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+from service.db import redact_url
+from service.errors import SchemaOutOfDateError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic config for ``url`` pointing at the project's migrations."""
+    cfg = Config(str(MIGRATIONS_DIR / "alembic.ini"))
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("version_locations", str(MIGRATIONS_DIR / "versions"))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Migrate the database behind ``engine`` up to ``revision``."""
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Migrate the database behind ``engine`` down to ``revision`` (``"base"`` empties it)."""
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+
+
+def head_revision() -> str | None:
+    """The newest revision in ``migrations/versions``."""
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at (None when never migrated)."""
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def check_at_head(engine: Engine) -> None:
+    """Raise unless the database is at the head revision.
+
+    Raises:
+        SchemaOutOfDateError: with the command that fixes it.
+    """
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise SchemaOutOfDateError(
+            f"database {redact_url(engine.url.render_as_string(hide_password=False))} is at "
+            f"revision {current or 'none (empty)'}, code expects {head}: run `ddpq db upgrade`"
+        )
