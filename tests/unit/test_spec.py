@@ -1,0 +1,104 @@
+"""The spec validation table: each bad spec names its field; good specs are normalised."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.config import Settings
+from service.errors import SpecValidationError
+from service.spec import JobSpec, validate_spec
+
+SETTINGS = Settings(allowed_entrypoints=["examples.*:*"], max_nproc_per_node=8)
+OK: dict[str, Any] = {"name": "digits-2", "task": "digits"}
+
+
+def _errors(data: Any, settings: Settings = SETTINGS) -> list[dict[str, Any]]:
+    with pytest.raises(SpecValidationError) as info:
+        validate_spec(data, settings)
+    return info.value.errors
+
+
+@pytest.mark.parametrize(
+    ("patch", "loc", "needle"),
+    [
+        ({"name": ""}, ["body", "name"], "at least 1"),
+        ({"name": "x" * 201}, ["body", "name"], "at most 200"),
+        ({"task": "nope"}, ["body", "task"], "built-in task"),
+        ({"task": "os:system"}, ["body", "task"], "allow-list"),
+        ({"launcher": "k8s"}, ["body", "launcher"], "local"),
+        ({"launcher": "slurm"}, ["body", "launcher"], "no Slurm"),
+        ({"zzz": 1}, ["body", "zzz"], "Extra inputs"),
+        (
+            {"resources": {"nproc_per_node": 0}},
+            ["body", "resources", "nproc_per_node"],
+            "greater than or equal to 1",
+        ),
+        ({"resources": {"nproc_per_node": 9}}, ["body", "resources", "nproc_per_node"], "cap"),
+        ({"resources": {"nnodes": 2}}, ["body", "resources", "nnodes"], "one host"),
+        ({"backend": "nccl"}, ["body", "backend"], "needs GPUs"),
+        (
+            {"backend": "nccl", "resources": {"nproc_per_node": 2, "gpus_per_node": 1}},
+            ["body", "resources", "nproc_per_node"],
+            "one GPU per rank",
+        ),
+        ({"strategy": "dp", "resources": {"nproc_per_node": 2}}, ["body", "strategy"], "one"),
+        ({"config": {"model": "rnn"}}, ["body", "config", "model"], "pattern"),
+        ({"config": {"bogus": 1}}, ["body", "config", "bogus"], "Extra inputs"),
+        (
+            {"training": {"checkpoint_every_steps": 5, "checkpoint_every_epochs": 1}},
+            ["body", "training"],
+            "not both",
+        ),
+        ({"training": {"lr": 0}}, ["body", "training", "lr"], "greater than 0"),
+        ({"slurm": {"partition": "gpu"}}, ["body", "slurm"], "only to launcher"),
+    ],
+)
+def test_bad_spec_names_the_field(patch: dict[str, Any], loc: list[str], needle: str) -> None:
+    errors = _errors({**OK, **patch})
+    assert any(e["loc"] == loc and needle in e["msg"] for e in errors), errors
+
+
+def test_not_an_object_is_rejected() -> None:
+    assert _errors([1, 2])[0]["loc"] == ["body"]
+
+
+def test_every_problem_reported_at_once() -> None:
+    errors = _errors({**OK, "backend": "nccl", "config": {"model": "rnn"}})
+    assert {tuple(e["loc"]) for e in errors} == {("body", "backend"), ("body", "config", "model")}
+
+
+def test_good_spec_fills_task_defaults_and_is_frozen() -> None:
+    spec = validate_spec({**OK, "resources": {"nproc_per_node": 2}}, SETTINGS)
+    assert spec.config["model"] == "cnn"
+    assert spec.resolved_backend == "gloo"
+    assert spec.resources.world_size == 2
+    with pytest.raises(ValueError):
+        spec.name = "other"  # type: ignore[misc]
+
+
+def test_gpu_job_resolves_to_nccl() -> None:
+    spec = validate_spec({**OK, "resources": {"nproc_per_node": 2, "gpus_per_node": 2}}, SETTINGS)
+    assert spec.resolved_backend == "nccl"
+
+
+def test_allowed_entrypoint_and_slurm_when_enabled() -> None:
+    settings = Settings(allowed_entrypoints=["examples.*:*"], slurm_enabled=True)
+    spec = validate_spec(
+        {
+            "name": "e",
+            "task": "examples.custom_loop:train",
+            "launcher": "slurm",
+            "resources": {"nnodes": 2},
+            "slurm": {"partition": "debug"},
+        },
+        settings,
+    )
+    assert spec.launcher == "slurm" and not spec.is_builtin_task
+
+
+def test_stored_spec_round_trips() -> None:
+    spec = validate_spec({**OK, "tags": ["a"]}, SETTINGS)
+    again = JobSpec.model_validate(spec.model_dump(mode="json"))
+    assert again == spec
