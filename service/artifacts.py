@@ -3,6 +3,8 @@
 Layout::
 
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only)
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
 """
 
@@ -57,6 +59,17 @@ def result_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     Its presence decides success even if the process group aborts at interpreter exit.
     """
     return attempt_dir(artifact_dir, job_id, attempt) / "result.json"
+
+
+def launcher_log_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """The launcher's own stdout/stderr (torchrun's output): ``…/attempt-<n>/launcher.log``."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "launcher.log"
+
+
+def slurm_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """submitit's folder for one Slurm attempt (sbatch script, pickles, per-task stdout/stderr):
+    ``…/attempt-<n>/slurm``. It must be on a file system every Slurm node shares."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "slurm"
 
 
 def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:

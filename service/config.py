@@ -6,7 +6,7 @@ import fnmatch
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     lease_s: float = Field(default=30.0, gt=0, description="A job's lease; renewed each heartbeat.")
     default_owner: str = Field(default="local", min_length=1, max_length=100)
+    token: SecretStr | None = Field(
+        default=None, description="API token the CLI and DdpqClient send (Authorization: Bearer)."
+    )
 
     @property
     def resolved_database_url(self) -> str:

@@ -282,3 +282,58 @@ def set_scheduler_job_id(
         .where(Job.id == job_id, Job.attempt == attempt)
         .values(scheduler_job_id=scheduler_job_id, updated_at=utcnow())
     )
+
+
+WORKER_LOST_REASON = "worker lost: lease expired"
+
+
+def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transition]:
+    """Requeue active jobs whose worker stopped renewing their lease (a lost worker).
+
+    Each job moves ``starting|running → queued`` (attempt + 1, restarts unchanged) in one
+    compare-and-set that also re-checks the lease, so a worker that just renewed it keeps
+    its job. At most ``limit`` jobs per call.
+
+    Returns:
+        The transitions applied.
+    """
+    now = utcnow()
+    active = [JobState.STARTING.value, JobState.RUNNING.value]
+    rows = session.execute(
+        select(Job.id, Job.state)
+        .where(Job.state.in_(active), Job.lease_expires_at < now)
+        .order_by(Job.id)
+        .limit(limit)
+    ).all()
+    done: list[Transition] = []
+    for job_id, state in rows:
+        t = Transition(job_id, JobState(state), JobState.QUEUED, WORKER_LOST_REASON)
+        check_transition(t.expected, t.target)
+        row = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.state == state, Job.lease_expires_at < now)
+            .values(
+                state=JobState.QUEUED.value,
+                attempt=Job.attempt + 1,
+                worker_id=None,
+                lease_expires_at=None,
+                scheduler_job_id=None,
+                updated_at=now,
+            )
+            .returning(Job.attempt)
+            .execution_options(synchronize_session=False)
+        ).one_or_none()
+        if row is None:
+            continue
+        session.add(
+            JobEvent(
+                job_id=job_id,
+                attempt=row.attempt,
+                from_state=state,
+                to_state=JobState.QUEUED.value,
+                reason=t.reason,
+            )
+        )
+        done.append(t)
+    session.flush()
+    return done

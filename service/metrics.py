@@ -120,7 +120,10 @@ def record_metrics(
     if newest:
         values["latest_metrics"] = latest
     if progress is not None:
-        values["progress"] = progress
+        # NaN/inf (e.g. samples_per_s at a zero interval) is not valid JSON on PostgreSQL.
+        values["progress"] = {
+            k: json_safe(v) if isinstance(v, float) else v for k, v in progress.items()
+        }
     if len(values) > 1:
         session.execute(update(Job).where(Job.id == job_id).values(**values))
     return inserted
@@ -188,10 +191,13 @@ def downsample_points(session: Session, job_id: int, name: str, *, max_points: i
         .subquery()
     )
     keep = select(ranked.c.step).where((ranked.c.rn_min == 1) | (ranked.c.rn_max == 1))
+    # Two statements on purpose: as one ``step IN (subquery)``, PostgreSQL (stale statistics
+    # right after a bulk ingest) may re-run the window query per row: minutes for 100k points.
+    steps = list(session.scalars(keep))
     return list(
         session.scalars(
             select(Metric)
-            .where(and_(Metric.job_id == job_id, Metric.name == name, Metric.step.in_(keep)))
+            .where(and_(Metric.job_id == job_id, Metric.name == name, Metric.step.in_(steps)))
             .order_by(Metric.step)
         )
     )

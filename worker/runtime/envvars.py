@@ -16,3 +16,7 @@ WORLD_SIZE = "WORLD_SIZE"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
+
+# Optional, read by the rank runtime: seconds a collective may block before the process group
+# gives up (init_process_group's timeout). Default: worker.runtime.topology.DEFAULT_PG_TIMEOUT_S.
+PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"

@@ -1,0 +1,1 @@
+"""Example job specs (YAML) and an example user entrypoint for ddpq."""

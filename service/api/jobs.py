@@ -1,0 +1,214 @@
+"""Routes of the job resource: submit, list, get, cancel, events."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.schemas import EventListOut, JobListOut, JobOut, event_out, job_out
+from service.db import Database
+from service.errors import SpecValidationError
+from service.jobs import cancel_job, get_job, list_events, list_jobs, submit_job
+from service.spec import JobSpec, validate_spec
+from service.states import JobState
+
+router = APIRouter(tags=["jobs"])
+
+# Largest id/step/offset a query may name (SQLite's INTEGER is 64-bit signed).
+MAX_INT64 = 2**63 - 1
+JobIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Job id.")]
+
+SPEC_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+    }
+}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"description": "No such job"},
+    422: {"description": "Invalid input: `detail` lists {loc, msg, type} per bad field"},
+}
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body as JSON for spec validation.
+
+    Raises:
+        SpecValidationError: not JSON, nested too deeply, or a string holds a NUL character
+            (PostgreSQL cannot store those).
+    """
+
+    def bad(msg: str, loc: list[int | str] | None = None) -> SpecValidationError:
+        return SpecValidationError(
+            [{"loc": ["body", *(loc or [])], "msg": msg, "type": "json_invalid"}]
+        )
+
+    if not raw.strip():
+        raise bad("request body is empty: send the job spec as a JSON object")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise bad(f"invalid JSON: {exc}") from None
+    loc = _nul_location(data, [])
+    if loc is not None:
+        raise bad("strings must not contain NUL characters", loc)
+    return data
+
+
+def _nul_location(value: Any, loc: list[int | str]) -> list[int | str] | None:
+    if isinstance(value, str):
+        return loc if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "\x00" in key:
+                return [*loc, key.replace("\x00", "\\u0000")]
+            found = _nul_location(item, [*loc, key])
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_location(item, [*loc, i])
+            if found is not None:
+                return found
+    return None
+
+
+def etag_response(request: Request, model: BaseModel) -> Response:
+    """``model`` as JSON with a weak ETag of its bytes; 304 when ``If-None-Match`` matches."""
+    body = model.model_dump_json().encode()
+    etag = f'W/"{hashlib.sha256(body).hexdigest()[:32]}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if_none_match = request.headers.get("if-none-match", "")
+    candidates = {c.strip().removeprefix("W/") for c in if_none_match.split(",")}
+    if "*" in candidates or etag.removeprefix("W/") in candidates:
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _store(
+    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None
+) -> tuple[JobOut, bool]:
+    with db.session() as session:
+        job, created = submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)
+        return job_out(job), created
+
+
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobOut,
+    summary="Submit a job",
+    openapi_extra=SPEC_BODY,
+    responses={
+        200: {"model": JobOut, "description": "Replay of an earlier Idempotency-Key"},
+        413: {"description": "Body larger than DDPQ_MAX_BODY_BYTES"},
+        422: ERRORS[422],
+    },
+)
+async def submit(
+    request: Request,
+    response: Response,
+    db: DbDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=200,
+            description="A retried POST with the same key returns the same job (200).",
+        ),
+    ] = None,
+) -> JobOut:
+    """Validate the spec (every bad field reported at once) and queue it: 201 with the job,
+    or 200 with the earlier job when ``Idempotency-Key`` was used before."""
+    spec = validate_spec(parse_json_body(await request.body()), settings)
+    job, created = await run_in_threadpool(_store, db, spec, owner, idempotency_key)
+    response.status_code = 201 if created else 200
+    response.headers["Location"] = f"{request.url.path.rstrip('/')}/{job.id}"
+    return job
+
+
+@router.get(
+    "/jobs",
+    response_model=JobListOut,
+    summary="List jobs, newest first",
+    responses={304: {"description": "Not modified (If-None-Match)"}, 422: ERRORS[422]},
+)
+def list_jobs_route(
+    request: Request,
+    db: DbDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_INT64, description="Page size (capped by DDPQ_MAX_LIST_LIMIT).")
+    ] = 50,
+    cursor: Annotated[
+        str | None,
+        Query(pattern=r"^[1-9][0-9]{0,17}$", description="``next_cursor`` of the previous page."),
+    ] = None,
+) -> Response:
+    """One page of the caller's jobs; follow ``next_cursor`` until it is null."""
+    before_id = int(cursor) if cursor is not None else None
+    with db.session(write=False) as session:
+        jobs, next_id = list_jobs(
+            session,
+            state=state,
+            owner=owner,
+            limit=min(limit, settings.max_list_limit),
+            before_id=before_id,
+        )
+        page = JobListOut(
+            jobs=[job_out(j) for j in jobs],
+            next_cursor=str(next_id) if next_id is not None else None,
+        )
+    return etag_response(request, page)
+
+
+@router.get(
+    "/jobs/{job_id}",
+    response_model=JobOut,
+    summary="Get a job",
+    responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
+)
+def get_job_route(request: Request, job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> Response:
+    """State, attempt, progress, latest metrics and error of one job."""
+    with db.session(write=False) as session:
+        job = job_out(get_job(session, job_id, owner=owner))
+    return etag_response(request, job)
+
+
+@router.post(
+    "/jobs/{job_id}/cancel",
+    status_code=202,
+    response_model=JobOut,
+    summary="Cancel a job",
+    responses={409: {"description": "The job already finished"}, **ERRORS},
+)
+def cancel_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> JobOut:
+    """A queued job is cancelled at once; a started one gets ``cancel_requested`` and its
+    worker stops it. Repeating the call is harmless; a finished job answers 409."""
+    with db.session() as session:
+        return job_out(cancel_job(session, job_id, owner=owner))
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_model=EventListOut,
+    summary="State history of a job",
+    responses=ERRORS,
+)
+def events_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> EventListOut:
+    """Every state change of the job, oldest first."""
+    with db.session(write=False) as session:
+        get_job(session, job_id, owner=owner)
+        return EventListOut(events=[event_out(e) for e in list_events(session, job_id)])

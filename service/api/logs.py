@@ -1,0 +1,74 @@
+"""Route of a job's rank logs: text from a byte offset, with the offset to continue from."""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
+from service.api.schemas import LogsOut
+from service.artifacts import rank_log_path
+from service.jobs import get_job
+
+router = APIRouter(tags=["logs"])
+
+# Most bytes one call returns.
+MAX_LOG_CHUNK_BYTES = 256 * 1024
+
+
+def read_log_chunk(
+    path: Path, offset: int, max_bytes: int = MAX_LOG_CHUNK_BYTES
+) -> tuple[str, int, bool]:
+    """Up to ``max_bytes`` bytes of ``path`` from byte ``offset``, decoded as UTF-8.
+
+    A multi-byte character cut at the end of the chunk is left for the next call; bytes that
+    are not UTF-8 become U+FFFD.
+
+    Returns:
+        ``(text, next_offset, eof)``; a missing file gives ``("", offset, True)``.
+    """
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(min(offset, size))
+            data = f.read(max_bytes) if offset < size else b""
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return "", offset, True
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(data, final=False)
+    pending = len(decoder.getstate()[0])
+    end = offset + len(data)
+    return text, end - pending, end >= size
+
+
+@router.get(
+    "/jobs/{job_id}/logs",
+    response_model=LogsOut,
+    summary="Log text of one rank",
+    responses=ERRORS,
+)
+def logs_route(
+    job_id: JobIdPath,
+    db: DbDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    rank: Annotated[int, Query(ge=0, le=1_000_000, description="Global rank.")] = 0,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=1_000_000, description="Default: the current attempt.")
+    ] = None,
+    offset: Annotated[
+        int,
+        Query(ge=0, le=MAX_INT64, description="Byte offset (``next_offset`` of the last call)."),
+    ] = 0,
+) -> LogsOut:
+    """At most 256 KiB of the rank's log from ``offset``; follow with ``next_offset``."""
+    with db.session(write=False) as session:
+        job = get_job(session, job_id, owner=owner)
+        attempt = attempt or job.attempt
+    path = rank_log_path(settings.resolved_artifact_dir, job_id, attempt, rank)
+    text, next_offset, eof = read_log_chunk(path, offset)
+    return LogsOut(text=text, next_offset=next_offset, rank=rank, attempt=attempt, eof=eof)

@@ -1,0 +1,76 @@
+"""Routes of a job's metrics: points since a cursor (polling), downsampled history, names."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
+from service.api.schemas import MetricNamesOut, MetricsOut, point_out
+from service.jobs import get_job
+from service.metrics import downsample_points, metric_names, query_points
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get(
+    "/jobs/{job_id}/metrics",
+    response_model=MetricsOut,
+    summary="Points of one metric",
+    responses=ERRORS,
+)
+def metrics_route(
+    job_id: JobIdPath,
+    db: DbDep,
+    settings: SettingsDep,
+    owner: OwnerDep,
+    name: Annotated[
+        str, Query(min_length=1, max_length=100, pattern=r"^[^\x00]+$", description="Metric.")
+    ] = "loss",
+    after_step: Annotated[
+        int, Query(ge=0, le=MAX_INT64, description="Only steps after this one.")
+    ] = 0,
+    limit: Annotated[
+        int,
+        Query(ge=1, le=MAX_INT64, description="Most points (capped by DDPQ_MAX_METRIC_POINTS)."),
+    ] = 1000,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            le=MAX_INT64,
+            description="Downsample the whole history to at most this many points "
+            "(min/max per bucket; ignores after_step and limit).",
+        ),
+    ] = None,
+) -> MetricsOut:
+    """Steps after ``after_step`` in ascending order (poll on with ``next_after_step``), or,
+    with ``max_points``, the whole history min/max-decimated so spikes and extremes survive."""
+    cap = settings.max_metric_points
+    with db.session(write=False) as session:
+        get_job(session, job_id, owner=owner)
+        if max_points is not None:
+            rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
+            next_after = rows[-1].step if rows else after_step
+        else:
+            rows, next_after = query_points(
+                session, job_id, name, after_step=after_step, limit=min(limit, cap)
+            )
+        return MetricsOut(
+            name=name, points=[point_out(r) for r in rows], next_after_step=next_after
+        )
+
+
+@router.get(
+    "/jobs/{job_id}/metrics/names",
+    response_model=MetricNamesOut,
+    summary="Names of a job's metrics",
+    responses=ERRORS,
+)
+def metric_names_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> MetricNamesOut:
+    """Every metric name the job reported, sorted."""
+    with db.session(write=False) as session:
+        get_job(session, job_id, owner=owner)
+        return MetricNamesOut(names=metric_names(session, job_id))

@@ -1,0 +1,273 @@
+"""API request and response models (separate from the tables; see DESIGN.md "REST API")."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.metrics import JsonNumber, json_safe
+from service.models import Checkpoint, Job, JobEvent, Metric, Worker, utcnow
+from service.spec import JobSpec
+
+# ---- output models ---------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ProgressOut(_Out):
+    """Rank 0's latest progress snapshot of a job."""
+
+    step: int | None = Field(default=None, description="Global optimizer step (1-based).")
+    total_steps: int | None = None
+    epoch: int | None = Field(default=None, description="0-based.")
+    samples_per_s: JsonNumber = None
+    eta_s: JsonNumber = Field(default=None, description="Seconds left (estimate).")
+
+
+class JobOut(_Out):
+    """A job as the API shows it."""
+
+    id: int
+    name: str
+    owner: str
+    state: str
+    attempt: int
+    cancel_requested: bool
+    spec: dict[str, Any]
+    progress: ProgressOut | None
+    latest_metrics: dict[str, JsonNumber] = Field(description="Newest value of each metric.")
+    error: str | None
+    scheduler_job_id: str | None
+    worker_id: str | None
+    priority: int
+    launcher: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobListOut(_Out):
+    """One page of jobs, newest first; pass ``next_cursor`` as ``cursor`` for the next."""
+
+    jobs: list[JobOut]
+    next_cursor: str | None
+
+
+class EventOut(_Out):
+    """One state change of a job."""
+
+    id: int
+    attempt: int
+    from_state: str | None
+    to_state: str
+    reason: str | None
+    worker_id: str | None
+    created_at: datetime
+
+
+class EventListOut(_Out):
+    """A job's state history, oldest first."""
+
+    events: list[EventOut]
+
+
+class MetricPointOut(_Out):
+    """One point; ``value`` is null for NaN and "Infinity"/"-Infinity" for ±inf."""
+
+    step: int
+    epoch: int | None
+    value: JsonNumber
+    time: datetime
+
+
+class MetricsOut(_Out):
+    """Points of one metric; poll on with ``after_step=next_after_step``."""
+
+    name: str
+    points: list[MetricPointOut]
+    next_after_step: int
+
+
+class MetricNamesOut(_Out):
+    """Names of every metric the job has reported, sorted."""
+
+    names: list[str]
+
+
+class CheckpointOut(_Out):
+    """A checkpoint file recorded by rank 0."""
+
+    step: int
+    epoch: int
+    attempt: int
+    size_bytes: int
+    sha256: str
+    created_at: datetime
+
+
+class CheckpointListOut(_Out):
+    """A job's live checkpoints, newest step first."""
+
+    checkpoints: list[CheckpointOut]
+
+
+class LogsOut(_Out):
+    """A slice of one rank's log; ask again from ``next_offset`` (bytes) for more."""
+
+    text: str
+    next_offset: int = Field(description="Byte offset to pass as ``offset`` next time.")
+    rank: int
+    attempt: int
+    eof: bool = Field(description="True when this slice reached the current end of the file.")
+
+
+class WorkerOut(_Out):
+    """A worker and the active jobs it holds."""
+
+    id: str
+    host: str
+    pid: int
+    launcher: str
+    capacity: dict[str, Any]
+    started_at: datetime
+    heartbeat_at: datetime
+    stopped_at: datetime | None
+    heartbeat_age_s: float = Field(description="Seconds since the last heartbeat.")
+    running_jobs: list[int]
+
+
+class WorkerListOut(_Out):
+    """Every known worker, newest heartbeat first."""
+
+    workers: list[WorkerOut]
+
+
+class HealthOut(_Out):
+    """Liveness / readiness answer."""
+
+    status: str
+
+
+# ---- conversions -----------------------------------------------------------------------
+
+
+def _number(value: Any) -> JsonNumber:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value if isinstance(value, str) else None
+    return json_safe(float(value))
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return None
+
+
+def progress_out(progress: dict[str, Any] | None) -> ProgressOut | None:
+    """The stored progress dict as a JSON-safe ProgressOut (unknown keys dropped)."""
+    if not progress:
+        return None
+    return ProgressOut(
+        step=_int_or_none(progress.get("step")),
+        total_steps=_int_or_none(progress.get("total_steps")),
+        epoch=_int_or_none(progress.get("epoch")),
+        samples_per_s=_number(progress.get("samples_per_s")),
+        eta_s=_number(progress.get("eta_s")),
+    )
+
+
+def job_out(job: Job) -> JobOut:
+    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``)."""
+    latest: dict[str, JsonNumber] = {}
+    for name, entry in (job.latest_metrics or {}).items():
+        latest[str(name)] = _number(entry.get("value") if isinstance(entry, dict) else entry)
+    return JobOut(
+        id=job.id,
+        name=job.name,
+        owner=job.owner,
+        state=job.state,
+        attempt=job.attempt,
+        cancel_requested=bool(job.cancel_requested),
+        spec=job.spec,
+        progress=progress_out(job.progress),
+        latest_metrics=latest,
+        error=job.error,
+        scheduler_job_id=job.scheduler_job_id,
+        worker_id=job.worker_id,
+        priority=job.priority,
+        launcher=job.launcher,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )
+
+
+def event_out(event: JobEvent) -> EventOut:
+    """A job_events row as the API's event."""
+    return EventOut(
+        id=event.id,
+        attempt=event.attempt,
+        from_state=event.from_state,
+        to_state=event.to_state,
+        reason=event.reason,
+        worker_id=event.worker_id,
+        created_at=event.created_at,
+    )
+
+
+def point_out(metric: Metric) -> MetricPointOut:
+    """A metrics row as a JSON-safe point."""
+    return MetricPointOut(
+        step=metric.step, epoch=metric.epoch, value=json_safe(metric.value), time=metric.time
+    )
+
+
+def checkpoint_out(ckpt: Checkpoint) -> CheckpointOut:
+    """A checkpoints row as the API shows it (the server-side path stays private)."""
+    return CheckpointOut(
+        step=ckpt.step,
+        epoch=ckpt.epoch,
+        attempt=ckpt.attempt,
+        size_bytes=ckpt.size_bytes,
+        sha256=ckpt.sha256,
+        created_at=ckpt.created_at,
+    )
+
+
+def worker_out(worker: Worker, running_jobs: list[int]) -> WorkerOut:
+    """A workers row plus the jobs it holds; ``heartbeat_age_s`` measured now."""
+    return WorkerOut(
+        id=worker.id,
+        host=worker.host,
+        pid=worker.pid,
+        launcher=worker.launcher,
+        capacity=worker.capacity,
+        started_at=worker.started_at,
+        heartbeat_at=worker.heartbeat_at,
+        stopped_at=worker.stopped_at,
+        heartbeat_age_s=max(0.0, (utcnow() - worker.heartbeat_at).total_seconds()),
+        running_jobs=running_jobs,
+    )
+
+
+# ---- input documentation ---------------------------------------------------------------
+
+
+def job_spec_openapi_schemas() -> dict[str, Any]:
+    """JobSpec's JSON schema and its parts, keyed for ``components.schemas`` of OpenAPI.
+
+    POST /jobs reads its body raw (so ``validate_spec`` reports every bad field at once);
+    this puts the spec's schema into /docs all the same.
+    """
+    schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs: dict[str, Any] = schema.pop("$defs", {})
+    return {**defs, "JobSpec": schema}

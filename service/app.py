@@ -1,0 +1,169 @@
+"""create_app(settings): the FastAPI application — routers, error handling, body limit, lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import checkpoints, health, jobs, logs, metrics, workers
+from service.api.schemas import job_spec_openapi_schemas
+from service.config import Settings, get_settings
+from service.db import Database, redact_url
+from service.errors import DdpqError, SpecValidationError
+from service.web import routes as web_routes
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/api/v1"
+STATIC_DIR = Path(__file__).resolve().parent / "web" / "static"
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over ``max_bytes`` bytes, before the app
+    sees any of it (checked on Content-Length and again while the body streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._reject(scope, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        log.warning(
+            "rejected %s %s: body over %d bytes", scope["method"], scope["path"], self.max_bytes
+        )
+        response = JSONResponse(
+            {"detail": f"request body exceeds {self.max_bytes} bytes (DDPQ_MAX_BODY_BYTES)"},
+            status_code=413,
+            headers={"Connection": "close"},
+        )
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+async def _ddpq_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DdpqError)
+    if isinstance(exc, SpecValidationError):
+        return JSONResponse({"detail": exc.errors}, status_code=exc.status_code)
+    if exc.status_code >= 500:
+        log.warning("%s %s: %s", request.method, request.url.path, exc.detail)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    # Only loc/msg/type: the offending input (raw bytes, exceptions in ctx) stays out.
+    detail = [
+        {
+            "loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "value_error")),
+        }
+        for e in exc.errors()
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Generate the OpenAPI document with JobSpec's schema (POST /jobs reads its body raw)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(job_spec_openapi_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The ddpq API (prefix /api/v1), the dashboard routes and /static.
+
+    Builds the Database for ``settings`` (default: ``get_settings()``) without connecting;
+    at startup the lifespan checks the database and refuses to start unless its schema is
+    at head.
+
+    Raises (at startup):
+        SchemaOutOfDateError: the database is not migrated; run `ddpq db upgrade`.
+        DatabaseUnavailableError: the database cannot be reached.
+    """
+    settings = settings or get_settings()
+    db = Database.from_url(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        health.check_database(db)
+        log.info("serving %s", redact_url(settings.resolved_database_url))
+        try:
+            yield
+        finally:
+            db.dispose()
+
+    app = FastAPI(
+        title="ddpq",
+        version="0.1.0",
+        description="Job submission service for distributed PyTorch (DDP) training.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.add_exception_handler(DdpqError, _ddpq_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    for module in (jobs, metrics, checkpoints, logs, workers):
+        app.include_router(module.router, prefix=API_PREFIX)
+    app.include_router(health.router)  # /healthz, /readyz where probes expect them
+    app.include_router(health.router, prefix=API_PREFIX)
+    app.include_router(web_routes.router)
+    if STATIC_DIR.is_dir():
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _install_openapi(app)
+    return app

@@ -1,0 +1,214 @@
+"""DdpqClient: the Python client of the REST API (httpx), used by the CLI and by user code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.config import Settings
+from service.errors import DdpqError
+
+API_PREFIX = "/api/v1"
+
+
+class ApiError(DdpqError):
+    """The API answered with an error; ``status_code`` and ``detail`` are the server's."""
+
+    code = "api_error"
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(detail)
+        self.status_code = status_code
+
+    def __str__(self) -> str:
+        return f"HTTP {self.status_code}: {self.detail}"
+
+
+class ApiUnreachableError(DdpqError):
+    """No answer from the API at all (connection refused, DNS, timeout)."""
+
+    status_code = 503
+    code = "api_unreachable"
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(
+            f"cannot reach the ddpq API at {url} ({reason}): is `ddpq serve` or `ddpq up` "
+            "running? set DDPQ_API_URL to where it listens"
+        )
+
+
+class DdpqClient:
+    """A synchronous client of one ddpq API.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000`` (default: ``Settings().resolved_api_url``,
+            i.e. ``DDPQ_API_URL``).
+        token: sent as ``Authorization: Bearer <token>`` (default: ``DDPQ_TOKEN``).
+        timeout_s: per-request timeout in seconds.
+
+    Every method raises ``ApiError`` for an error answer and ``ApiUnreachableError`` when
+    the API does not answer.
+    """
+
+    def __init__(
+        self, base_url: str | None = None, token: str | None = None, timeout_s: float = 10
+    ) -> None:
+        if base_url is None or token is None:
+            settings = Settings()
+            base_url = base_url or settings.resolved_api_url
+            if token is None and settings.token is not None:
+                token = settings.token.get_secret_value()
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> DdpqClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise ApiUnreachableError(self.base_url, f"timed out: {type(exc).__name__}") from None
+        except httpx.TransportError as exc:
+            raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, _detail(response))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._send(method, API_PREFIX + path, **kwargs).json()
+
+    # ---- jobs -----------------------------------------------------------------------
+
+    def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        """Submit a job spec; returns the Job (the earlier one on an Idempotency-Key replay).
+
+        Raises:
+            ApiError: 422 with ``detail`` = list of ``{loc, msg, type}`` for a bad spec.
+        """
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        result: dict[str, Any] = self._json("POST", "/jobs", json=spec, headers=headers)
+        return result
+
+    def get_job(self, job_id: int) -> dict[str, Any]:
+        """The Job ``job_id``."""
+        result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}")
+        return result
+
+    def list_jobs(
+        self, *, state: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """One page ``{"jobs": [...], "next_cursor": str | None}``, newest first."""
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        if cursor:
+            params["cursor"] = cursor
+        result: dict[str, Any] = self._json("GET", "/jobs", params=params)
+        return result
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        """Cancel ``job_id``; returns the Job. ApiError 409 when it already finished."""
+        result: dict[str, Any] = self._json("POST", f"/jobs/{int(job_id)}/cancel")
+        return result
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's state history, oldest first."""
+        result: list[dict[str, Any]] = self._json("GET", f"/jobs/{int(job_id)}/events")["events"]
+        return result
+
+    def metrics(
+        self,
+        job_id: int,
+        name: str = "loss",
+        *,
+        after_step: int = 0,
+        limit: int = 1000,
+        max_points: int | None = None,
+    ) -> dict[str, Any]:
+        """``{"name", "points": [{step, epoch, value, time}], "next_after_step"}``."""
+        params: dict[str, Any] = {"name": name, "after_step": after_step, "limit": limit}
+        if max_points is not None:
+            params["max_points"] = max_points
+        result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}/metrics", params=params)
+        return result
+
+    def metric_names(self, job_id: int) -> list[str]:
+        """Names of the metrics the job reported."""
+        result: list[str] = self._json("GET", f"/jobs/{int(job_id)}/metrics/names")["names"]
+        return result
+
+    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's checkpoints, newest step first."""
+        result: list[dict[str, Any]] = self._json("GET", f"/jobs/{int(job_id)}/checkpoints")[
+            "checkpoints"
+        ]
+        return result
+
+    def checkpoint_url(self, job_id: int, step: int) -> str:
+        """Absolute download URL of the checkpoint at ``step``."""
+        return f"{self.base_url}{API_PREFIX}/jobs/{int(job_id)}/checkpoints/{int(step)}/file"
+
+    def download_checkpoint(self, job_id: int, step: int, dest: str | Path) -> Path:
+        """Stream the checkpoint at ``step`` into the file ``dest``; returns its path."""
+        dest = Path(dest)
+        path = f"{API_PREFIX}/jobs/{int(job_id)}/checkpoints/{int(step)}/file"
+        try:
+            with self._http.stream("GET", path) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError(response.status_code, _detail(response))
+                with dest.open("wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+        except httpx.TransportError as exc:
+            raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
+        return dest
+
+    def logs(
+        self, job_id: int, *, rank: int = 0, attempt: int | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        """``{"text", "next_offset", "rank", "attempt", "eof"}`` from byte ``offset``."""
+        params: dict[str, Any] = {"rank": rank, "offset": offset}
+        if attempt is not None:
+            params["attempt"] = attempt
+        result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}/logs", params=params)
+        return result
+
+    # ---- service --------------------------------------------------------------------
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker with its heartbeat age and held jobs."""
+        result: list[dict[str, Any]] = self._json("GET", "/workers")["workers"]
+        return result
+
+    def health(self) -> dict[str, Any]:
+        """``/healthz``: ``{"status": "ok"}`` while the server runs."""
+        result: dict[str, Any] = self._send("GET", "/healthz").json()
+        return result
+
+    def ready(self) -> dict[str, Any]:
+        """``/readyz``; ApiError 503 (with the reason) when the database is not ready."""
+        result: dict[str, Any] = self._send("GET", "/readyz").json()
+        return result
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        return response.json().get("detail", response.text)
+    except (ValueError, AttributeError):
+        return response.text or response.reason_phrase

@@ -1,0 +1,181 @@
+/* ddpq dashboard: /submit — a built-in task from a form, or a pasted YAML/JSON spec.
+ * The API validates; its 422 details ({loc: ["body", field, ...], msg}) are shown next to the
+ * matching input, or listed with their field path. Success goes to the new job's page. */
+"use strict";
+
+(function () {
+  const d = window.ddpq;
+  const $ = (id) => document.getElementById(id);
+  const form = $("task-form");
+  const pasteForm = $("paste-form");
+  const taskSelect = $("in-task");
+
+  function newKey() {
+    if (window.crypto && typeof window.crypto.randomUUID === "function") return window.crypto.randomUUID();
+    return "web-" + Date.now() + "-" + Math.random().toString(16).slice(2);
+  }
+
+  // One Idempotency-Key per intended submission: a double click or a retry after a lost
+  // response returns the same job; editing the form starts a new submission.
+  let formKey = newKey();
+  let pasteKey = newKey();
+  form.addEventListener("input", () => {
+    formKey = newKey();
+  });
+  $("spec-text").addEventListener("input", () => {
+    pasteKey = newKey();
+  });
+
+  /* ---------- tabs ---------- */
+  function selectTab(which) {
+    const paste = which === "paste";
+    $("tab-form").setAttribute("aria-selected", String(!paste));
+    $("tab-paste").setAttribute("aria-selected", String(paste));
+    $("form-pane").hidden = paste;
+    $("paste-pane").hidden = !paste;
+  }
+  $("tab-form").addEventListener("click", () => selectTab("form"));
+  $("tab-paste").addEventListener("click", () => selectTab("paste"));
+
+  function showTaskConfig() {
+    for (const fs of document.querySelectorAll("fieldset.task-config")) {
+      const active = fs.dataset.task === taskSelect.value;
+      fs.hidden = !active;
+      fs.disabled = !active;
+    }
+  }
+  taskSelect.addEventListener("change", showTaskConfig);
+  showTaskConfig();
+
+  /* ---------- building the spec from the form ---------- */
+  function setPath(obj, path, value) {
+    const parts = path.split(".");
+    let node = obj;
+    for (const part of parts.slice(0, -1)) {
+      if (!(part in node)) node[part] = {};
+      node = node[part];
+    }
+    node[parts[parts.length - 1]] = value;
+  }
+
+  /* A form value as JSON: numbers where they parse, else the raw text so the server's
+   * message ("Input should be a valid integer") reaches the user. Blank → omitted. */
+  function convert(raw, kind) {
+    const text = raw.trim();
+    if (text === "") return undefined;
+    if (kind === "int" && /^[+-]?\d+$/.test(text)) return Number(text);
+    if (kind === "float" && text !== "" && Number.isFinite(Number(text))) return Number(text);
+    return text;
+  }
+
+  function specFromForm() {
+    const spec = { launcher: "local", config: {} };
+    for (const input of form.querySelectorAll("[data-path]")) {
+      if (!(input instanceof HTMLInputElement || input instanceof HTMLSelectElement)) continue;
+      if (input.closest("fieldset:disabled")) continue;
+      const value = input.dataset.kind ? convert(input.value, input.dataset.kind) : input.value;
+      if (value === undefined) continue;
+      setPath(spec, input.dataset.path, value);
+    }
+    return spec;
+  }
+
+  /* ---------- showing errors ---------- */
+  function clearErrors(root) {
+    for (const node of root.querySelectorAll("[data-error-for]")) node.textContent = "";
+    for (const node of root.querySelectorAll(".field.invalid")) node.classList.remove("invalid");
+    for (const list of root.querySelectorAll(".form-errors")) {
+      d.clear(list);
+      list.hidden = true;
+    }
+  }
+
+  function errorPath(loc) {
+    const parts = Array.isArray(loc) ? loc.slice() : [];
+    if (parts[0] === "body") parts.shift();
+    return parts.map(String).join(".");
+  }
+
+  function detailList(detail) {
+    if (Array.isArray(detail)) return detail;
+    return [{ loc: [], msg: typeof detail === "string" ? detail : JSON.stringify(detail) }];
+  }
+
+  /* Put each error next to its input when the form has one, else in the list. */
+  function showFormErrors(detail) {
+    const list = $("form-errors");
+    let first = null;
+    for (const err of detailList(detail)) {
+      const path = errorPath(err.loc);
+      const target = path ? form.querySelector('[data-error-for="' + CSS.escape(path) + '"]') : null;
+      if (target && !target.closest("fieldset:disabled")) {
+        target.textContent = target.textContent ? target.textContent + "; " + err.msg : err.msg;
+        const field = target.closest(".field");
+        field.classList.add("invalid");
+        if (!first) first = field.querySelector("input, select");
+      } else {
+        list.append(d.el("li", null, (path ? path + ": " : "") + err.msg));
+        list.hidden = false;
+      }
+    }
+    if (first) first.focus();
+  }
+
+  function showPasteErrors(detail) {
+    const list = $("paste-errors");
+    for (const err of detailList(detail)) {
+      const path = errorPath(err.loc);
+      list.append(d.el("li", { "data-path": path }, (path && path !== "text" ? path + ": " : "") + err.msg));
+    }
+    list.hidden = false;
+    $("spec-text").closest(".field").classList.add("invalid");
+  }
+
+  /* ---------- submitting ---------- */
+  async function post(spec, key) {
+    const res = await d.api("jobs", { method: "POST", json: spec, headers: { "Idempotency-Key": key } });
+    window.location.assign("/jobs/" + res.body.id);
+  }
+
+  async function guarded(button, work) {
+    if (button.disabled) return;
+    button.disabled = true;
+    d.showBanner(null);
+    try {
+      await work();
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    guarded($("submit-form"), async () => {
+      clearErrors(form);
+      try {
+        await post(specFromForm(), formKey);
+      } catch (err) {
+        if (err.status === 422 || err.status === 400) showFormErrors(err.detail);
+        else d.showBanner("Submit failed: " + err.message, "error");
+      }
+    });
+  });
+
+  pasteForm.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    guarded($("submit-paste"), async () => {
+      clearErrors(pasteForm);
+      $("spec-text").closest(".field").classList.remove("invalid");
+      try {
+        const parsed = await d.api("/submit/parse-spec", {
+          method: "POST",
+          json: { text: $("spec-text").value },
+        });
+        await post(parsed.body.spec, pasteKey);
+      } catch (err) {
+        if (err.status === 422 || err.status === 400) showPasteErrors(err.detail);
+        else d.showBanner("Submit failed: " + err.message, "error");
+      }
+    });
+  });
+})();

@@ -1,0 +1,246 @@
+"""End-to-end fixtures: a real API server and real workers as subprocesses, real torchrun ranks.
+
+``deployment`` gives one deployment (SQLite by default; request ``pg_deployment`` for
+PostgreSQL) with its own database, artifact dir and API port. Workers tick fast
+(heartbeat 0.3 s). Everything it started is stopped at teardown, and no rank process of the
+deployment may be left (found by ``DDPQ_ARTIFACT_DIR`` in ``/proc/*/environ``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from service import migrate
+from service.config import Settings
+from service.db import Database
+from worker.up import settings_env
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tagged_processes(artifact_dir: Path, job_id: int | None = None) -> list[int]:
+    """Pids whose environment carries this deployment's artifact dir (and ``job_id``)."""
+    needles = {f"DDPQ_ARTIFACT_DIR={artifact_dir}".encode()}
+    if job_id is not None:
+        needles.add(f"DDPQ_JOB_ID={job_id}".encode())
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if needles <= env:
+            found.append(int(pid))
+    return found
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
+    """Poll ``cond`` until it returns something truthy (which is returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+def load_example(name: str, **overrides: Any) -> dict[str, Any]:
+    """``examples/<name>.yaml`` with top-level sections updated from ``overrides``."""
+    spec: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+class Proc:
+    """A child process whose output goes to a file (shown when a test fails)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM, wait up to ``timeout_s`` seconds, SIGKILL; returns the exit code."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+        rc = self.popen.wait()
+        self._log.close()
+        return rc
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+
+class Deployment:
+    """One API server plus any number of workers on one database.
+
+    Test modules cannot import this conftest (importlib mode), so the helpers they need are
+    reachable from the fixture: ``dep.wait_for``, ``dep.load_example``, ``dep.processes``.
+    """
+
+    wait_for = staticmethod(wait_for)
+    load_example = staticmethod(load_example)
+
+    def __init__(self, settings: Settings, tmp_path: Path) -> None:
+        self.settings = settings
+        self.tmp_path = tmp_path
+        self.artifact_dir = settings.resolved_artifact_dir
+        self.db = Database.from_url(settings.resolved_database_url)
+        migrate.upgrade(self.db.engine)
+        self.env = {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+        self.procs: list[Proc] = []
+        self.api = self._spawn(
+            "api",
+            [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app",
+             "--host", "127.0.0.1", "--port", str(settings.port), "--no-access-log"],
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=30)
+        wait_for(self._ready, 90, "the API to answer /readyz")
+
+    def _spawn(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, self.env, self.tmp_path / f"{name}-{len(self.procs)}.log")
+        self.procs.append(proc)
+        return proc
+
+    def _ready(self) -> bool:
+        if self.api.popen.poll() is not None:
+            raise AssertionError(f"the API exited:\n{self.api.output()}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def processes(self, job_id: int) -> list[int]:
+        """Live processes of ``job_id`` (torchrun and its ranks) in this deployment."""
+        return tagged_processes(self.artifact_dir, job_id)
+
+    def start_worker(self, slots: int = 1) -> Proc:
+        """A worker subprocess (``python -m worker.main``), local launcher, no GPUs."""
+        argv = [sys.executable, "-m", "worker.main", "--slots", str(slots), "--gpus", "none"]
+        return self._spawn("worker", argv)
+
+    def submit(self, spec: dict[str, Any]) -> int:
+        r = self.http.post("/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        r = self.http.get(f"/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        r = self.http.get(f"/jobs/{job_id}/events")
+        assert r.status_code == 200, r.text
+        events: list[dict[str, Any]] = r.json()["events"]
+        return events
+
+    def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+        """Poll the job until its state is one of ``states``; fail early on another end."""
+
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in TERMINAL:
+                raise AssertionError(
+                    f"job {job_id} ended {job['state']} (expected {states}): {job['error']}"
+                    f"\n{self.diagnostics(job_id)}"
+                )
+            return None
+
+        try:
+            job: dict[str, Any] = wait_for(reached, timeout_s, f"job {job_id} to be {states}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics(job_id)}") from None
+        return job
+
+    def diagnostics(self, job_id: int) -> str:
+        """Worker output and the job's rank logs, for failure messages."""
+        parts = [f"--- {p.name} ({p.log_path.name})\n{p.output()}" for p in self.procs]
+        for log in sorted((self.artifact_dir / "jobs" / str(job_id)).glob("attempt-*/*.log")):
+            parts.append(f"--- {log}\n{log.read_text(errors='replace')[-4000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.http.close()
+        self.db.dispose()
+
+
+def _settings(tmp_path: Path, database_url: str) -> Settings:
+    return Settings(
+        home=tmp_path / ".ddpq",
+        database_url=database_url,
+        artifact_dir=tmp_path / "artifacts",
+        port=free_port(),
+        heartbeat_interval_s=0.3,
+        lease_s=15,
+        allowed_entrypoints=["examples.*:*"],
+    )
+
+
+def _deployment(tmp_path: Path, database_url: str) -> Iterator[Deployment]:
+    dep = Deployment(_settings(tmp_path, database_url), tmp_path)
+    try:
+        yield dep
+    finally:
+        dep.close()
+    wait_for(lambda: not tagged_processes(dep.artifact_dir), 30, "no process of it to be left")
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    """A deployment on SQLite."""
+    yield from _deployment(tmp_path, f"sqlite:///{tmp_path / 'ddpq.db'}")
+
+
+@pytest.fixture
+def pg_deployment(tmp_path: Path, pg_schema_url: str) -> Iterator[Deployment]:
+    """A deployment on a fresh PostgreSQL schema."""
+    yield from _deployment(tmp_path, pg_schema_url)

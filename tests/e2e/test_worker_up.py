@@ -1,0 +1,102 @@
+"""``ddpq up`` (worker.up.run_up): migrate + API + one worker; SIGTERM stops it all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.config import Settings
+from worker.errors import PortInUseError
+from worker.up import run_up
+
+RUN_UP = "from service.config import Settings; from worker.up import run_up; run_up(Settings())"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> set[int]:
+    """All live descendants of ``pid`` (from /proc/<pid>/stat parent ids)."""
+    parents: dict[int, int] = {}
+    for entry in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        children = {c for c, p in parents.items() if p in frontier}
+        frontier = children - found
+        found |= children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "DDPQ_HOME": str(tmp_path / ".ddpq"), "DDPQ_PORT": str(port)}
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-c", RUN_UP], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, f"ddpq up exited early:\n{log_path.read_text()}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"/readyz never answered:\n{log_path.read_text()}"
+            time.sleep(0.3)
+        output = log_path.read_text()
+        deadline = time.monotonic() + 60
+        while "ddpq is up" not in output and time.monotonic() < deadline:
+            time.sleep(0.2)
+            output = log_path.read_text()
+        assert f"http://127.0.0.1:{port}/" in output, output
+        children = _descendants(up.pid)
+        assert len(children) >= 2, f"expected an API and a worker process, got {children}"
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0, log_path.read_text()
+        survivors = [pid for pid in children if _alive(pid)]
+        assert survivors == [], f"children outlived ddpq up: {survivors}"
+        assert "ddpq stopped." in log_path.read_text()
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = Settings(home=tmp_path / ".ddpq", port=port)
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*another port"):
+            run_up(settings, announce=lambda _line: None)

@@ -1,0 +1,78 @@
+"""Startup and probes on real SQLite and PostgreSQL: schema check, /healthz, /readyz."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import make_url
+
+from service import migrate
+from service.app import create_app
+from service.config import Settings
+from service.db import Database
+from service.errors import DatabaseUnavailableError, SchemaOutOfDateError
+
+PASSWORD = "s3cret-pw"
+
+
+def with_password(url: str) -> str:
+    """``url`` carrying a password (ignored by SQLite and by trust auth on the test server)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return url
+    return parsed.set(password=PASSWORD).render_as_string(hide_password=False)
+
+
+def test_refuses_to_start_on_an_unmigrated_database(settings: Settings) -> None:
+    secret = settings.model_copy(
+        update={"database_url": with_password(settings.database_url or "")}
+    )
+    app = create_app(secret)
+    with (
+        pytest.raises(SchemaOutOfDateError, match="run `ddpq db upgrade`") as info,
+        TestClient(app),
+    ):
+        pass
+    assert PASSWORD not in str(info.value)
+    probe = TestClient(app)  # without the lifespan: the probes still answer
+    ready = probe.get("/readyz")
+    assert ready.status_code == 503
+    assert "ddpq db upgrade" in ready.json()["detail"] and PASSWORD not in ready.text
+    assert probe.get("/api/v1/readyz").status_code == 503
+    assert probe.get("/healthz").json() == {"status": "ok"}
+
+
+def test_ready_after_upgrade(settings: Settings, db: Database) -> None:
+    with TestClient(create_app(settings)) as api:
+        for path in ("/healthz", "/readyz", "/api/v1/healthz", "/api/v1/readyz"):
+            r = api.get(path)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, path
+        migrate.downgrade(db.engine, "base")
+        r = api.get("/readyz")
+        assert r.status_code == 503 and "ddpq db upgrade" in r.json()["detail"]
+        migrate.upgrade(db.engine)
+        assert api.get("/readyz").status_code == 200
+
+
+def test_unreachable_database(tmp_path: Path) -> None:
+    url = f"postgresql+psycopg://ddpq:{PASSWORD}@127.0.0.1:1/nowhere?connect_timeout=2"
+    settings = Settings(home=tmp_path, database_url=url, artifact_dir=tmp_path / "a")
+    app = create_app(settings)  # builds, does not connect
+    with pytest.raises(DatabaseUnavailableError) as info, TestClient(app):
+        pass
+    assert PASSWORD not in str(info.value)
+    probe = TestClient(app)
+    assert probe.get("/healthz").status_code == 200, "liveness needs no database"
+    ready = probe.get("/readyz")
+    assert ready.status_code == 503 and PASSWORD not in ready.text
+    jobs = probe.get("/api/v1/jobs")
+    assert jobs.status_code == 503 and PASSWORD not in jobs.text
+
+
+def test_static_and_dashboard_router_are_mounted(settings: Settings, db: Database) -> None:
+    app = create_app(settings)
+    static_dir = Path(__file__).resolve().parents[2] / "service" / "web" / "static"
+    mounted = [getattr(r, "path", "") for r in app.routes]
+    assert ("/static" in mounted) == static_dir.is_dir()

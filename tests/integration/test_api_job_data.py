@@ -1,0 +1,264 @@
+"""REST API over real SQLite and PostgreSQL: metrics (paging, downsampling, NaN/inf), checkpoints
+(listing, download, confinement) and rank logs (offset paging, validation)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert
+
+from service import artifacts, checkpoints, jobs, metrics, workers
+from service.app import create_app
+from service.config import Settings
+from service.db import Database
+from service.metrics import MetricPoint
+from service.models import Metric, utcnow
+from service.spec import JobSpec
+from service.states import JobState
+
+API = "/api/v1"
+
+
+@pytest.fixture
+def api(settings: Settings, db: Database) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def running_job(db: Database) -> int:
+    """A job claimed by worker w1 and running (attempt 1), ready to record metrics."""
+    with db.session() as s:
+        job, _ = jobs.submit_job(s, JobSpec(name="j", task="regression"), owner="local")
+        workers.register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
+    with db.session() as s:
+        claimed = jobs.claim_next_job(
+            s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=30
+        )
+        assert claimed is not None and claimed.id == job.id
+        jobs.apply_transition(s, jobs.Transition(job.id, JobState.STARTING, JobState.RUNNING))
+    return job.id
+
+
+def test_nan_and_inf_come_back_json_valid(api: TestClient, db: Database) -> None:
+    job_id = running_job(db)
+    values = [1.5, math.nan, math.inf, -math.inf, 0.25]
+    with db.session() as s:
+        metrics.record_metrics(
+            s,
+            job_id,
+            1,
+            [MetricPoint("loss", i + 1, v, epoch=0) for i, v in enumerate(values)],
+            progress={"step": 5, "total_steps": 10, "epoch": 0, "samples_per_s": math.nan},
+        )
+    r = api.get(f"{API}/jobs/{job_id}/metrics", params={"name": "loss"})
+    assert r.status_code == 200
+    json.loads(r.text)  # strict JSON: no NaN/Infinity tokens
+    assert "NaN" not in r.text
+    body = r.json()
+    assert [p["value"] for p in body["points"]] == [1.5, None, "Infinity", "-Infinity", 0.25]
+    assert body["next_after_step"] == 5 and body["name"] == "loss"
+    assert body["points"][0]["epoch"] == 0 and body["points"][0]["time"]
+    job = api.get(f"{API}/jobs/{job_id}").json()
+    assert job["latest_metrics"] == {"loss": 0.25}
+    assert job["progress"] == {
+        "step": 5,
+        "total_steps": 10,
+        "epoch": 0,
+        "samples_per_s": None,
+        "eta_s": None,
+    }
+    with db.session() as s:
+        metrics.record_metrics(s, job_id, 1, [MetricPoint("loss", 6, math.inf)])
+    assert api.get(f"{API}/jobs/{job_id}").json()["latest_metrics"] == {"loss": "Infinity"}
+    downsampled = api.get(f"{API}/jobs/{job_id}/metrics", params={"max_points": 4})
+    json.loads(downsampled.text)
+
+
+def test_metric_names_and_polling_cursor(api: TestClient, db: Database) -> None:
+    job_id = running_job(db)
+    with db.session() as s:
+        metrics.record_metrics(
+            s,
+            job_id,
+            1,
+            [MetricPoint("loss", i, 1.0 / i) for i in range(1, 6)]
+            + [MetricPoint("eval_accuracy", 5, 0.9)],
+        )
+    names = api.get(f"{API}/jobs/{job_id}/metrics/names").json()
+    assert names == {"names": ["eval_accuracy", "loss"]}
+    first = api.get(f"{API}/jobs/{job_id}/metrics", params={"limit": 3}).json()
+    assert [p["step"] for p in first["points"]] == [1, 2, 3]
+    rest = api.get(
+        f"{API}/jobs/{job_id}/metrics", params={"after_step": first["next_after_step"]}
+    ).json()
+    assert [p["step"] for p in rest["points"]] == [4, 5]
+    idle = api.get(f"{API}/jobs/{job_id}/metrics", params={"after_step": 5}).json()
+    assert idle == {"name": "loss", "points": [], "next_after_step": 5}
+    for params in ({"limit": 0}, {"after_step": -1}, {"max_points": 1}, {"name": ""}):
+        r = api.get(f"{API}/jobs/{job_id}/metrics", params=params)
+        assert r.status_code == 422, params
+    assert api.get(f"{API}/jobs/777/metrics").status_code == 404
+    assert api.get(f"{API}/jobs/777/metrics/names").status_code == 404
+
+
+def _record_history(db: Database, job_id: int, n: int) -> list[float]:
+    """``n`` loss points with a single-point global min and max, bulk-inserted (fast setup;
+    record_metrics is exercised by the other tests)."""
+    values = [math.sin(i / 500.0) * (1 + i / n) for i in range(1, n + 1)]
+    values[31_337] = -50.0  # the global minimum, a single spike
+    values[77_777] = 80.0  # the global maximum
+    now = utcnow()
+    rows = [
+        {"job_id": job_id, "name": "loss", "step": i + 1, "attempt": 1, "epoch": 0,
+         "value": v, "time": now}
+        for i, v in enumerate(values)
+    ]  # fmt: skip
+    with db.session() as s:
+        s.execute(insert(Metric), rows)
+    return values
+
+
+@pytest.mark.slow
+def test_100k_points_page_and_downsample(api: TestClient, db: Database) -> None:
+    job_id = running_job(db)
+    n = 100_000
+    values = _record_history(db, job_id, n)
+    steps: list[int] = []
+    after = 0
+    while True:
+        page = api.get(
+            f"{API}/jobs/{job_id}/metrics", params={"after_step": after, "limit": 10_000}
+        ).json()
+        if not page["points"]:
+            break
+        assert len(page["points"]) <= 10_000
+        steps += [p["step"] for p in page["points"]]
+        after = page["next_after_step"]
+    assert steps == list(range(1, n + 1)), "every step exactly once, in order"
+    t0 = time.monotonic()
+    down = api.get(f"{API}/jobs/{job_id}/metrics", params={"max_points": 500}).json()
+    assert time.monotonic() - t0 < 60
+    points = down["points"]
+    assert 0 < len(points) <= 500
+    got = [p["value"] for p in points]
+    assert min(got) == -50.0 and max(got) == 80.0, "the global min and max survive"
+    assert [p["step"] for p in points] == sorted({p["step"] for p in points})
+    assert down["next_after_step"] == points[-1]["step"]
+    assert got[0] == pytest.approx(values[points[0]["step"] - 1])
+
+
+def test_max_points_and_limit_are_capped(settings: Settings, db: Database) -> None:
+    job_id = running_job(db)
+    with db.session() as s:
+        metrics.record_metrics(
+            s, job_id, 1, [MetricPoint("loss", i, float(i)) for i in range(1, 51)]
+        )
+    capped = settings.model_copy(update={"max_metric_points": 10})
+    with TestClient(create_app(capped)) as api:
+        r = api.get(f"{API}/jobs/{job_id}/metrics", params={"limit": 1000}).json()
+        assert len(r["points"]) == 10
+        r = api.get(f"{API}/jobs/{job_id}/metrics", params={"max_points": 1000}).json()
+        assert 0 < len(r["points"]) <= 10
+        steps = {p["step"] for p in r["points"]}
+        assert {1, 50} <= steps
+
+
+def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: Settings) -> None:
+    job_id = running_job(db)
+    root = settings.resolved_artifact_dir
+    payload = b"\x80checkpoint bytes" * 1000
+    path = artifacts.checkpoint_path(root, job_id, 20)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(payload)
+    sha = hashlib.sha256(payload).hexdigest()
+    with db.session() as s:
+        for step in (10, 20):
+            checkpoints.record_checkpoint(
+                s,
+                job_id,
+                1,
+                step=step,
+                epoch=step // 10 - 1,
+                path=str(artifacts.checkpoint_path(root, job_id, step)),
+                size_bytes=len(payload),
+                sha256=sha,
+            )
+    listed = api.get(f"{API}/jobs/{job_id}/checkpoints").json()["checkpoints"]
+    assert [c["step"] for c in listed] == [20, 10]
+    assert set(listed[0]) == {"step", "epoch", "attempt", "size_bytes", "sha256", "created_at"}
+    r = api.get(f"{API}/jobs/{job_id}/checkpoints/20/file")
+    assert r.status_code == 200 and r.content == payload
+    assert hashlib.sha256(r.content).hexdigest() == listed[0]["sha256"]
+    assert "attachment" in r.headers["content-disposition"]
+    assert api.get(f"{API}/jobs/{job_id}/checkpoints/10/file").status_code == 404, "no file"
+    assert api.get(f"{API}/jobs/{job_id}/checkpoints/99/file").status_code == 404
+    assert api.get(f"{API}/jobs/{job_id}/checkpoints/-1/file").status_code == 422
+
+
+def test_checkpoint_outside_the_artifact_dir_is_not_served(
+    api: TestClient, db: Database, tmp_path: Path
+) -> None:
+    job_id = running_job(db)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not serve me")
+    with db.session() as s:
+        for step, path in ((1, str(secret)), (2, "../secret.txt")):
+            checkpoints.record_checkpoint(
+                s, job_id, 1, step=step, epoch=0, path=path, size_bytes=1, sha256="0" * 64
+            )
+    for step in (1, 2):
+        r = api.get(f"{API}/jobs/{job_id}/checkpoints/{step}/file")
+        assert r.status_code == 404 and "do not serve" not in r.text
+
+
+def test_logs_page_by_offset(api: TestClient, db: Database, settings: Settings) -> None:
+    job_id = running_job(db)
+    log = artifacts.rank_log_path(settings.resolved_artifact_dir, job_id, 1, 1)
+    log.parent.mkdir(parents=True)
+    # The first 256 KiB chunk ends inside the 3-byte "✓": it must move whole to the next one.
+    text = "x" * (256 * 1024 - 1) + "✓\n"
+    text += "".join(f"step {i} loss {1 / i:.4f} ✓\n" for i in range(1, 20_001))
+    data = text.encode() + b"\xff bad byte\n"
+    log.write_bytes(data)
+    got, offset, calls = b"", 0, 0
+    while True:
+        r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": offset}).json()
+        calls += 1
+        assert r["rank"] == 1 and r["attempt"] == 1
+        assert len(r["text"].encode()) <= 256 * 1024 + 3
+        got += r["text"].encode()
+        assert r["next_offset"] >= offset
+        offset = r["next_offset"]
+        if r["eof"]:
+            break
+    assert calls > 1, "a file over 256 KiB takes more than one call"
+    assert got == text.encode() + "\ufffd bad byte\n".encode(), "no character split or lost"
+    assert offset == len(data)
+    log.open("ab").write(b"more\n")
+    tail = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": offset}).json()
+    assert tail["text"] == "more\n" and tail["next_offset"] == len(data) + 5 and tail["eof"]
+
+
+def test_logs_missing_file_and_bad_params(api: TestClient, db: Database) -> None:
+    job_id = running_job(db)
+    r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 3, "offset": 42, "attempt": 2})
+    assert r.status_code == 200
+    assert r.json() == {"text": "", "next_offset": 42, "rank": 3, "attempt": 2, "eof": True}
+    for params in (
+        {"rank": "../../etc/passwd"},
+        {"rank": -1},
+        {"offset": -5},
+        {"attempt": 0},
+        {"rank": "1e400"},
+    ):
+        r = api.get(f"{API}/jobs/{job_id}/logs", params=params)
+        assert r.status_code == 422, params
+        assert "passwd" not in json.dumps(r.json()["detail"][0].get("input", ""))
+    assert api.get(f"{API}/jobs/31337/logs").status_code == 404

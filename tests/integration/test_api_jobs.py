@@ -1,0 +1,281 @@
+"""REST API over real SQLite and PostgreSQL: submit, list, get, cancel, events, workers, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service import jobs, workers
+from service.app import create_app
+from service.config import Settings
+from service.db import Database
+from service.states import JobState
+
+API = "/api/v1"
+SPEC: dict[str, Any] = {
+    "name": "reg",
+    "task": "regression",
+    "resources": {"nproc_per_node": 2},
+    "training": {"max_steps": 10},
+}
+
+
+@pytest.fixture
+def api(settings: Settings, db: Database) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def job_count(db: Database) -> int:
+    with db.session(write=False) as s:
+        return len(jobs.list_jobs(s, limit=10_000)[0])
+
+
+def submit(api: TestClient, **changes: Any) -> dict[str, Any]:
+    r = api.post(f"{API}/jobs", json={**SPEC, **changes})
+    assert r.status_code == 201, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def claim(db: Database, worker_id: str = "w1") -> int:
+    with db.session() as s:
+        workers.register_worker(
+            s, worker_id=worker_id, host="h", pid=1, launcher="local", capacity={"slots": 4}
+        )
+    with db.session() as s:
+        job = jobs.claim_next_job(
+            s, worker_id=worker_id, launcher="local", max_gpus_per_node=0, lease_s=30
+        )
+        assert job is not None, "a queued job should have been claimable"
+        return job.id
+
+
+def test_submit_get_and_job_shape(api: TestClient) -> None:
+    r = api.post(f"{API}/jobs", json=SPEC)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert r.headers["location"] == f"{API}/jobs/{job['id']}"
+    assert isinstance(job["id"], int)
+    assert job["state"] == "queued" and job["attempt"] == 1 and job["owner"] == "local"
+    assert job["spec"]["resources"]["nproc_per_node"] == 2
+    assert job["spec"]["config"]["hidden"] == 32, "task config defaults are filled in"
+    assert job["progress"] is None and job["latest_metrics"] == {}
+    assert job["created_at"].endswith("Z") or job["created_at"].endswith("+00:00")
+    got = api.get(f"{API}/jobs/{job['id']}")
+    assert got.status_code == 200 and got.json() == job
+    assert api.get(f"{API}/jobs/999999").status_code == 404
+    assert api.get(f"{API}/jobs/{2**70}").status_code == 422
+
+
+def test_list_pages_without_gaps_or_repeats(api: TestClient) -> None:
+    ids = [submit(api, name=f"j{i}")["id"] for i in range(25)]
+    seen: list[int] = []
+    cursor: str | None = None
+    pages = 0
+    while True:
+        params: dict[str, Any] = {"limit": 10}
+        if cursor:
+            params["cursor"] = cursor
+        page = api.get(f"{API}/jobs", params=params).json()
+        seen += [j["id"] for j in page["jobs"]]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == sorted(ids, reverse=True), "newest first, every job exactly once"
+    assert pages == 3
+
+
+def test_list_filters_caps_and_rejects(api: TestClient, settings: Settings, db: Database) -> None:
+    a, b = submit(api)["id"], submit(api)["id"]
+    api.post(f"{API}/jobs/{a}/cancel")
+    cancelled = api.get(f"{API}/jobs", params={"state": "cancelled"}).json()["jobs"]
+    assert [j["id"] for j in cancelled] == [a]
+    queued = api.get(f"{API}/jobs", params={"state": "queued"}).json()["jobs"]
+    assert [j["id"] for j in queued] == [b]
+    for params in ({"state": "bogus"}, {"limit": 0}, {"limit": "x"}, {"cursor": "abc"}):
+        r = api.get(f"{API}/jobs", params=params)
+        assert r.status_code == 422, (params, r.text)
+        assert r.json()["detail"][0]["loc"][0] == "query"
+    assert "succeeded" in api.get(f"{API}/jobs", params={"state": "bogus"}).text
+    big = api.get(f"{API}/jobs", params={"limit": 10**9})
+    assert big.status_code == 200 and len(big.json()["jobs"]) == 2
+    settings_small = settings.model_copy(update={"max_list_limit": 1})
+    with TestClient(create_app(settings_small)) as small:
+        page = small.get(f"{API}/jobs", params={"limit": 50}).json()
+        assert len(page["jobs"]) == 1 and page["next_cursor"] is not None
+
+
+def test_etag_answers_304_until_the_job_changes(api: TestClient, db: Database) -> None:
+    job_id = submit(api)["id"]
+    first = api.get(f"{API}/jobs/{job_id}")
+    etag = first.headers["etag"]
+    assert etag.startswith('W/"')
+    again = api.get(f"{API}/jobs/{job_id}", headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    listing = api.get(f"{API}/jobs")
+    assert (
+        api.get(f"{API}/jobs", headers={"If-None-Match": listing.headers["etag"]}).status_code
+        == 304
+    )
+    claim(db)
+    changed = api.get(f"{API}/jobs/{job_id}", headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.json()["state"] == "starting"
+    assert changed.headers["etag"] != etag
+    assert (
+        api.get(f"{API}/jobs", headers={"If-None-Match": listing.headers["etag"]}).status_code
+        == 200
+    )
+
+
+def test_idempotency_key_gives_one_job(api: TestClient, db: Database) -> None:
+    headers = {"Idempotency-Key": "retry-1"}
+    first = api.post(f"{API}/jobs", json=SPEC, headers=headers)
+    second = api.post(f"{API}/jobs", json=SPEC, headers=headers)
+    assert (first.status_code, second.status_code) == (201, 200)
+    assert first.json()["id"] == second.json()["id"]
+    assert job_count(db) == 1
+    other = api.post(f"{API}/jobs", json=SPEC, headers={"Idempotency-Key": "retry-2"})
+    assert other.status_code == 201 and job_count(db) == 2
+
+
+BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("nproc0", {**SPEC, "resources": {"nproc_per_node": 0}}, ["resources", "nproc_per_node"]),
+    ("unknown task", {**SPEC, "task": "nosuchtask"}, ["task"]),
+    ("unknown launcher", {**SPEC, "launcher": "k8s"}, ["launcher"]),
+    ("unknown field", {**SPEC, "colour": "red"}, ["colour"]),
+    ("empty name", {**SPEC, "name": ""}, ["name"]),
+    ("nccl without gpus", {**SPEC, "backend": "nccl"}, ["backend"]),
+    ("bad task config", {**SPEC, "config": {"hidden": -1}}, ["config", "hidden"]),
+    ("slurm disabled", {**SPEC, "launcher": "slurm"}, ["launcher"]),
+    ("entrypoint not allowed", {**SPEC, "task": "evil.mod:run"}, ["task"]),
+    ("nul in name", {**SPEC, "name": "a\x00b"}, ["name"]),
+]
+
+
+@pytest.mark.parametrize(("case", "spec", "field"), BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_is_422_naming_the_field(
+    api: TestClient, db: Database, case: str, spec: dict[str, Any], field: list[str]
+) -> None:
+    r = api.post(f"{API}/jobs", json=spec)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert isinstance(detail, list) and detail
+    locs = [e["loc"] for e in detail]
+    assert ["body", *field] in locs, f"{case}: expected an error at body.{'.'.join(field)}: {locs}"
+    assert all(set(e) == {"loc", "msg", "type"} for e in detail)
+    assert job_count(db) == 0, "a rejected spec stores nothing"
+
+
+def test_every_bad_field_reported_at_once(api: TestClient) -> None:
+    spec = {**SPEC, "task": "nosuchtask", "backend": "nccl", "resources": {"nnodes": 2}}
+    r = api.post(f"{API}/jobs", json=spec)
+    locs = {tuple(e["loc"]) for e in r.json()["detail"]}
+    assert {("body", "task"), ("body", "backend"), ("body", "resources", "nnodes")} <= locs
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{", b"\xff\xfe\x00garbage", b"[1, 2]", b'"a string"', b"[" * 100_000, b"null"],
+    ids=["empty", "truncated", "not utf8", "list", "string", "deep", "null"],
+)
+def test_unparsable_body_is_422_not_500(api: TestClient, db: Database, body: bytes) -> None:
+    r = api.post(f"{API}/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    json.dumps(r.json())
+    assert job_count(db) == 0
+
+
+def test_body_over_the_limit_is_413_and_stores_nothing(api: TestClient, db: Database) -> None:
+    huge = {**SPEC, "tags": ["x" * 1000] * 2000}  # ~2 MB
+    r = api.post(f"{API}/jobs", json=huge)
+    assert r.status_code == 413 and "bytes" in r.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the streamed size is what counts
+        yield b'{"name": "x", "task": "regression", "tags": ["'
+        for _ in range(2000):
+            yield b"y" * 1000
+        yield b'"]}'
+
+    streamed = api.post(f"{API}/jobs", content=chunks())
+    assert streamed.status_code == 413
+    assert job_count(db) == 0
+
+
+def test_cancel_queued_claimed_and_finished(api: TestClient, db: Database) -> None:
+    queued = submit(api)["id"]
+    r = api.post(f"{API}/jobs/{queued}/cancel")
+    assert r.status_code == 202 and r.json()["state"] == "cancelled"
+    claimed = submit(api)["id"]
+    claim(db)
+    r = api.post(f"{API}/jobs/{claimed}/cancel")
+    assert r.status_code == 202
+    assert r.json()["state"] == "starting" and r.json()["cancel_requested"] is True
+    assert api.post(f"{API}/jobs/{claimed}/cancel").status_code == 202, "idempotent"
+    r = api.post(f"{API}/jobs/{queued}/cancel")
+    assert r.status_code == 409 and "cancelled" in r.json()["detail"]
+    assert api.post(f"{API}/jobs/424242/cancel").status_code == 404
+
+
+def test_events_are_the_state_history(api: TestClient, db: Database) -> None:
+    job_id = submit(api)["id"]
+    claim(db)
+    with db.session() as s:
+        jobs.apply_transition(
+            s, jobs.Transition(job_id, JobState.STARTING, JobState.RUNNING, "launched")
+        )
+    events = api.get(f"{API}/jobs/{job_id}/events").json()["events"]
+    assert [(e["from_state"], e["to_state"]) for e in events] == [
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+    ]
+    assert events[1]["worker_id"] == "w1" and events[2]["reason"] == "launched"
+    assert set(events[0]) == {
+        "id", "attempt", "from_state", "to_state", "reason", "worker_id", "created_at"
+    }  # fmt: skip
+    assert api.get(f"{API}/jobs/5555/events").status_code == 404
+
+
+def test_workers_list_heartbeats_and_held_jobs(api: TestClient, db: Database) -> None:
+    job_id = submit(api)["id"]
+    claim(db, "w1")
+    with db.session() as s:
+        workers.register_worker(
+            s, worker_id="w2", host="h2", pid=2, launcher="slurm", capacity={"slots": 1}
+        )
+    listed = {w["id"]: w for w in api.get(f"{API}/workers").json()["workers"]}
+    assert set(listed) == {"w1", "w2"}
+    assert listed["w1"]["running_jobs"] == [job_id] and listed["w2"]["running_jobs"] == []
+    assert 0 <= listed["w1"]["heartbeat_age_s"] < 60
+    assert listed["w2"]["capacity"] == {"slots": 1} and listed["w2"]["launcher"] == "slurm"
+
+
+def test_openapi_and_docs(api: TestClient) -> None:
+    schema = api.get("/openapi.json").json()
+    paths = schema["paths"]
+    for path in (
+        "/api/v1/jobs",
+        "/api/v1/jobs/{job_id}",
+        "/api/v1/jobs/{job_id}/cancel",
+        "/api/v1/jobs/{job_id}/events",
+        "/api/v1/jobs/{job_id}/metrics",
+        "/api/v1/jobs/{job_id}/metrics/names",
+        "/api/v1/jobs/{job_id}/checkpoints",
+        "/api/v1/jobs/{job_id}/checkpoints/{step}/file",
+        "/api/v1/jobs/{job_id}/logs",
+        "/api/v1/workers",
+        "/healthz",
+        "/readyz",
+    ):
+        assert path in paths, f"{path} missing from OpenAPI"
+    body = paths["/api/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/JobSpec"
+    assert "Resources" in schema["components"]["schemas"]
+    docs = api.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()

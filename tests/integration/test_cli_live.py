@@ -1,0 +1,282 @@
+"""The `ddpq` CLI against a live uvicorn server (real HTTP) on SQLite and PostgreSQL, and
+`ddpq db upgrade` + `ddpq serve` as real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from typer.testing import CliRunner
+
+from service import artifacts, checkpoints, jobs, metrics, workers
+from service.app import create_app
+from service.cli import app
+from service.config import Settings
+from service.db import Database
+from service.metrics import MetricPoint
+from service.states import JobState
+
+runner = CliRunner()
+SPEC: dict[str, Any] = {"name": "digits-2", "task": "digits", "resources": {"nproc_per_node": 2}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def live_url(settings: Settings, db: Database) -> Iterator[str]:
+    """The API of ``settings`` served by uvicorn in a thread on a free loopback port."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def ddpq(url: str, *args: str) -> Any:
+    return runner.invoke(app, list(args), env={"DDPQ_API_URL": url, "COLUMNS": "250"})
+
+
+def spec_file(tmp_path: Path, spec: dict[str, Any], suffix: str = ".yaml") -> Path:
+    path = tmp_path / f"job{suffix}"
+    path.write_text(json.dumps(spec) if suffix == ".json" else yaml.safe_dump(spec))
+    return path
+
+
+def test_submit_ls_show_metrics_logs_cancel(
+    live_url: str, tmp_path: Path, db: Database, settings: Settings
+) -> None:
+    result = ddpq(live_url, "submit", str(spec_file(tmp_path, SPEC)), "--name", "cli-job")
+    assert result.exit_code == 0, result.output
+    with db.session(write=False) as s:
+        listed, _ = jobs.list_jobs(s)
+    assert [j.name for j in listed] == ["cli-job"]
+    job_id = listed[0].id
+    assert f"job {job_id}" in result.output and f"{live_url}/jobs/{job_id}" in result.output
+
+    again = ddpq(
+        live_url, "submit", str(spec_file(tmp_path, SPEC, ".json")), "--idempotency-key", "k"
+    )
+    assert again.exit_code == 0
+    replay = ddpq(
+        live_url, "submit", str(spec_file(tmp_path, SPEC, ".json")), "--idempotency-key", "k"
+    )
+    assert replay.exit_code == 0
+    second_id = job_id + 1
+    assert f"job {second_id}" in again.output and f"job {second_id}" in replay.output
+
+    ls = ddpq(live_url, "ls")
+    assert ls.exit_code == 0 and "cli-job" in ls.output and "digits-2" in ls.output
+    assert ls.output.index("digits-2") < ls.output.index("cli-job"), "newest first"
+    assert "queued" in ddpq(live_url, "ls", "--state", "queued").output
+    bad_state = ddpq(live_url, "ls", "--state", "bogus")
+    assert bad_state.exit_code == 2 and "state:" in bad_state.output
+
+    with db.session() as s:
+        workers.register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
+    with db.session() as s:
+        jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.STARTING, JobState.RUNNING))
+        metrics.record_metrics(s, job_id, 1, [MetricPoint("loss", i, 1 / i) for i in (1, 2, 3)])
+    log = artifacts.rank_log_path(settings.resolved_artifact_dir, job_id, 1, 1)
+    log.parent.mkdir(parents=True)
+    log.write_text("hello from rank 1\n[bold]not markup[/bold]\n")
+
+    show = ddpq(live_url, "show", str(job_id))
+    assert show.exit_code == 0 and "running" in show.output and "claimed" in show.output
+    out = ddpq(live_url, "metrics", str(job_id), "--name", "loss")
+    assert out.exit_code == 0 and "0.333333" in out.output
+    logs = ddpq(live_url, "logs", str(job_id), "--rank", "1")
+    assert logs.output == "hello from rank 1\n[bold]not markup[/bold]\n"
+    assert ddpq(live_url, "logs", str(job_id), "--rank", "-1").exit_code == 2
+
+    cancel = ddpq(live_url, "cancel", str(job_id))
+    assert cancel.exit_code == 0 and "cancel requested" in cancel.output
+
+    def finish() -> None:  # the worker's part: last words in the log, then cancelled
+        time.sleep(0.5)
+        with log.open("a") as f:
+            f.write("last line\n")
+        with db.session() as s:
+            jobs.apply_transition(
+                s, jobs.Transition(job_id, JobState.RUNNING, JobState.CANCELLED, "cancelled")
+            )
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+    followed = ddpq(live_url, "logs", str(job_id), "--rank", "1", "--follow", "--poll-s", "0.1")
+    finisher.join(10)
+    assert followed.exit_code == 0, followed.output
+    assert followed.output == "hello from rank 1\n[bold]not markup[/bold]\nlast line\n"
+
+    cancel_queued = ddpq(live_url, "cancel", str(second_id))
+    assert cancel_queued.exit_code == 0 and "cancelled" in cancel_queued.output
+    finished = ddpq(live_url, "cancel", str(second_id))
+    assert finished.exit_code == 1 and "409" in finished.output
+    missing = ddpq(live_url, "show", "99999")
+    assert missing.exit_code == 2 and "not found" in missing.output
+
+
+def test_bad_spec_prints_each_field_and_exits_2(
+    live_url: str, tmp_path: Path, db: Database
+) -> None:
+    spec = {**SPEC, "resources": {"nproc_per_node": 0}, "backend": "nccl", "colour": 1}
+    result = ddpq(live_url, "submit", str(spec_file(tmp_path, spec)))
+    assert result.exit_code == 2, result.output
+    assert "resources.nproc_per_node:" in result.output
+    assert "colour:" in result.output
+    assert "Traceback" not in result.output
+    with db.session(write=False) as s:
+        assert jobs.list_jobs(s)[0] == []
+
+
+def _drive_job(db: Database, settings: Settings, outcome: JobState) -> int:
+    """Stand-in for a worker (through the real domain functions): claim the queued job, run
+    4 steps with progress and metrics, write a checkpoint, then end in ``outcome``."""
+    deadline = time.monotonic() + 30
+    job = None
+    while job is None and time.monotonic() < deadline:
+        with db.session() as s:
+            job = jobs.claim_next_job(
+                s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
+            )
+            job_id = job.id if job else 0
+        time.sleep(0.05)
+    assert job is not None, "the CLI never submitted"
+    with db.session() as s:
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.STARTING, JobState.RUNNING))
+    for step in range(1, 5):
+        progress = {"step": step, "total_steps": 4, "epoch": 0, "samples_per_s": 100.0, "eta_s": 1}
+        with db.session() as s:
+            metrics.record_metrics(
+                s, job_id, 1, [MetricPoint("loss", step, 1.0 / step, 0)], progress=progress
+            )
+        time.sleep(0.15)
+    path = artifacts.checkpoint_path(settings.resolved_artifact_dir, job_id, 4)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"weights" * 100)
+    with db.session() as s:
+        metrics.record_metrics(s, job_id, 1, [MetricPoint("eval_accuracy", 4, 0.9722)])
+        checkpoints.record_checkpoint(
+            s, job_id, 1, step=4, epoch=0, path=str(path), size_bytes=700,
+            sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        )  # fmt: skip
+        error = "rank 1 raised RuntimeError: boom" if outcome == JobState.FAILED else None
+        jobs.apply_transition(
+            s, jobs.Transition(job_id, JobState.RUNNING, outcome, "done"), error=error
+        )
+    return job_id
+
+
+@pytest.mark.parametrize("outcome", [JobState.SUCCEEDED, JobState.FAILED])
+def test_submit_wait_follows_the_job_to_its_end(
+    live_url: str, tmp_path: Path, db: Database, settings: Settings, outcome: JobState
+) -> None:
+    with db.session() as s:
+        workers.register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
+    errors: list[BaseException] = []
+    driven: list[int] = []
+
+    def drive() -> None:
+        try:
+            driven.append(_drive_job(db, settings, outcome))
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    result = ddpq(live_url, "submit", str(spec_file(tmp_path, SPEC)), "--wait", "--poll-s", "0.1")
+    driver.join(30)
+    assert not errors, errors
+    job_id = driven[0]
+    out = result.output
+    assert result.exit_code == (0 if outcome == JobState.SUCCEEDED else 1), out
+    assert outcome.value in out
+    assert "eval_accuracy" in out and "0.9722 (97.22%)" in out
+    sha = hashlib.sha256(b"weights" * 100).hexdigest()
+    assert "step 4" in out and sha in out and "700 B" in out
+    assert f"{live_url}/api/v1/jobs/{job_id}/checkpoints/4/file" in out
+    assert f"{live_url}/jobs/{job_id}" in out
+    assert ("rank 1 raised RuntimeError: boom" in out) == (outcome == JobState.FAILED)
+
+
+def _ddpq_exe() -> str:
+    exe = shutil.which("ddpq", path=str(Path(sys.executable).parent))
+    assert exe, "the ddpq console script is not installed: pip install -e ."
+    return exe
+
+
+@pytest.mark.slow
+def test_db_upgrade_then_serve_answers_ready(tmp_path: Path) -> None:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")},
+        "DDPQ_HOME": str(tmp_path / "home"),
+        "OMP_NUM_THREADS": "1",
+    }
+    port = free_port()
+    refused = subprocess.run(
+        [_ddpq_exe(), "serve", "--port", str(port)], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "ddpq db upgrade" in refused.stderr and "Traceback" not in refused.stderr
+    upgrade = subprocess.run(
+        [_ddpq_exe(), "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert upgrade.returncode == 0, upgrade.stderr
+    assert (tmp_path / "home" / "ddpq.db").exists()
+    current = subprocess.run(
+        [_ddpq_exe(), "db", "current"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "behind" not in current.stdout and "current: 0" in current.stdout
+    server = subprocess.Popen(
+        [_ddpq_exe(), "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            assert time.monotonic() < deadline, "ddpq serve did not answer /readyz in 60 s"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert r.json() == {"status": "ok"}
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -1,0 +1,152 @@
+"""The `ddpq` CLI without a server: parsing, formatting, and friendly failures (exit 2)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from service.cli import app, parse_gpus
+from service.cli_output import field_error_lines, format_bytes, format_metric, format_seconds
+
+runner = CliRunner()
+
+
+def closed_port_url() -> str:
+    """A loopback URL nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def invoke(args: list[str], env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(app, args, env={"COLUMNS": "200", **(env or {})})
+
+
+def test_parse_gpus() -> None:
+    assert parse_gpus(None) is None
+    assert parse_gpus("none") == [] and parse_gpus("NONE") == []
+    assert parse_gpus("0,1") == [0, 1] and parse_gpus("3") == [3]
+    for bad in ("a,b", "0,0", "-1", ","):
+        with pytest.raises(typer.BadParameter):
+            parse_gpus(bad)
+
+
+def test_field_error_lines_strip_the_location_source() -> None:
+    detail = [
+        {"loc": ["body", "resources", "nproc_per_node"], "msg": "must be ≥ 1", "type": "x"},
+        {"loc": ["query", "state"], "msg": "bad state", "type": "x"},
+        {"loc": ["body"], "msg": "invalid JSON", "type": "x"},
+        "plain",
+    ]
+    assert field_error_lines(detail) == [
+        "resources.nproc_per_node: must be ≥ 1",
+        "state: bad state",
+        "(spec): invalid JSON",
+        "plain",
+    ]
+
+
+def test_formatting() -> None:
+    assert format_metric("eval_accuracy", 0.97222) == "0.9722 (97.22%)"
+    assert format_metric("loss", 0.0123456789) == "0.0123457"
+    assert format_metric("loss", None) == "NaN"
+    assert format_metric("loss", "Infinity") == "Infinity"
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(5 * 1024**3) == "5.0 GiB"
+    assert format_seconds(75.2) == "1m15s" and format_seconds(3) == "3s"
+    assert format_seconds(7300) == "2h01m" and format_seconds(None) == "?"
+
+
+def test_unreachable_api_exits_2_naming_the_url(tmp_path: Path) -> None:
+    url = closed_port_url()
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: x\ntask: regression\n")
+    for args in (["ls"], ["show", "1"], ["submit", str(spec)], ["cancel", "3"]):
+        result = invoke(args, env={"DDPQ_API_URL": url})
+        assert result.exit_code == 2, (args, result.output)
+        assert url in result.output and "DDPQ_API_URL" in result.output
+        assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.yaml", None, "not found"),
+        ("broken.yaml", "name: [unclosed\n", "not valid YAML"),
+        ("broken.json", '{"name": ', "not valid JSON"),
+        ("list.yaml", "- a\n- b\n", "must hold a mapping"),
+        ("binary.yaml", b"\xff\xfe\x00\x01", "cannot read"),
+    ],
+)
+def test_bad_spec_file_exits_2(
+    tmp_path: Path, name: str, content: str | bytes | None, expected: str
+) -> None:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    result = invoke(["submit", str(path)], env={"DDPQ_API_URL": closed_port_url()})
+    assert result.exit_code == 2, result.output
+    assert expected in result.output and "Traceback" not in result.output
+
+
+def test_bad_environment_exits_2() -> None:
+    result = invoke(["ls"], env={"DDPQ_PORT": "not-a-port"})
+    assert result.exit_code == 2 and "DDPQ_PORT" in result.output
+
+
+def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+    fake_main = types.ModuleType("worker.main")
+    fake_up = types.ModuleType("worker.up")
+
+    def run_worker(settings: Any, **kwargs: Any) -> None:
+        calls.append(("worker", kwargs))
+
+    def run_up(settings: Any) -> None:
+        calls.append(("up", {"port": settings.port}))
+
+    fake_main.run_worker = run_worker  # type: ignore[attr-defined]
+    fake_up.run_up = run_up  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "worker.main", fake_main)
+    monkeypatch.setitem(sys.modules, "worker.up", fake_up)
+    assert invoke(["worker", "--gpus", "0,1", "--slots", "2"]).exit_code == 0
+    assert invoke(["worker", "--launcher", "slurm", "--gpus", "none"]).exit_code == 0
+    assert invoke(["worker"]).exit_code == 0
+    assert invoke(["up"], env={"DDPQ_PORT": "8123"}).exit_code == 0
+    assert calls == [
+        ("worker", {"launcher": "local", "gpus": [0, 1], "slots": 2}),
+        ("worker", {"launcher": "slurm", "gpus": [], "slots": 1}),
+        ("worker", {"launcher": "local", "gpus": None, "slots": 1}),
+        ("up", {"port": 8123}),
+    ]
+    bad = invoke(["worker", "--gpus", "x"])
+    assert bad.exit_code == 2 and "0,1" in bad.output
+    assert invoke(["worker", "--launcher", "k8s"]).exit_code == 2
+
+
+def test_service_does_not_import_worker_at_module_level() -> None:
+    import subprocess
+
+    code = (
+        "import sys, service.cli, service.app, service.client\n"
+        "bad = [m for m in sys.modules if m == 'worker' or m.startswith('worker.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_help_of_every_command() -> None:
+    for args in ([], ["db"], ["db", "upgrade"], ["serve"], ["submit"], ["logs"], ["worker"]):
+        result = invoke([*args, "--help"])
+        assert result.exit_code == 0, (args, result.output)
+        assert "Usage" in result.output

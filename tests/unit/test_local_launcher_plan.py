@@ -1,0 +1,90 @@
+"""Golden-file tests of the local launcher's plan (torchrun command line + environment).
+
+Regenerate after an intended change:
+``DDPQ_UPDATE_GOLDEN=1 pytest tests/unit/test_local_launcher_plan.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.config import Settings
+from service.spec import JobSpec
+from worker.launchers.local import LocalLauncher, bind_gpus
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _settings(tmp_path: Path) -> Settings:
+    return Settings(
+        home=tmp_path / ".ddpq",
+        database_url=f"sqlite:///{tmp_path}/ddpq.db",
+        artifact_dir=tmp_path / "artifacts",
+    )
+
+
+def _normalise(text: str, tmp_path: Path) -> str:
+    return text.replace(str(tmp_path.resolve()), "<tmp>").replace(sys.executable, "<python>")
+
+
+def _check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("DDPQ_UPDATE_GOLDEN") == "1":
+        path.write_text(text + "\n")
+    assert path.exists(), f"missing golden file {path}; create it with DDPQ_UPDATE_GOLDEN=1"
+    expected = path.read_text().rstrip("\n")
+    assert text == expected, (
+        f"plan differs from {path}; if the change is intended, rerun with DDPQ_UPDATE_GOLDEN=1"
+        f"\n--- expected\n{expected}\n--- got\n{text}"
+    )
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> LocalLauncher:
+    (tmp_path / "cwd").mkdir()
+    return LocalLauncher(_settings(tmp_path), cwd=tmp_path / "cwd")
+
+
+def test_cpu_plan_matches_golden(launcher: LocalLauncher, tmp_path: Path) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "golden",
+            "task": "regression",
+            "resources": {"nproc_per_node": 2, "cpus_per_task": 2, "timeout_min": 5},
+        }
+    )
+    plan = launcher.plan(spec, 7, 3)
+    _check_golden("local_plan_cpu.txt", _normalise(plan.render(), tmp_path))
+    assert plan.extra == {"timeout_s": "300"}
+    assert plan.log_dir == str(tmp_path.resolve() / "artifacts/jobs/7/attempt-3")
+
+
+def test_gpu_plan_with_bound_gpus_matches_golden(launcher: LocalLauncher, tmp_path: Path) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "golden-gpu",
+            "task": "digits",
+            "resources": {"nproc_per_node": 2, "gpus_per_node": 2},
+        }
+    )
+    plan = bind_gpus(launcher.plan(spec, 12, 1), [2, 3])
+    _check_golden("local_plan_gpu.txt", _normalise(plan.render(), tmp_path))
+
+
+def test_plan_touches_nothing(launcher: LocalLauncher, tmp_path: Path) -> None:
+    before = sorted(p.name for p in tmp_path.iterdir())
+    launcher.plan(JobSpec(name="x", task="regression"), 1, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "plan() must not create files"
+
+
+def test_unbound_gpu_job_sees_first_gpus_and_cpu_job_none(launcher: LocalLauncher) -> None:
+    gpu = JobSpec.model_validate(
+        {"name": "g", "task": "regression", "resources": {"gpus_per_node": 3}}
+    )
+    assert launcher.plan(gpu, 1, 1).env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    cpu = JobSpec(name="c", task="regression")
+    assert launcher.plan(cpu, 1, 1).env["CUDA_VISIBLE_DEVICES"] == ""

@@ -1,0 +1,290 @@
+"""The local launcher against real torchrun processes, with a stand-in rank program.
+
+The stand-in (written to tmp) follows the rank contract — result.json on success,
+error-rank-N.json on failure, exit on SIGTERM — without importing torch, so each test costs
+one torchrun start-up (a few seconds on a small machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from service.config import Settings
+from service.spec import JobSpec
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.launchers.local import LocalLauncher
+
+FAKE_RANK = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    rank = int(os.environ["RANK"])
+    d = os.path.join(os.environ["DDPQ_ARTIFACT_DIR"], "jobs", os.environ["DDPQ_JOB_ID"],
+                     "attempt-" + os.environ["DDPQ_ATTEMPT"])
+    os.makedirs(d, exist_ok=True)
+    mode = os.environ.get("FAKE_MODE", "ok")
+
+    def write(name, data):
+        with open(os.path.join(d, name + ".tmp"), "w") as f:
+            json.dump(data, f)
+        os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+
+    def error(exc_type, message, t):
+        write(f"error-rank-{rank}.json", {"rank": rank, "exc_type": exc_type, "message": message,
+              "traceback": "Traceback (most recent call last):\\n  File x\\n" + exc_type + ": "
+              + message, "time": t})
+
+    def on_term(signum, frame):
+        if mode == "fail":
+            error("RuntimeError", "peer closed the connection", time.time())
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignore_term" else on_term)
+    write(f"port-rank-{rank}.json", {"master_port": os.environ["MASTER_PORT"]})
+    if mode == "ok":
+        time.sleep(float(os.environ.get("FAKE_SLEEP_S", "0")))
+        if rank == 0:
+            write("result.json", {"status": "succeeded"})
+        sys.exit(0)
+    if mode == "abort_after_result":
+        if rank == 0:
+            write("result.json", {"status": "succeeded"})
+        os.abort()
+    if mode == "fail" and rank == 1:
+        time.sleep(0.5)
+        error("RuntimeError", "boom at step 5", time.time())
+        sys.exit(1)
+    if mode == "exit3":
+        with open(os.path.join(d, f"rank-{rank}.log"), "w") as f:
+            print("something went wrong in rank", rank, file=f)
+        sys.exit(3)
+    for _ in range(1200):
+        time.sleep(0.1)
+    """
+)
+
+
+def _tagged(artifact_dir: Path) -> list[int]:
+    """Pids of processes started for this test's artifact dir (by their environment)."""
+    needle = f"DDPQ_ARTIFACT_DIR={artifact_dir}".encode()
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _wait_end(launcher: LocalLauncher, handle: str, timeout_s: float = 60) -> RunStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = launcher.poll(handle)
+        if status.phase != RunPhase.RUNNING:
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"attempt {handle} still running after {timeout_s} s")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(home=tmp_path, artifact_dir=tmp_path / "artifacts")
+
+
+@pytest.fixture
+def fake_rank(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_rank.py"
+    path.write_text(FAKE_RANK)
+    return path
+
+
+@pytest.fixture
+def make_plan(
+    settings: Settings, fake_rank: Path
+) -> Callable[..., tuple[LocalLauncher, LaunchPlan]]:
+    def _make(
+        mode: str, *, nproc: int = 2, job_id: int = 1, grace_s: float = 10.0, **env: str
+    ) -> tuple[LocalLauncher, LaunchPlan]:
+        launcher = LocalLauncher(settings, grace_s=grace_s, entry=(str(fake_rank),))
+        spec = JobSpec.model_validate(
+            {"name": "t", "task": "regression", "resources": {"nproc_per_node": nproc}}
+        )
+        plan = launcher.plan(spec, job_id, 1)
+        return launcher, replace(plan, env={**plan.env, "FAKE_MODE": mode, **env})
+
+    return _make
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(settings: Settings) -> object:
+    yield None
+    left = _tagged(settings.resolved_artifact_dir)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def test_success_is_decided_by_result_file(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
+) -> None:
+    launcher, plan = make_plan("ok")
+    handle = launcher.start(plan)
+    assert handle.isdigit()
+    status = _wait_end(launcher, handle)
+    assert status == RunStatus(RunPhase.SUCCEEDED, None, 0)
+    log_file = Path(plan.log_dir) / "launcher.log"
+    assert log_file.exists(), "torchrun's output should be captured in launcher.log"
+    assert launcher.poll(handle) == status, "poll must be stable once the attempt ended"
+
+
+def test_abort_at_exit_after_result_still_succeeds(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    launcher, plan = make_plan("abort_after_result")
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.SUCCEEDED, status
+    assert status.exit_code != 0, "the stand-in aborts; the exit code should show it"
+
+
+def test_failure_names_the_earliest_failing_rank(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    launcher, plan = make_plan("fail")
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.FAILED
+    assert status.reason is not None
+    assert status.reason.startswith("rank 1 failed: RuntimeError: boom at step 5"), status.reason
+    assert "Traceback" in status.reason
+    # rank 0 wrote a later error when torchrun stopped it: it must not be the one named.
+    assert (Path(plan.log_dir) / "error-rank-0.json").exists()
+
+
+def test_failure_without_error_file_reports_exit_code_and_log_tail(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    launcher, plan = make_plan("exit3", nproc=1)
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.FAILED
+    assert status.reason is not None
+    assert status.reason.startswith("rank 0 exit code 3 without an error report"), status.reason
+    assert "something went wrong in rank 0" in status.reason, status.reason
+
+
+def test_cancel_stops_every_process_and_is_idempotent(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
+) -> None:
+    launcher, plan = make_plan("sleep")
+    handle = launcher.start(plan)
+    log_dir = Path(plan.log_dir)
+    _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "both ranks to start")
+    assert launcher.poll(handle).phase == RunPhase.RUNNING
+    t0 = time.monotonic()
+    launcher.cancel(handle)
+    assert time.monotonic() - t0 < 10, "ranks that obey SIGTERM should stop well within grace"
+    assert launcher.poll(handle).phase == RunPhase.CANCELLED
+    assert _tagged(settings.resolved_artifact_dir) == []
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int(handle), 0)
+    launcher.cancel(handle)  # idempotent
+    assert launcher.poll(handle).phase == RunPhase.CANCELLED
+
+
+def test_cancel_escalates_to_sigkill_after_grace(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
+) -> None:
+    launcher, plan = make_plan("ignore_term", grace_s=1.0)
+    handle = launcher.start(plan)
+    log_dir = Path(plan.log_dir)
+    _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "both ranks to start")
+    launcher.cancel(handle)
+    assert launcher.poll(handle).phase == RunPhase.CANCELLED
+    assert _tagged(settings.resolved_artifact_dir) == []
+
+
+def test_two_attempts_on_one_host_get_distinct_ports(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    launcher, plan1 = make_plan("ok", job_id=1, FAKE_SLEEP_S="2")
+    _, plan2 = make_plan("ok", job_id=2, FAKE_SLEEP_S="2")
+    h1, h2 = launcher.start(plan1), launcher.start(plan2)
+    assert _wait_end(launcher, h1).phase == RunPhase.SUCCEEDED
+    assert _wait_end(launcher, h2).phase == RunPhase.SUCCEEDED
+    ports = [
+        {(Path(p.log_dir) / f"port-rank-{r}.json").read_text() for r in (0, 1)}
+        for p in (plan1, plan2)
+    ]
+    assert len(ports[0]) == 1 and len(ports[1]) == 1, "ranks of one attempt share a port"
+    assert ports[0] != ports[1], f"both attempts used master port {ports[0]}"
+
+
+def test_timeout_fails_the_attempt(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
+) -> None:
+    launcher, plan = make_plan("sleep", nproc=1)
+    handle = launcher.start(replace(plan, extra={"timeout_s": "1"}))
+    status = _wait_end(launcher, handle)
+    assert status.phase == RunPhase.FAILED
+    assert status.reason is not None and "timed out" in status.reason
+
+
+def test_ranks_die_with_the_worker(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+    settings: Settings,
+    fake_rank: Path,
+    tmp_path: Path,
+) -> None:
+    """PR_SET_PDEATHSIG: a SIGKILLed worker's torchrun gets SIGTERM and stops its ranks."""
+    artifact_dir = settings.resolved_artifact_dir
+    script = tmp_path / "worker_stand_in.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            from dataclasses import replace
+            from service.config import Settings
+            from service.spec import JobSpec
+            from worker.launchers.local import LocalLauncher
+            s = Settings(home={str(tmp_path)!r}, artifact_dir={str(artifact_dir)!r})
+            launcher = LocalLauncher(s, entry=({str(fake_rank)!r},))
+            spec = JobSpec.model_validate(
+                {{"name": "t", "task": "regression", "resources": {{"nproc_per_node": 2}}}})
+            plan = launcher.plan(spec, 5, 1)
+            launcher.start(replace(plan, env={{**plan.env, "FAKE_MODE": "sleep"}}))
+            print("started", flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == b"started"
+        log_dir = settings.resolved_artifact_dir / "jobs/5/attempt-1"
+        _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "ranks to start")
+        worker.kill()
+        worker.wait()
+        _wait_for(
+            lambda: not _tagged(settings.resolved_artifact_dir), 45, "ranks to die with the worker"
+        )
+    finally:
+        worker.kill()
+        worker.wait()

@@ -1,0 +1,274 @@
+"""WorkerLoop on a real database (SQLite and PostgreSQL) with a scripted launcher.
+
+The launcher is a fake of our own ``Launcher`` interface (its real implementation is tested
+in test_local_launcher_procs.py); everything else — claims, transitions, heartbeats,
+events — is the real service code on real databases.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from service import jobs
+from service.config import Settings
+from service.db import Database
+from service.errors import DatabaseUnavailableError
+from service.jobs import Transition
+from service.models import Job, Worker
+from service.spec import JobSpec
+from service.states import JobState
+from worker.errors import LaunchError
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.loop import WorkerLoop
+
+
+@dataclass
+class ScriptedLauncher:
+    """Starts nothing; reports whatever the test sets per job id."""
+
+    name: str = "local"
+    phases: dict[str, RunStatus] = field(default_factory=dict)  # by handle "<job>.<attempt>"
+    started: list[LaunchPlan] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    fail_start: bool = False
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+        env = {"CUDA_VISIBLE_DEVICES": ""}
+        return LaunchPlan(self.name, job_id, attempt, ["true"], env, "/", "/tmp")
+
+    def start(self, plan: LaunchPlan) -> str:
+        if self.fail_start:
+            raise LaunchError("no torchrun here")
+        self.started.append(plan)
+        return f"{plan.job_id}.{plan.attempt}"
+
+    def poll(self, handle: str) -> RunStatus:
+        if handle in self.phases:
+            return self.phases[handle]
+        if handle in self.cancelled:
+            return RunStatus(RunPhase.CANCELLED, "cancelled")
+        return RunStatus(RunPhase.RUNNING)
+
+    def cancel(self, handle: str) -> None:
+        if handle not in self.cancelled:
+            self.cancelled.append(handle)
+
+
+def _submit(db: Database, **spec: object) -> int:
+    data = {"name": "t", "task": "regression", **spec}
+    with db.session() as s:
+        job, _ = jobs.submit_job(s, JobSpec.model_validate(data), owner="local")
+        return job.id
+
+
+def _job(db: Database, job_id: int) -> Job:
+    with db.session(write=False) as s:
+        return jobs.get_job(s, job_id)
+
+
+def _reasons(db: Database, job_id: int) -> list[tuple[str | None, str, str | None]]:
+    with db.session(write=False) as s:
+        return [(e.from_state, e.to_state, e.reason) for e in jobs.list_events(s, job_id)]
+
+
+def _loop(settings: Settings, db: Database, launcher: ScriptedLauncher, **kw: object) -> WorkerLoop:
+    return WorkerLoop(
+        settings,
+        db,
+        launcher,
+        worker_id="w-test",
+        host="h",
+        pid=1,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_job_runs_to_success(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    assert _job(db, job_id).state == "running"
+    assert [(p.job_id, p.attempt) for p in launcher.started] == [(job_id, 1)]
+    launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.SUCCEEDED, exit_code=-6)
+    loop.tick()
+    job = _job(db, job_id)
+    assert job.state == "succeeded" and job.worker_id == "w-test" and job.finished_at
+    assert _reasons(db, job_id) == [
+        (None, "queued", None),
+        ("queued", "starting", "claimed"),
+        ("starting", "running", "launched"),
+        ("running", "succeeded", "succeeded"),
+    ]
+    assert loop.runs == {}
+
+
+def test_failure_is_retried_then_fails(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db, max_restarts=1)
+    loop.tick()
+    failed = RunStatus(RunPhase.FAILED, "rank 1 failed: RuntimeError: boom")
+    launcher.phases[f"{job_id}.1"] = failed
+    loop.tick()  # attempt 1 fails → queued (retry 1/1) → claimed again as attempt 2
+    job = _job(db, job_id)
+    assert (job.attempt, job.restarts, job.state) == (2, 1, "running")
+    assert ("running", "queued", "retry 1/1: rank 1 failed: RuntimeError: boom") in _reasons(
+        db, job_id
+    )
+    launcher.phases[f"{job_id}.2"] = failed
+    loop.tick()
+    job = _job(db, job_id)
+    assert (job.state, job.attempt, job.restarts) == ("failed", 2, 1)
+    assert job.error == "rank 1 failed: RuntimeError: boom"
+
+
+def test_preemption_requeues_without_counting(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db, max_restarts=0)
+    loop.tick()
+    launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.PREEMPTED)
+    loop.tick()
+    job = _job(db, job_id)
+    assert (job.attempt, job.restarts) == (2, 0)
+    assert ("running", "queued", "preempted") in _reasons(db, job_id)
+
+
+def test_cancel_request_stops_the_processes(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    with db.session() as s:
+        jobs.cancel_job(s, job_id)
+    loop.tick()
+    assert launcher.cancelled == [f"{job_id}.1"]
+    assert _job(db, job_id).state == "cancelled"
+    assert _reasons(db, job_id)[-1] == ("running", "cancelled", "cancel requested")
+
+
+def test_job_taken_away_is_stopped(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    with db.session() as s:  # e.g. a reaper decided this worker was lost
+        jobs.apply_transition(s, Transition(job_id, JobState.RUNNING, JobState.QUEUED, "x"))
+    loop.tick()
+    assert launcher.cancelled == [f"{job_id}.1"]
+    assert [(p.job_id, p.attempt) for p in launcher.started] == [(job_id, 1), (job_id, 2)]
+    assert loop.runs[job_id].attempt == 2
+
+
+def test_slots_and_gpu_pool_limit_claims(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher, slots=3, gpus=[0, 1])
+    gpu_jobs = [_submit(db, resources={"gpus_per_node": 1}) for _ in range(3)]
+    loop.tick()
+    assert sorted(p.job_id for p in launcher.started) == gpu_jobs[:2]
+    visible = sorted(p.env["CUDA_VISIBLE_DEVICES"] for p in launcher.started)
+    assert visible == ["0", "1"], "each job gets its own GPU from the pool"
+    cpu_job = _submit(db)
+    loop.tick()
+    assert launcher.started[-1].job_id == cpu_job, "a CPU job fits the third slot"
+    assert _job(db, gpu_jobs[2]).state == "queued"
+    launcher.phases[f"{gpu_jobs[0]}.1"] = RunStatus(RunPhase.SUCCEEDED)
+    loop.tick()  # its GPU is back in the pool: the third GPU job starts
+    assert launcher.started[-1].job_id == gpu_jobs[2]
+    assert (
+        launcher.started[-1].env["CUDA_VISIBLE_DEVICES"]
+        == launcher.started[0].env["CUDA_VISIBLE_DEVICES"]
+    )
+
+
+def test_launch_failure_fails_the_job_not_the_worker(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher(fail_start=True)
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    job = _job(db, job_id)
+    assert job.state == "failed"
+    assert job.error == "launch failed: LaunchError: no torchrun here"
+
+
+def test_shutdown_requeues_running_jobs(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher, slots=2)
+    requeued, finished = _submit(db, max_restarts=0), _submit(db)
+    loop.tick()
+    launcher.phases[f"{finished}.1"] = RunStatus(RunPhase.SUCCEEDED)  # ended before we stopped it
+    loop.shutdown()
+    job = _job(db, requeued)
+    assert (job.state, job.attempt, job.restarts, job.worker_id) == ("queued", 2, 0, None)
+    assert _reasons(db, requeued)[-1] == ("running", "queued", "worker stopped")
+    assert _job(db, finished).state == "succeeded"
+    assert f"{requeued}.1" in launcher.cancelled
+    with db.session(write=False) as s:
+        worker = s.get(Worker, "w-test")
+        assert worker is not None and worker.stopped_at is not None
+
+
+def test_stale_transition_is_logged_not_fatal(
+    settings: Settings, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    with db.session() as s:  # someone else ends it behind the worker's back
+        jobs.apply_transition(s, Transition(job_id, JobState.RUNNING, JobState.FAILED, "x"))
+    launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.SUCCEEDED)
+    with caplog.at_level(logging.WARNING, logger="worker.loop"):
+        loop._watch(loop.runs[job_id])
+    assert "no longer running" in caplog.text
+    loop.tick()  # the heartbeat no longer lists it: forgotten
+    assert loop.runs == {} and _job(db, job_id).state == "failed"
+
+
+def test_orphaned_held_job_is_requeued(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    loop.register()
+    job_id = _submit(db)
+    with db.session() as s:  # held in the database, but this loop never launched it
+        jobs.claim_next_job(
+            s, worker_id="w-test", launcher="local", max_gpus_per_node=0, lease_s=60
+        )
+    loop.tick()
+    assert ("starting", "queued", "held by this worker but not running here") in _reasons(
+        db, job_id
+    )
+
+
+def test_database_outage_is_survived(settings: Settings, db: Database) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    down = Database.from_url("postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1")
+    loop.db = down
+    with pytest.raises(DatabaseUnavailableError):
+        loop.tick()
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(1.5)  # ticks fail and back off; the job's processes are left alone
+        assert thread.is_alive() and launcher.cancelled == []
+        loop.db = db
+        launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.SUCCEEDED)
+        deadline = time.monotonic() + 30
+        while _job(db, job_id).state != "succeeded" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _job(db, job_id).state == "succeeded", "the loop should recover after the outage"
+    finally:
+        stop.set()
+        thread.join(30)
+        down.dispose()
+    assert not thread.is_alive()

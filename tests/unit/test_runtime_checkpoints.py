@@ -1,0 +1,173 @@
+"""Checkpoints on real SQLite and PostgreSQL: atomic write, sha256, rotation, strict load into
+the bare model, snapshot isolation, corrupt newest skipped on resume, fencing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from service import artifacts
+from service.checkpoints import list_checkpoints
+from service.config import Settings
+from service.db import Database
+from service.jobs import Transition, apply_transition, claim_next_job, submit_job
+from service.models import Checkpoint
+from service.spec import JobSpec
+from service.states import JobState
+from service.workers import register_worker
+from worker.runtime.checkpointing import (
+    Checkpointer,
+    NullCheckpointer,
+    file_sha256,
+    find_resume_checkpoint,
+    load_checkpoint_file,
+    make_checkpointer,
+)
+
+
+def running_job(db: Database) -> tuple[int, int]:
+    """A job claimed by a worker and marked running: ``(job_id, attempt)``."""
+    with db.session() as s:
+        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
+        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
+    with db.session() as s:
+        job = claim_next_job(s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600)
+        assert job is not None
+        job_id, attempt = job.id, job.attempt
+    with db.session() as s:
+        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
+    return job_id, attempt
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def state_of(model: nn.Module, step: int) -> dict[str, object]:
+    return {"model": model.state_dict(), "step": step, "epoch": 0, "batch_idx": step}
+
+
+@pytest.fixture
+def job(db: Database) -> tuple[int, int]:
+    return running_job(db)
+
+
+@pytest.fixture
+def artifact_dir(settings: Settings) -> Path:
+    return settings.resolved_artifact_dir
+
+
+def live(db: Database, job_id: int) -> list[Checkpoint]:
+    with db.session(write=False) as s:
+        return list_checkpoints(s, job_id)
+
+
+def test_make_checkpointer_picks_by_rank(
+    db: Database, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    chief = make_checkpointer(0, db, artifact_dir, *job, keep=1)
+    other = make_checkpointer(1, db, artifact_dir, *job, keep=1)
+    built: list[int] = []
+    other.save(1, 0, lambda: built.append(1) or {})  # type: ignore[func-returns-value]
+    assert isinstance(chief, Checkpointer)
+    assert type(other) is NullCheckpointer
+    assert built == [], "non-zero ranks must not even build the state"
+    chief.close()
+
+
+def test_write_is_atomic_recorded_rotated_and_loads_strictly(
+    db: Database, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    job_id, attempt = job
+    model = tiny_model()
+    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=2)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, 0, lambda s=step: state_of(model, s))  # type: ignore[misc]
+    ckpt.close()
+
+    kept = live(db, job_id)
+    assert [c.step for c in kept] == [4, 3]
+    ckpt_dir = artifacts.checkpoint_dir(artifact_dir, job_id)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-3.pt", "step-4.pt"], (
+        "rotation must delete old files and no temp file may be left behind"
+    )
+    for record in kept:
+        path = Path(record.path)
+        assert path == artifacts.checkpoint_path(artifact_dir, job_id, record.step)
+        assert record.size_bytes == path.stat().st_size
+        assert record.sha256 == file_sha256(path)
+        assert record.attempt == attempt
+    assert ckpt.last_saved is not None and ckpt.last_saved.step == 4
+
+    state = load_checkpoint_file(
+        artifacts.checkpoint_path(artifact_dir, job_id, 4), torch.device("cpu")
+    )
+    bare = tiny_model()
+    bare.load_state_dict(state["model"], strict=True)  # keys without a "module." prefix
+    for a, b in zip(bare.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_snapshot_is_taken_on_the_training_thread(
+    db: Database, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    job_id, attempt = job
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=3)
+    ckpt.save(7, 0, lambda: state_of(model, 7))
+    with torch.no_grad():  # training goes on while the file is written
+        for p in model.parameters():
+            p.add_(100.0)
+    ckpt.close()
+    state = load_checkpoint_file(
+        artifacts.checkpoint_path(artifact_dir, job_id, 7), torch.device("cpu")
+    )
+    restored = tiny_model()
+    restored.load_state_dict(state["model"])
+    for a, b in zip(restored.parameters(), before, strict=True):
+        assert torch.equal(a, b), "the checkpoint must hold the values at save() time"
+
+
+def test_corrupt_or_missing_newest_is_skipped_on_resume(
+    db: Database, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    job_id, attempt = job
+    model = tiny_model()
+    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=5)
+    for step in (10, 20, 30):
+        ckpt.save(step, 0, lambda s=step: state_of(model, s))  # type: ignore[misc]
+    ckpt.close()
+    newest = artifacts.checkpoint_path(artifact_dir, job_id, 30)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    newest.write_bytes(bytes(data))
+    artifacts.checkpoint_path(artifact_dir, job_id, 20).unlink()
+
+    assert find_resume_checkpoint(db, artifact_dir, job_id) == 10
+    assert [c.step for c in live(db, job_id)] == [10], "bad ones must be marked deleted"
+
+
+def test_nothing_to_resume_from(db: Database, job: tuple[int, int], artifact_dir: Path) -> None:
+    assert find_resume_checkpoint(db, artifact_dir, job[0]) is None
+
+
+def test_stale_attempt_is_fenced_off(
+    db: Database, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    job_id, attempt = job
+    model = tiny_model()
+    with db.session() as s:
+        apply_transition(s, Transition(job_id, JobState.RUNNING, JobState.CANCELLED))
+    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=2)
+    ckpt.save(5, 0, lambda: state_of(model, 5))
+    ckpt.close()
+    assert ckpt.should_stop()
+    assert ckpt.last_saved is None
+    assert live(db, job_id) == []
+    ckpt_dir = artifacts.checkpoint_dir(artifact_dir, job_id)
+    assert not any(ckpt_dir.iterdir()), "a fenced-off attempt must leave no file behind"

@@ -1,0 +1,196 @@
+"""The worker's state decisions as pure functions: (what it observed) → ``Decision``.
+
+No I/O here: ``worker.loop.WorkerLoop`` gathers observations (launcher polls, heartbeats) and
+applies the decisions. One table, ``PHASE_DECISIONS``, maps each ``RunPhase`` a launcher can
+report to the job's next state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.jobs import Transition
+from service.states import TERMINAL_STATES, JobState
+from service.workers import HeldJob
+from worker.launchers.base import RunPhase, RunStatus
+
+REASON_LAUNCHED = "launched"
+REASON_SUCCEEDED = "succeeded"
+REASON_CANCELLED = "cancel requested"
+REASON_WORKER_STOPPED = "worker stopped"
+REASON_ORPHANED = "held by this worker but not running here"
+SUMMARY_CHARS = 300
+
+
+@dataclass
+class HeldRun:
+    """What a worker knows about one job it holds (the current attempt only)."""
+
+    job_id: int
+    attempt: int
+    state: JobState
+    restarts: int = 0
+    max_restarts: int = 0
+    gpus: tuple[int, ...] = ()
+    handle: str | None = None
+    launch_error: str | None = None
+    cancel_requested: bool = False
+    cancel_sent: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A planned transition plus the side values ``apply_transition`` writes with it."""
+
+    transition: Transition
+    error: str | None = None
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def job_id(self) -> int:
+        """The job this decision is about."""
+        return self.transition.job_id
+
+    @property
+    def releases(self) -> bool:
+        """True when the worker no longer holds the job afterwards (ended or requeued)."""
+        target = self.transition.target
+        return target in TERMINAL_STATES or target == JobState.QUEUED
+
+
+def summarize(text: str | None, limit: int = SUMMARY_CHARS) -> str:
+    """The first line of ``text``, cut to ``limit`` characters."""
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _to(run: HeldRun, target: JobState, reason: str, **kw: Any) -> Decision:
+    return Decision(Transition(run.job_id, run.state, target, reason), **kw)
+
+
+def _on_pending(run: HeldRun, status: RunStatus) -> Decision | None:
+    return None  # still starting (e.g. Slurm PENDING)
+
+
+def _on_running(run: HeldRun, status: RunStatus) -> Decision | None:
+    if run.state == JobState.STARTING:
+        return _to(run, JobState.RUNNING, REASON_LAUNCHED)
+    return None
+
+
+def _on_succeeded(run: HeldRun, status: RunStatus) -> Decision | None:
+    return _to(run, JobState.SUCCEEDED, REASON_SUCCEEDED)
+
+
+def _on_cancelled(run: HeldRun, status: RunStatus) -> Decision | None:
+    if run.cancel_requested:
+        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
+    reason = status.reason or "cancelled outside ddpq"
+    return _to(run, JobState.CANCELLED, reason, error=reason)
+
+
+def _on_failed(run: HeldRun, status: RunStatus) -> Decision | None:
+    if run.cancel_requested:
+        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
+    error = status.reason or "failed"
+    if run.restarts < run.max_restarts:
+        n = run.restarts + 1
+        reason = f"retry {n}/{run.max_restarts}: {summarize(error)}"
+        return _to(run, JobState.QUEUED, reason, values={"restarts": n})
+    return _to(run, JobState.FAILED, summarize(error), error=error)
+
+
+def _on_preempted(run: HeldRun, status: RunStatus) -> Decision | None:
+    if run.cancel_requested:
+        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
+    reason = "preempted" + (f": {summarize(status.reason)}" if status.reason else "")
+    return _to(run, JobState.QUEUED, reason)
+
+
+PHASE_DECISIONS: dict[RunPhase, Callable[[HeldRun, RunStatus], Decision | None]] = {
+    RunPhase.PENDING: _on_pending,
+    RunPhase.RUNNING: _on_running,
+    RunPhase.SUCCEEDED: _on_succeeded,
+    RunPhase.CANCELLED: _on_cancelled,
+    RunPhase.FAILED: _on_failed,  # retried while restarts < max_restarts
+    RunPhase.PREEMPTED: _on_preempted,  # requeued; does not count as a restart
+}
+
+
+def decide_on_status(run: HeldRun, status: RunStatus) -> Decision | None:
+    """The transition a launcher observation calls for; None when the job stays as it is."""
+    return PHASE_DECISIONS[status.phase](run, status)
+
+
+def decide_on_launch_error(run: HeldRun, message: str) -> Decision:
+    """A job whose attempt could not be started fails (retried if restarts are left)."""
+    return decide_on_status(run, RunStatus(RunPhase.FAILED, message)) or _to(
+        run, JobState.FAILED, summarize(message), error=message
+    )
+
+
+def decide_on_shutdown(run: HeldRun, status: RunStatus | None) -> Decision:
+    """After the worker stopped a job's processes at shutdown: keep a finished job's real
+    outcome, honour a pending cancel, otherwise requeue it (no restart counted)."""
+    if status is not None and status.phase == RunPhase.SUCCEEDED:
+        return _to(run, JobState.SUCCEEDED, REASON_SUCCEEDED)
+    if run.cancel_requested:
+        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
+    return _to(run, JobState.QUEUED, REASON_WORKER_STOPPED)
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """What a heartbeat changes in the worker's view of its jobs."""
+
+    lost: tuple[int, ...] = ()  # taken away (requeued, ended elsewhere): stop their processes
+    states: Mapping[int, JobState] = field(default_factory=dict)  # the database's state
+    cancel_requested: frozenset[int] = frozenset()
+    orphans: tuple[Decision, ...] = ()  # held in the database, unknown here: requeue
+
+
+def reconcile(runs: Mapping[int, HeldRun], held: Sequence[HeldJob]) -> Reconciliation:
+    """Compare the worker's runs with the jobs the database says it holds."""
+    by_id = {h.job_id: h for h in held}
+    lost = tuple(
+        job_id
+        for job_id, run in runs.items()
+        if job_id not in by_id or by_id[job_id].attempt != run.attempt
+    )
+    kept = {h.job_id: h for h in held if h.job_id in runs and h.job_id not in lost}
+    orphans = tuple(
+        Decision(Transition(h.job_id, JobState(h.state), JobState.QUEUED, REASON_ORPHANED))
+        for h in held
+        if h.job_id not in runs
+    )
+    return Reconciliation(
+        lost=lost,
+        states={i: JobState(h.state) for i, h in kept.items() if runs[i].state != h.state},
+        cancel_requested=frozenset(i for i, h in kept.items() if h.cancel_requested),
+        orphans=orphans,
+    )
+
+
+class GpuPool:
+    """The worker's GPU ids; jobs take ``gpus_per_node`` of them and give them back."""
+
+    def __init__(self, gpus: Sequence[int]) -> None:
+        self._free = sorted(set(gpus))
+
+    @property
+    def free(self) -> int:
+        """How many GPUs are free."""
+        return len(self._free)
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        """The ``n`` lowest free ids (removed from the pool), or None if fewer are free."""
+        if n > len(self._free):
+            return None
+        taken, self._free = self._free[:n], self._free[n:]
+        return tuple(taken)
+
+    def give(self, gpus: Sequence[int]) -> None:
+        """Return ``gpus`` to the pool."""
+        self._free = sorted(set(self._free) | set(gpus))

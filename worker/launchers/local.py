@@ -1,0 +1,396 @@
+"""The local launcher: each attempt is one torchrun process group on the worker's host.
+
+torchrun (``--standalone``: its own rendezvous on a free port, so jobs never share a port)
+runs ``nproc_per_node`` rank processes of ``python -m worker.runtime``. torchrun starts every
+rank in a session of its own, so signalling torchrun's process group does not reach the ranks
+directly; we find an attempt's processes by the tags every one of them carries in its
+environment (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``, ``DDPQ_ARTIFACT_DIR``) and signal their groups
+too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun stops its ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any
+
+from service import artifacts
+from service.config import Settings
+from service.spec import JobSpec
+from worker.errors import LaunchError
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.runtime import envvars
+
+log = logging.getLogger(__name__)
+
+NAME = "local"
+RANK_ENTRY: tuple[str, ...] = ("-m", "worker.runtime")
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
+DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
+LOG_TAIL_LINES = 20
+TRACEBACK_TAIL_LINES = 15
+MAX_FINISHED_RUNS = 1000
+# torchrun's failure summary: "Root Cause (first observed failure): … rank : 1 … exitcode : -9"
+ROOT_CAUSE_RE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<exitcode>-?\d+)", re.S
+)
+_PR_SET_PDEATHSIG = 1
+
+
+def parent_death_preexec(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent *thread* dies.
+
+    Call ``Popen`` from a long-lived thread: Linux sends the signal when the thread that
+    forked exits. If the parent is already gone when the child runs, it signals itself.
+    """
+    parent_pid = os.getpid()
+
+    def _preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sig)
+
+    return _preexec
+
+
+def attempt_tags(job_id: int, attempt: int, artifact_dir: str) -> frozenset[bytes]:
+    """The ``NAME=value`` environment entries that mark one attempt's processes."""
+    return frozenset(
+        f"{k}={v}".encode()
+        for k, v in (
+            (envvars.JOB_ID, job_id),
+            (envvars.ATTEMPT, attempt),
+            (envvars.ARTIFACT_DIR, artifact_dir),
+        )
+    )
+
+
+def find_tagged_processes(tags: frozenset[bytes]) -> list[int]:
+    """Pids of live processes whose initial environment holds every entry of ``tags``.
+
+    Reads ``/proc/<pid>/environ`` (only our own user's processes are readable; zombies have
+    an empty environment and are skipped).
+    """
+    pids: list[int] = []
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if tags <= env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def bind_gpus(plan: LaunchPlan, gpus: Sequence[int]) -> LaunchPlan:
+    """The plan with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids the worker assigned."""
+    return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
+
+
+@dataclass
+class _LocalRun:
+    """One started attempt: its plan, torchrun's process, and what we did to it."""
+
+    plan: LaunchPlan
+    popen: subprocess.Popen[bytes]
+    log_file: IO[bytes]
+    tags: frozenset[bytes]
+    started_mono: float
+    timeout_s: float | None
+    cancelled: bool = False
+    timed_out: bool = False
+    result_seen_mono: float | None = None
+    final: RunStatus | None = None
+
+
+class LocalLauncher:
+    """Runs attempts as torchrun subprocesses on this host (see the module docstring)."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        cwd: Path | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+        teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S,
+        entry: Sequence[str] = RANK_ENTRY,
+        python: str = sys.executable,
+    ) -> None:
+        """Args:
+        settings: where ranks find the database and the artifact root.
+        cwd: the ranks' working directory (default: the worker's; user entrypoints such as
+            ``examples.*`` are imported relative to it).
+        grace_s: seconds between SIGTERM and SIGKILL on cancel.
+        teardown_grace_s: seconds an attempt may linger after rank 0 wrote result.json.
+        entry: what torchrun runs per rank (default ``-m worker.runtime``).
+        python: the interpreter that runs torchrun.
+        """
+        self.database_url = settings.resolved_database_url
+        self.artifact_dir = settings.resolved_artifact_dir
+        self.cwd = (cwd or Path.cwd()).resolve()
+        self.grace_s = grace_s
+        self.teardown_grace_s = teardown_grace_s
+        self.entry = tuple(entry)
+        self.python = python
+        self._runs: dict[str, _LocalRun] = {}
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+        """The torchrun command line and environment for one attempt; touches nothing.
+
+        GPU jobs see GPUs ``0..gpus_per_node-1`` unless the worker rebinds them with
+        ``bind_gpus``; CPU jobs get ``CUDA_VISIBLE_DEVICES=""``.
+        """
+        r = spec.resources
+        argv = [
+            self.python, "-m", "torch.distributed.run",
+            "--standalone",
+            "--nnodes", "1",
+            "--nproc_per_node", str(r.nproc_per_node),
+            "--max_restarts", "0",
+            *self.entry,
+        ]  # fmt: skip
+        env = {
+            envvars.JOB_ID: str(job_id),
+            envvars.ATTEMPT: str(attempt),
+            envvars.DATABASE_URL: self.database_url,
+            envvars.ARTIFACT_DIR: str(self.artifact_dir),
+            "OMP_NUM_THREADS": str(r.cpus_per_task),
+            CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
+            "PYTHONUNBUFFERED": "1",
+        }
+        return LaunchPlan(
+            launcher=NAME,
+            job_id=job_id,
+            attempt=attempt,
+            argv=argv,
+            env=env,
+            cwd=str(self.cwd),
+            log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
+            extra={"timeout_s": str(r.timeout_min * 60)},
+        )
+
+    def start(self, plan: LaunchPlan) -> str:
+        """Start torchrun in a new session, its output appended to ``launcher.log``.
+
+        Returns:
+            The handle: torchrun's pid (also its process group id), as a string.
+        Raises:
+            LaunchError: the process could not be started.
+        """
+        log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
+        try:
+            popen = subprocess.Popen(
+                plan.argv,
+                cwd=plan.cwd,
+                env={**os.environ, **plan.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=parent_death_preexec(signal.SIGTERM),
+            )
+        except OSError as exc:
+            log_file.close()
+            raise LaunchError(f"could not start {plan.argv[0]}: {exc}") from exc
+        timeout = plan.extra.get("timeout_s")
+        handle = str(popen.pid)
+        self._runs[handle] = _LocalRun(
+            plan=plan,
+            popen=popen,
+            log_file=log_file,
+            tags=attempt_tags(plan.job_id, plan.attempt, plan.env[envvars.ARTIFACT_DIR]),
+            started_mono=time.monotonic(),
+            timeout_s=float(timeout) if timeout else None,
+        )
+        self._prune()
+        return handle
+
+    def poll(self, handle: str) -> RunStatus:
+        """Observe the attempt: running, or how it ended (stable once ended).
+
+        Success is decided by rank 0's ``result.json``, not by the exit code. A failure's
+        reason names the earliest failing rank and its exception, else torchrun's exit code
+        and the tail of ``launcher.log``. Enforces ``resources.timeout_min``.
+        """
+        run = self._runs.get(handle)
+        if run is None:
+            return RunStatus(RunPhase.FAILED, f"no local run {handle} (the worker restarted?)")
+        if run.final is not None:
+            return run.final
+        if run.popen.poll() is None:
+            now = time.monotonic()
+            if self._result_file(run).exists():
+                run.result_seen_mono = run.result_seen_mono or now
+                if now - run.result_seen_mono < self.teardown_grace_s:
+                    return RunStatus(RunPhase.RUNNING)
+                log.warning("job_id=%d teardown hangs after result.json; killing", run.plan.job_id)
+                self._terminate(run, grace_s=1.0)
+            elif run.timeout_s is not None and now - run.started_mono > run.timeout_s:
+                run.timed_out = True
+                self._terminate(run, grace_s=self.grace_s)
+            else:
+                return RunStatus(RunPhase.RUNNING)
+        return self._finish(run)
+
+    def cancel(self, handle: str) -> None:
+        """SIGTERM the attempt's process groups, SIGKILL after ``grace_s``; reap torchrun.
+
+        Idempotent; returns once no process of the attempt is left.
+        """
+        run = self._runs.get(handle)
+        if run is None:
+            return
+        if run.final is None and run.popen.poll() is None:
+            run.cancelled = True
+        self._terminate(run, grace_s=self.grace_s)
+
+    def _result_file(self, run: _LocalRun) -> Path:
+        return artifacts.result_path(self.artifact_dir, run.plan.job_id, run.plan.attempt)
+
+    def _process_groups(self, run: _LocalRun) -> set[int]:
+        groups = {run.popen.pid} if run.popen.returncode is None else set()
+        for pid in find_tagged_processes(run.tags):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        groups.discard(os.getpgrp())
+        return groups
+
+    def _signal_groups(self, run: _LocalRun, sig: signal.Signals) -> bool:
+        """Send ``sig`` to every process group of the attempt; False when none is left."""
+        groups = self._process_groups(run)
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+        return bool(groups)
+
+    def _terminate(self, run: _LocalRun, *, grace_s: float) -> None:
+        if self._signal_groups(run, signal.SIGTERM):
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                if run.popen.poll() is not None and not find_tagged_processes(run.tags):
+                    break
+                time.sleep(0.05)
+        self._kill_leftovers(run)
+
+    def _kill_leftovers(self, run: _LocalRun) -> None:
+        """SIGKILL whatever is left of the attempt and reap torchrun."""
+        for _ in range(50):
+            if not self._signal_groups(run, signal.SIGKILL):
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.popen.wait(timeout=0.1)
+        run.popen.wait()
+        run.log_file.close()
+        for pid in find_tagged_processes(run.tags):
+            log.error("job_id=%d attempt=%d: process %d survived SIGKILL",
+                      run.plan.job_id, run.plan.attempt, pid)  # fmt: skip
+
+    def _finish(self, run: _LocalRun) -> RunStatus:
+        rc = run.popen.wait()
+        self._kill_leftovers(run)
+        if self._result_file(run).exists():
+            status = RunStatus(RunPhase.SUCCEEDED, None, rc)
+        elif run.cancelled:
+            status = RunStatus(RunPhase.CANCELLED, "cancelled", rc)
+        elif run.timed_out:
+            minutes = (run.timeout_s or 0) / 60
+            status = RunStatus(
+                RunPhase.FAILED, f"timed out after {minutes:g} min (resources.timeout_min)", rc
+            )
+        else:
+            status = RunStatus(RunPhase.FAILED, self._failure_reason(run, rc), rc)
+        run.final = status
+        return status
+
+    def _failure_reason(self, run: _LocalRun, rc: int) -> str:
+        """The earliest rank error; else the rank torchrun names as root cause, with the tail
+        of that rank's log; else torchrun's exit code and the tail of launcher.log."""
+        job_id, attempt = run.plan.job_id, run.plan.attempt
+        error = earliest_rank_error(Path(run.plan.log_dir))
+        if error is not None:
+            return error
+        log_path = artifacts.launcher_log_path(self.artifact_dir, job_id, attempt)
+        head = f"torchrun {describe_exit(rc)}"
+        cause = ROOT_CAUSE_RE.search(tail_lines(log_path, n=200))
+        if cause is not None:
+            rank, code = int(cause["rank"]), int(cause["exitcode"])
+            head = f"rank {rank} {describe_exit(code)} without an error report"
+            rank_log = artifacts.rank_log_path(self.artifact_dir, job_id, attempt, rank)
+            log_path = rank_log if rank_log.exists() else log_path
+        return f"{head}; last lines of {log_path.name}:\n{tail_lines(log_path)}"
+
+    def _prune(self) -> None:
+        finished = [h for h, r in self._runs.items() if r.final is not None]
+        for handle in finished[: max(0, len(finished) - MAX_FINISHED_RUNS)]:
+            del self._runs[handle]
+
+
+def describe_exit(rc: int) -> str:
+    """``"exit code 3"`` or ``"exit code -6 (SIGABRT)"``."""
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"exit code {rc} ({signal.Signals(-rc).name})"
+    return f"exit code {rc}"
+
+
+def tail_lines(path: Path, n: int = LOG_TAIL_LINES, max_bytes: int = 64_000) -> str:
+    """The last ``n`` lines of a text file (reads at most ``max_bytes`` from its end)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read()
+    except OSError:
+        return "(no output)"
+    return "\n".join(data.decode(errors="replace").splitlines()[-n:]) or "(no output)"
+
+
+def _rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
+    for path in attempt_dir.glob("error-rank-*.json"):
+        try:
+            data = json.loads(path.read_text(errors="replace"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            yield data
+
+
+def earliest_rank_error(attempt_dir: Path) -> str | None:
+    """The error of the rank that failed first (by its ``time``, then rank), as text:
+    ``"rank 1 failed: RuntimeError: boom"`` plus the traceback's last lines; None if no rank
+    wrote an error file."""
+
+    def key(e: dict[str, Any]) -> tuple[float, int]:
+        try:
+            return float(e.get("time", 0.0)), int(e.get("rank", 0))
+        except (TypeError, ValueError):
+            return 0.0, 0
+
+    errors = sorted(_rank_errors(attempt_dir), key=key)
+    if not errors:
+        return None
+    e = errors[0]
+    head = f"rank {e.get('rank', '?')} failed: {e.get('exc_type', 'Error')}: {e.get('message', '')}"
+    tb = str(e.get("traceback") or "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
+    return "\n".join([head, *tb]) if tb else head

@@ -1,0 +1,37 @@
+"""Launcher names → launcher objects (the Slurm launcher is imported only when asked for)."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from service.config import Settings
+from service.spec import LauncherName
+from worker.errors import LaunchError
+from worker.launchers.base import Launcher
+
+LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
+# Launchers whose ranks run on the worker's own host: the worker hands out its GPUs to them.
+HOST_LAUNCHERS = frozenset({"local"})
+
+
+def make_launcher(name: str, settings: Settings) -> Launcher:
+    """Build the launcher called ``name``.
+
+    Raises:
+        LaunchError: unknown name (the message lists the valid ones).
+    """
+    if name == "local":
+        from worker.launchers.local import LocalLauncher
+
+        return LocalLauncher(settings)
+    if name == "slurm":
+        from worker.launchers.slurm import SlurmLauncher  # type: ignore[import-not-found,unused-ignore]
+
+        launcher: Launcher = SlurmLauncher(settings)
+        return launcher
+    raise LaunchError(f"unknown launcher {name!r}; choose one of: {', '.join(LAUNCHER_NAMES)}")
+
+
+def uses_host_gpus(name: str) -> bool:
+    """Whether jobs of this launcher run on the worker's host and need GPUs from its pool."""
+    return name in HOST_LAUNCHERS

@@ -1,0 +1,372 @@
+"""The Slurm launcher: each attempt is one Slurm job submitted through submitit.
+
+``plan`` renders the sbatch script (one Slurm task per rank: ``--nodes=nnodes``,
+``--ntasks-per-node=nproc_per_node``); ``start`` submits it with submitit's ``SlurmExecutor``
+and a ``SlurmRank`` per task; ``poll`` reads every followed job's state with one ``sacct`` call
+per poll interval (``SLURM_STATE_TO_PHASE`` decides; rank 0's result.json decides success);
+``cancel`` is ``scancel``. The handle is Slurm's job id, and the Slurm job name
+(``ddpq-<job_id>-<attempt>``) ties it back to its ddpq attempt, so a restarted worker can
+poll a job it did not start. Slurm jobs outlive the worker (``detached``).
+
+Preemption: sbatch gets ``--signal=USR1@<signal_delay_s>``; the ranks checkpoint at the next
+step and exit ``128+USR1``, which ``poll`` reports as PREEMPTED (ddpq requeues the job as
+attempt + 1, resuming from the newest checkpoint). A Slurm requeue (``scontrol requeue``,
+preemption with requeue) is PREEMPTED too: the launcher cancels Slurm's requeued copy so only
+ddpq's relaunch runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service import artifacts
+from service.config import Settings
+from service.spec import JobSpec
+from worker.errors import LaunchError
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.launchers.local import earliest_rank_error, tail_lines
+from worker.launchers.slurm_params import (
+    DEFAULT_SIGNAL_DELAY_S,
+    rank_environment,
+    sbatch_parameters,
+)
+from worker.launchers.slurm_rank import SlurmRank
+from worker.launchers.slurm_states import (
+    SacctRecord,
+    parse_job_name,
+    parse_sacct,
+    sacct_command,
+    slurm_job_name,
+    status_from_records,
+)
+from worker.runtime import envvars
+
+log = logging.getLogger(__name__)
+
+NAME = "slurm"
+DEFAULT_POLL_INTERVAL_S = 1.0  # one sacct per this many seconds, for all followed jobs
+DEFAULT_MISSING_GRACE_S = 60.0  # sacct may not know a fresh job yet; after this it is lost
+DEFAULT_CANCEL_CONFIRM_S = 15.0  # cancel() waits this long for Slurm to confirm
+COMMAND_TIMEOUT_S = 30.0  # sacct / scancel / sinfo
+MAX_FINISHED_JOBS = 1000  # ended jobs whose final status is kept for repeated polls
+
+
+@dataclass
+class _Followed:
+    """What the launcher knows about one Slurm job it follows."""
+
+    first_polled_mono: float
+    job_name: str | None = None  # ``ddpq-<job_id>-<attempt>``; learnt from sacct on re-attach
+    records: list[SacctRecord] | None = None
+    final: RunStatus | None = None
+    cancel_sent: bool = False
+
+
+class SlurmLauncher:
+    """Runs attempts as Slurm jobs through submitit (see the module docstring)."""
+
+    name = NAME
+    # Slurm jobs keep running when the worker stops; a restarted worker re-attaches to them.
+    detached = True
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        cwd: Path | None = None,
+        python: str = sys.executable,
+        partition: str | None = None,
+        signal_delay_s: int = DEFAULT_SIGNAL_DELAY_S,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
+        cancel_confirm_s: float = DEFAULT_CANCEL_CONFIRM_S,
+        sacct: str = "sacct",
+    ) -> None:
+        """Args:
+        settings: where ranks find the database and the artifact root (which every Slurm
+            node must see at the same path).
+        cwd: the ranks' working directory (``--chdir``; default: the worker's).
+        python: the interpreter the ranks run (same path on every node).
+        partition: used when a spec names none (else Slurm's default partition).
+        signal_delay_s: seconds before the time limit that Slurm sends USR1.
+        poll_interval_s: at most one sacct per this many seconds; polls in between share it.
+        missing_grace_s: seconds a job may be unknown to sacct before it counts as lost.
+        cancel_confirm_s: seconds ``cancel`` waits for Slurm to confirm the job ended.
+        sacct: the sacct executable.
+        """
+        self.settings = settings
+        self.database_url = settings.resolved_database_url
+        self.artifact_dir = settings.resolved_artifact_dir
+        self.cwd = (cwd or Path.cwd()).resolve()
+        self.python = python
+        self.partition = partition
+        self.signal_delay_s = signal_delay_s
+        self.poll_interval_s = poll_interval_s
+        self.missing_grace_s = missing_grace_s
+        self.cancel_confirm_s = cancel_confirm_s
+        self.sacct = sacct
+        self._followed: dict[str, _Followed] = {}
+        self._last_sacct_mono = float("-inf")
+        self._last_asked: frozenset[str] = frozenset()  # the handles the last sacct covered
+        self.sacct_calls = 0  # how many sacct calls this launcher made (tests check batching)
+
+    # -- plan ----------------------------------------------------------------------------
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+        """The sbatch script submitit will submit for this attempt; touches nothing.
+
+        Raises:
+            LaunchError: ``spec.slurm.extra`` sets an option ddpq manages.
+        """
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        folder = artifacts.slurm_dir(self.artifact_dir, job_id, attempt)
+        params = sbatch_parameters(
+            spec,
+            job_id,
+            attempt,
+            cwd=str(self.cwd),
+            artifact_dir=self.artifact_dir,
+            default_partition=self.partition,
+            signal_delay_s=self.signal_delay_s,
+        )
+        script = _make_sbatch_string(command=self._command(folder), folder=folder, **params)
+        return LaunchPlan(
+            launcher=NAME,
+            job_id=job_id,
+            attempt=attempt,
+            argv=["sbatch"],
+            env=rank_environment(spec, job_id, attempt, artifact_dir=self.artifact_dir),
+            cwd=str(self.cwd),
+            log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
+            script=script,
+            extra={"slurm_dir": str(folder), "sbatch_parameters": json.dumps(params)},
+        )
+
+    def _command(self, folder: Path) -> str:
+        """The per-task command, as submitit's executor builds it."""
+        return f"{shlex.quote(self.python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(self, plan: LaunchPlan) -> str:
+        """Submit the plan's script through submitit; record the Slurm job id on the job.
+
+        Returns:
+            The handle: Slurm's job id.
+        Raises:
+            LaunchError: Slurm is not installed, or sbatch refused the job (its message, plus
+                what the partition's nodes offer).
+        """
+        from submitit.slurm.slurm import SlurmExecutor
+
+        folder = Path(plan.extra["slurm_dir"])
+        params = json.loads(plan.extra["sbatch_parameters"])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # submitit's pickle carries the database URL (maybe with a password): owner only.
+        folder.mkdir(mode=0o700, exist_ok=True)
+        try:
+            executor = SlurmExecutor(folder=folder, python=shlex.quote(self.python))
+        except RuntimeError as exc:
+            raise LaunchError(f"cannot submit to Slurm: {exc}") from exc
+        executor.update_parameters(**params)
+        rendered = executor._make_submission_file_text(executor._submitit_command_str, "")
+        if rendered != plan.script:
+            raise LaunchError("the sbatch script submitit would submit differs from the plan")
+        rank = SlurmRank(env={**plan.env, envvars.DATABASE_URL: self.database_url})
+        try:
+            job = executor.submit(rank)
+        except Exception as exc:  # submitit wraps sbatch's failure in several types
+            raise LaunchError(self._refusal(params, exc)) from exc
+        handle = str(job.job_id)
+        self._followed[handle] = _Followed(
+            first_polled_mono=time.monotonic(),
+            job_name=slurm_job_name(plan.job_id, plan.attempt),
+        )
+        log.info("job_id=%d attempt=%d submitted as Slurm job %s", plan.job_id, plan.attempt,
+                 handle, extra={"job_id": plan.job_id, "attempt": plan.attempt})  # fmt: skip
+        self._record_scheduler_job_id(plan.job_id, plan.attempt, handle)
+        return handle
+
+    def _refusal(self, params: dict[str, Any], exc: Exception) -> str:
+        lines = [ln.strip() for ln in str(exc).splitlines() if "error" in ln.lower()]
+        message = lines[-1] if lines else str(exc).strip().splitlines()[-1]
+        asked = ", ".join(
+            f"{k}={params[k]}"
+            for k in ("partition", "nodes", "ntasks_per_node", "cpus_per_task", "gpus_per_node",
+                      "mem", "time")
+            if k in params
+        )  # fmt: skip
+        return f"sbatch refused the job: {message} (asked for {asked}; {self._describe_nodes()})"
+
+    def _describe_nodes(self) -> str:
+        """What the partitions' nodes offer, from sinfo (for error messages)."""
+        try:
+            out = subprocess.run(
+                ["sinfo", "-h", "-o", "%P %D %c %m %G"],
+                capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True,
+            ).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return "sinfo unavailable"
+        parts = []
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) == 5:
+                p, n, cpus, mem, gres = fields
+                parts.append(f"partition {p}: {n} node(s) × {cpus} CPUs, {mem} MB, gres {gres}")
+        return "; ".join(parts) or "sinfo shows no partition"
+
+    def _record_scheduler_job_id(self, job_id: int, attempt: int, handle: str) -> None:
+        from service.db import Database
+        from service.errors import DdpqError
+        from service.jobs import set_scheduler_job_id
+
+        db = Database.from_url(self.database_url)
+        try:
+            with db.session() as s:
+                set_scheduler_job_id(s, job_id, attempt, handle)
+        except DdpqError as exc:
+            log.warning("job_id=%d: could not record Slurm job %s: %s", job_id, handle, exc)
+        finally:
+            db.dispose()
+
+    # -- poll ----------------------------------------------------------------------------
+
+    def poll(self, handle: str) -> RunStatus:
+        """Observe the attempt behind Slurm job ``handle`` (stable once it ended).
+
+        Every followed job is refreshed by one sacct call at most every ``poll_interval_s``
+        seconds, so polling all of a worker's jobs in a row costs one sacct. A job sacct does
+        not list yet is PENDING for ``missing_grace_s`` seconds; a failed sacct keeps the last
+        observation. A handle this launcher did not start (re-attach) is followed from here on.
+        """
+        followed = self._followed.setdefault(handle, _Followed(time.monotonic()))
+        if followed.final is not None:
+            return followed.final
+        if handle not in self._last_asked or self._sacct_due():
+            self.refresh()
+        return self._status(handle, followed)
+
+    def poll_many(self, handles: list[str]) -> dict[str, RunStatus]:
+        """``poll`` for several handles with (at most) one sacct call."""
+        for handle in handles:
+            self._followed.setdefault(handle, _Followed(time.monotonic()))
+        self.refresh()
+        return {h: self.poll(h) for h in handles}
+
+    def _sacct_due(self) -> bool:
+        return time.monotonic() - self._last_sacct_mono >= self.poll_interval_s
+
+    def refresh(self) -> bool:
+        """One sacct call for every followed job that has not ended; False if it failed."""
+        pending = [h for h, f in self._followed.items() if f.final is None]
+        self._last_sacct_mono = time.monotonic()
+        self._last_asked = frozenset(pending)
+        if not pending:
+            return True
+        cmd = [self.sacct, *sacct_command(pending)[1:]]
+        self.sacct_calls += 1
+        try:
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            log.warning("sacct failed (%s); keeping the last known Slurm states", detail)
+            return False
+        records = parse_sacct(out)
+        for handle in pending:
+            followed = self._followed[handle]
+            runs = records.get(handle, [])
+            # Slurm can reuse a job id after losing its state: keep only this job's rows.
+            name = followed.job_name or (runs[-1].job_name if runs else None)
+            runs = [r for r in runs if r.job_name == name]
+            if runs:
+                followed.job_name, followed.records = name, runs
+        return True
+
+    def _status(self, handle: str, followed: _Followed) -> RunStatus:
+        if not followed.records:
+            waited = time.monotonic() - followed.first_polled_mono
+            if waited < self.missing_grace_s:
+                return RunStatus(RunPhase.PENDING)
+            return self._end(
+                followed,
+                RunStatus(
+                    RunPhase.FAILED, f"Slurm has no record of job {handle} after {waited:.0f} s"
+                ),
+            )
+        status = status_from_records(followed.records)
+        if status.phase in (RunPhase.PENDING, RunPhase.RUNNING):
+            return status
+        ids = parse_job_name(followed.records[-1].job_name)
+        if ids is not None:
+            status = self._with_artifacts(handle, ids[0], ids[1], status)
+        if status.phase == RunPhase.PREEMPTED and followed.records[-1].state != "FAILED":
+            # Slurm requeued the job: stop its copy, ddpq relaunches it as the next attempt.
+            self._scancel(handle)
+        return self._end(followed, status)
+
+    def _end(self, followed: _Followed, status: RunStatus) -> RunStatus:
+        followed.final = status
+        ended = [h for h, f in self._followed.items() if f.final is not None]
+        for handle in ended[: max(0, len(ended) - MAX_FINISHED_JOBS)]:
+            del self._followed[handle]
+        return status
+
+    def _with_artifacts(
+        self, handle: str, job_id: int, attempt: int, status: RunStatus
+    ) -> RunStatus:
+        """result.json (written before teardown) beats the exit code; a rank's error file is
+        the best reason for a failure, else the tail of task 0's stderr."""
+        result = artifacts.result_path(self.artifact_dir, job_id, attempt)
+        if status.phase in (RunPhase.SUCCEEDED, RunPhase.FAILED) and result.exists():
+            return RunStatus(RunPhase.SUCCEEDED, exit_code=status.exit_code)
+        if status.phase != RunPhase.FAILED:
+            return status
+        attempt_dir = artifacts.attempt_dir(self.artifact_dir, job_id, attempt)
+        reason = earliest_rank_error(attempt_dir)
+        if reason is None:
+            stderr = artifacts.slurm_dir(self.artifact_dir, job_id, attempt) / f"{handle}_0_log.err"
+            reason = f"{status.reason}; last lines of {stderr.name}:\n{tail_lines(stderr)}"
+        return RunStatus(RunPhase.FAILED, reason, status.exit_code)
+
+    # -- cancel --------------------------------------------------------------------------
+
+    def cancel(self, handle: str) -> None:
+        """``scancel`` the job, then wait up to ``cancel_confirm_s`` for sacct to show it
+        ended. Idempotent; a job that already ended keeps its outcome."""
+        followed = self._followed.setdefault(handle, _Followed(time.monotonic()))
+        if followed.final is not None:
+            return
+        if not followed.cancel_sent:
+            self._scancel(handle)
+            followed.cancel_sent = True
+        deadline = time.monotonic() + self.cancel_confirm_s
+        while time.monotonic() < deadline:
+            self.refresh()
+            status = self._status(handle, followed)
+            if status.phase not in (RunPhase.PENDING, RunPhase.RUNNING):
+                return
+            time.sleep(0.25)
+        log.warning("Slurm job %s not confirmed ended %.0f s after scancel", handle,
+                    self.cancel_confirm_s)  # fmt: skip
+
+    def _scancel(self, handle: str) -> None:
+        try:
+            done = subprocess.run(
+                ["scancel", handle], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("scancel %s failed: %s", handle, exc)
+            return
+        if done.returncode != 0:
+            log.info("scancel %s: %s", handle, done.stderr.strip())

@@ -1,0 +1,93 @@
+"""The sbatch parameters of one Slurm attempt, from its spec: a pure function, golden-tested
+through ``SlurmLauncher.plan``."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from service.spec import JobSpec
+from worker.errors import LaunchError
+from worker.launchers.slurm_states import PREEMPT_SIGNAL, slurm_job_name
+from worker.runtime import envvars
+
+DEFAULT_SIGNAL_DELAY_S = 60  # Slurm's USR1 warning, seconds before the time limit
+# sbatch options ddpq sets itself; a spec's slurm.extra may not override them.
+RESERVED_SBATCH_OPTIONS = frozenset(
+    {"job-name", "nodes", "ntasks-per-node", "ntasks", "output", "error", "signal", "chdir",
+     "open-mode", "array", "wrap"}
+)  # fmt: skip
+
+
+def sbatch_parameters(
+    spec: JobSpec,
+    job_id: int,
+    attempt: int,
+    *,
+    cwd: str,
+    artifact_dir: Path,
+    default_partition: str | None = None,
+    signal_delay_s: int = DEFAULT_SIGNAL_DELAY_S,
+) -> dict[str, Any]:
+    """submitit ``SlurmExecutor`` parameters (its own names) for one attempt. Pure.
+
+    Raises:
+        LaunchError: ``spec.slurm.extra`` tries to set an option ddpq manages.
+    """
+    from submitit.slurm.slurm import _convert_mem
+
+    r = spec.resources
+    opts = spec.slurm
+    extra: dict[str, Any] = {}
+    for key, value in (opts.extra if opts else {}).items():
+        name = key.lstrip("-").replace("_", "-")
+        if name in RESERVED_SBATCH_OPTIONS:
+            raise LaunchError(
+                f"slurm.extra may not set --{name}: ddpq sets it (reserved: "
+                f"{', '.join(sorted(RESERVED_SBATCH_OPTIONS))})"
+            )
+        extra[name] = value
+    env = rank_environment(spec, job_id, attempt, artifact_dir=artifact_dir)
+    params: dict[str, Any] = {
+        "job_name": slurm_job_name(job_id, attempt),
+        "time": (opts.time_limit_min if opts and opts.time_limit_min else r.timeout_min),
+        "nodes": r.nnodes,
+        "ntasks_per_node": r.nproc_per_node,
+        "cpus_per_task": r.cpus_per_task,
+        "setup": [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())],
+        "additional_parameters": {
+            **extra,
+            "signal": f"{PREEMPT_SIGNAL.name.removeprefix('SIG')}@{int(signal_delay_s)}",
+            "chdir": cwd,
+        },
+    }
+    if r.gpus_per_node:
+        params["gpus_per_node"] = r.gpus_per_node
+    if r.mem_gb is not None:
+        params["mem"] = _convert_mem(r.mem_gb)
+    partition = (opts.partition if opts else None) or default_partition
+    named: tuple[tuple[str, str | None], ...] = (
+        ("partition", partition),
+        ("account", opts.account if opts else None),
+        ("qos", opts.qos if opts else None),
+        ("constraint", opts.constraint if opts else None),
+    )
+    for option, setting in named:
+        if setting:
+            params[option] = setting
+    return params
+
+
+def rank_environment(
+    spec: JobSpec, job_id: int, attempt: int, *, artifact_dir: Path
+) -> dict[str, str]:
+    """ddpq's variables every rank gets, exported by the sbatch script (the database URL,
+    which may hold a password, and the topology are added inside the task)."""
+    return {
+        envvars.JOB_ID: str(job_id),
+        envvars.ATTEMPT: str(attempt),
+        envvars.ARTIFACT_DIR: str(artifact_dir),
+        "OMP_NUM_THREADS": str(spec.resources.cpus_per_task),
+        "PYTHONUNBUFFERED": "1",
+    }

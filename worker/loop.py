@@ -1,0 +1,299 @@
+"""The worker loop: heartbeat → reconcile → watch (poll, cancel) → finish → claim → launch.
+
+Plan, then act: every state change is first a ``Decision`` made by a pure function of what
+the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
+applies it with ``service.jobs.apply_transition``. The loop knows launchers only through
+``worker.launchers.base.Launcher``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from service import jobs, workers
+from service.config import Settings
+from service.db import Database, redact_url
+from service.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
+from service.spec import JobSpec
+from service.states import JobState
+from worker.decisions import (
+    Decision,
+    GpuPool,
+    HeldRun,
+    decide_on_launch_error,
+    decide_on_shutdown,
+    decide_on_status,
+    reconcile,
+)
+from worker.launchers.base import Launcher, LaunchPlan
+from worker.launchers.local import bind_gpus
+from worker.runtime import envvars
+
+log = logging.getLogger(__name__)
+
+MAX_TICK_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+def render_for_log(plan: LaunchPlan) -> str:
+    """``plan.render()`` with the database password masked."""
+    url = plan.env.get(envvars.DATABASE_URL)
+    if url is None:
+        return plan.render()
+    return replace(plan, env={**plan.env, envvars.DATABASE_URL: redact_url(url)}).render()
+
+
+def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
+    log.log(
+        level,
+        "job_id=%d attempt=%d " + msg,
+        run.job_id,
+        run.attempt,
+        *args,
+        extra={"job_id": run.job_id, "attempt": run.attempt},
+    )
+
+
+class WorkerLoop:
+    """One worker: holds up to ``slots`` jobs at once on one launcher.
+
+    ``host_gpus`` says whether this worker hands out its own ``gpus`` to jobs (the local
+    launcher); otherwise GPU placement is the backend's business (Slurm).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        launcher: Launcher,
+        *,
+        worker_id: str,
+        host: str,
+        pid: int,
+        slots: int = 1,
+        gpus: list[int] | None = None,
+        host_gpus: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.launcher = launcher
+        self.worker_id = worker_id
+        self.host = host
+        self.pid = pid
+        self.slots = max(1, slots)
+        self.gpu_ids = list(gpus or [])
+        self.pool = GpuPool(self.gpu_ids)
+        self.host_gpus = host_gpus
+        self.runs: dict[int, HeldRun] = {}
+        self.registered = False
+        self.stopping = False
+        self._next_reap = 0.0
+
+    @property
+    def tick_s(self) -> float:
+        """Seconds between ticks: the heartbeat interval, at most ``MAX_TICK_S``."""
+        return min(self.settings.heartbeat_interval_s, MAX_TICK_S)
+
+    def register(self) -> None:
+        """Insert (or revive) this worker's row."""
+        with self.db.session() as s:
+            workers.register_worker(
+                s,
+                worker_id=self.worker_id,
+                host=self.host,
+                pid=self.pid,
+                launcher=self.launcher.name,
+                capacity={"slots": self.slots, "gpus": self.gpu_ids},
+            )
+        self.registered = True
+        log.info("worker %s registered: launcher=%s slots=%d gpus=%s",
+                 self.worker_id, self.launcher.name, self.slots, self.gpu_ids)  # fmt: skip
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick until ``stop`` is set, then shut down cleanly (also when a tick raises).
+
+        A database outage is logged and retried with exponential backoff (up to
+        ``MAX_BACKOFF_S`` seconds); running jobs are left alone meanwhile.
+        """
+        backoff = self.tick_s
+        try:
+            while not stop.is_set():
+                try:
+                    self.tick()
+                    backoff, wait = self.tick_s, self.tick_s
+                except DatabaseUnavailableError as exc:
+                    log.warning("database unavailable (%s); retrying in %.1f s", exc, backoff)
+                    wait, backoff = backoff, min(backoff * 2, MAX_BACKOFF_S)
+                stop.wait(wait)
+        finally:
+            self.shutdown()
+
+    def tick(self) -> None:
+        """One round: heartbeat, reconcile, watch every held job, claim, reap lost workers.
+
+        Raises:
+            DatabaseUnavailableError: the database could not be reached (nothing is killed).
+        """
+        if not self.registered:
+            self.register()
+        self._heartbeat()
+        for run in list(self.runs.values()):
+            self._watch(run)
+        if not self.stopping:
+            self._claim_and_launch()
+        now = time.monotonic()
+        if now >= self._next_reap:
+            self._next_reap = now + self.settings.heartbeat_interval_s
+            with self.db.session() as s:
+                reaped = jobs.requeue_expired_jobs(s)
+            for t in reaped:
+                log.warning("job_id=%d requeued: %s (was %s)", t.job_id, t.reason, t.expected)
+
+    def shutdown(self) -> None:
+        """Stop claiming, stop every held job's processes, requeue them, mark us stopped.
+
+        A job that finished meanwhile ends as it ended; one with a pending cancel ends
+        cancelled. If the database is down the jobs' leases expire and another worker
+        requeues them.
+        """
+        self.stopping = True
+        for run in list(self.runs.values()):
+            if run.handle is not None:
+                _jlog(logging.INFO, run, "stopping (worker shutdown)")
+                try:
+                    self.launcher.cancel(run.handle)
+                except Exception:
+                    log.exception("job_id=%d: cancel failed", run.job_id)
+        for run in list(self.runs.values()):
+            status = None
+            if run.handle is not None:
+                try:
+                    status = self.launcher.poll(run.handle)
+                except Exception:
+                    log.exception("job_id=%d: poll failed", run.job_id)
+            try:
+                self._apply(run, decide_on_shutdown(run, status))
+            except DatabaseUnavailableError as exc:
+                _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
+        if self.registered:
+            try:
+                with self.db.session() as s:
+                    workers.stop_worker(s, self.worker_id)
+            except DatabaseUnavailableError as exc:
+                log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
+        log.info("worker %s stopped", self.worker_id)
+
+    # -- steps of a tick ---------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        try:
+            with self.db.session() as s:
+                held = workers.heartbeat(s, self.worker_id, lease_s=self.settings.lease_s)
+        except NotFoundError:
+            log.warning("worker %s was not registered; registering again", self.worker_id)
+            self.register()
+            return
+        plan = reconcile(self.runs, held)
+        for job_id in plan.lost:
+            run = self.runs[job_id]
+            _jlog(logging.WARNING, run, "no longer held by this worker; stopping its processes")
+            if run.handle is not None:
+                self.launcher.cancel(run.handle)
+            self._forget(run)
+        for job_id, state in plan.states.items():
+            self.runs[job_id].state = state
+        for job_id in plan.cancel_requested:
+            self.runs[job_id].cancel_requested = True
+        for decision in plan.orphans:
+            log.warning("job_id=%d held but not running here; requeueing", decision.job_id)
+            self._apply(None, decision)
+
+    def _watch(self, run: HeldRun) -> None:
+        if run.handle is None:
+            self._apply(run, decide_on_launch_error(run, run.launch_error or "not started"))
+            return
+        if run.cancel_requested and not run.cancel_sent:
+            _jlog(logging.INFO, run, "cancel requested; stopping its processes")
+            self.launcher.cancel(run.handle)
+            run.cancel_sent = True
+        decision = decide_on_status(run, self.launcher.poll(run.handle))
+        if decision is not None:
+            self._apply(run, decision)
+
+    def _claim_and_launch(self) -> None:
+        while len(self.runs) < self.slots:
+            max_gpus = self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
+            with self.db.session() as s:
+                job = jobs.claim_next_job(
+                    s,
+                    worker_id=self.worker_id,
+                    launcher=self.launcher.name,
+                    max_gpus_per_node=max_gpus,
+                    lease_s=self.settings.lease_s,
+                )
+                if job is None:
+                    return
+                run = HeldRun(
+                    job_id=job.id,
+                    attempt=job.attempt,
+                    state=JobState.STARTING,
+                    restarts=job.restarts,
+                    max_restarts=int(job.spec.get("max_restarts", 0)),
+                )
+                spec_data = job.spec
+            self._launch(run, spec_data)
+
+    def _launch(self, run: HeldRun, spec_data: dict[str, Any]) -> None:
+        stale = self.runs.get(run.job_id)
+        if stale is not None and stale.handle is not None:
+            self.launcher.cancel(stale.handle)
+        self.runs[run.job_id] = run
+        _jlog(logging.INFO, run, "claimed")
+        try:
+            spec = JobSpec.model_validate(spec_data)
+            if self.host_gpus:
+                gpus = self.pool.take(spec.resources.gpus_per_node)
+                if gpus is None:
+                    raise RuntimeError(f"{spec.resources.gpus_per_node} GPU(s) not free")
+                run.gpus = gpus
+            plan = self.launcher.plan(spec, run.job_id, run.attempt)
+            if run.gpus:
+                plan = bind_gpus(plan, run.gpus)
+            _jlog(logging.INFO, run, "launch plan:\n%s", render_for_log(plan))
+            run.handle = self.launcher.start(plan)
+        except Exception as exc:  # any launch problem fails this job, not the worker
+            _jlog(logging.ERROR, run, "launch failed: %s", exc)
+            run.launch_error = f"launch failed: {type(exc).__name__}: {exc}"
+        self._watch(run)
+
+    def _apply(self, run: HeldRun | None, decision: Decision) -> bool:
+        """Apply ``decision``; False when the job had moved on (logged, not fatal)."""
+        t = decision.transition
+        try:
+            with self.db.session() as s:
+                jobs.apply_transition(
+                    s,
+                    t,
+                    worker_id=self.worker_id,
+                    error=decision.error,
+                    values=dict(decision.values) or None,
+                )
+        except StaleStateError as exc:
+            log.warning("job_id=%d: %s; the next heartbeat reconciles", t.job_id, exc)
+            return False
+        log.info("job_id=%d %s → %s (%s)", t.job_id, t.expected, t.target, t.reason,
+                 extra={"job_id": t.job_id})  # fmt: skip
+        if run is not None:
+            run.state = t.target
+            if decision.releases:
+                self._forget(run)
+        return True
+
+    def _forget(self, run: HeldRun) -> None:
+        self.pool.give(run.gpus)
+        run.gpus = ()
+        self.runs.pop(run.job_id, None)

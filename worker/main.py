@@ -1,0 +1,152 @@
+"""``run_worker``: build a worker from settings and run it until SIGTERM/SIGINT.
+
+Also runnable as ``python -m worker.main [--launcher local] [--gpus 0,1|none|auto]
+[--slots N]`` (what ``ddpq up`` and the end-to-end tests start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from service.config import Settings
+from service.db import Database
+from worker.launchers.registry import LAUNCHER_NAMES, make_launcher, uses_host_gpus
+from worker.loop import WorkerLoop
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def make_worker_id() -> str:
+    """``<host>-<pid>-<6 random hex digits>``: unique per worker process."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def detect_gpus() -> list[int]:
+    """GPU ids this host exposes: ``CUDA_VISIBLE_DEVICES`` if set to integers, else the
+    ``/dev/nvidia<N>`` device files (no CUDA import)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        parts = [p.strip() for p in visible.split(",") if p.strip()]
+        if all(p.isdigit() for p in parts):
+            return [int(p) for p in parts]
+    ids = [p.name.removeprefix("nvidia") for p in Path("/dev").glob("nvidia[0-9]*")]
+    return sorted(int(i) for i in ids if i.isdigit())
+
+
+def parse_gpus(text: str) -> list[int] | None:
+    """``"0,1"`` → ``[0, 1]``; ``"none"`` → ``[]``; ``"auto"`` or ``""`` → None (detect).
+
+    Raises:
+        ValueError: anything else (the message shows the accepted forms).
+    """
+    text = text.strip().lower()
+    if text in ("", "auto"):
+        return None
+    if text == "none":
+        return []
+    try:
+        ids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: use a list like 0,1 or 'none' or 'auto'") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus {text!r}: ids must be distinct and ≥ 0")
+    return ids
+
+
+@contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGTERM/SIGINT while inside the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _handler(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def ensure_logging() -> None:
+    """INFO logs to stderr unless the application configured logging already."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    launcher: str = "local",
+    gpus: list[int] | None = None,
+    slots: int = 1,
+    stop: threading.Event | None = None,
+) -> None:
+    """Run a worker until SIGTERM/SIGINT (or ``stop`` is set), then shut down cleanly:
+    stop claiming, stop held jobs' processes and requeue them, mark the worker stopped.
+
+    Args:
+        settings: database, artifact dir, heartbeat interval (seconds) and lease (seconds).
+        launcher: ``"local"`` (torchrun on this host) or ``"slurm"``.
+        gpus: GPU ids this worker may hand out to local jobs; ``[]`` for none; None to
+            detect them (``detect_gpus``).
+        slots: how many jobs it runs at once.
+        stop: set it to stop the worker from another thread.
+    Raises:
+        LaunchError: unknown launcher.
+    """
+    ensure_logging()
+    stop = stop or threading.Event()
+    if gpus is None:
+        gpus = detect_gpus() if uses_host_gpus(launcher) else []
+    db = Database.from_url(settings.resolved_database_url)
+    loop = WorkerLoop(
+        settings,
+        db,
+        make_launcher(launcher, settings),
+        worker_id=make_worker_id(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        slots=slots,
+        gpus=gpus,
+        host_gpus=uses_host_gpus(launcher),
+    )
+    try:
+        with stop_on_signals(stop):
+            loop.run(stop)
+    finally:
+        db.dispose()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m worker.main``: parse flags, then ``run_worker`` with ``Settings()``."""
+    parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
+    parser.add_argument("--launcher", choices=LAUNCHER_NAMES, default="local")
+    parser.add_argument("--gpus", default="auto", help="0,1 | none | auto (default)")
+    parser.add_argument("--slots", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        gpus = parse_gpus(args.gpus)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_worker(Settings(), launcher=args.launcher, gpus=gpus, slots=args.slots)
+
+
+if __name__ == "__main__":
+    main()

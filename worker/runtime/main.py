@@ -1,0 +1,216 @@
+"""One rank's life: environment → log redirect → spec → process group → train → result/error.
+
+``python -m worker.runtime`` (under torchrun) and the Slurm launcher's submitit function both
+call ``run_rank``; its return value is the rank's exit code (see ``worker.runtime.outcome``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.artifacts import rank_log_path
+from service.config import Settings
+from service.db import Database
+from service.errors import StaleAttemptError
+from service.jobs import get_job
+from service.spec import JobSpec
+from service.states import ACTIVE_STATES
+from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, make_checkpointer
+from worker.runtime.context import TrainContext, load_entrypoint
+from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
+from worker.runtime.outcome import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_STALE,
+    SIGNAL_EXIT_BASE,
+    now_s,
+    write_rank_error,
+)
+from worker.runtime.rank_output import rank_logging, redirect_output
+from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
+from worker.runtime.sink import MetricsSink, make_sink
+from worker.runtime.topology import RankEnv, RankEnvironmentError
+from worker.runtime.trainer import Trainer
+from worker.tasks import TASKS
+from worker.tasks.base import TaskSetup
+
+log = logging.getLogger(__name__)
+
+
+def run_rank(environ: Mapping[str, str] | None = None) -> int:
+    """Run this process as one rank of a job and return its exit code.
+
+    Args:
+        environ: the launcher's variables (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``,
+            ``DDPQ_DATABASE_URL``, ``DDPQ_ARTIFACT_DIR``, ``RANK``, ``LOCAL_RANK``,
+            ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Default:
+            ``os.environ``. A given mapping is copied into ``os.environ`` first, because
+            torch's env:// rendezvous and ``Settings`` read from there.
+    Returns:
+        0 on success (rank 0 has written result.json); 1 on failure (this rank wrote
+        error-rank-<rank>.json); 128 + signum when stopped by a signal; 75 when the attempt
+        was fenced off (requeued or finished elsewhere).
+    """
+    if environ is None:
+        environ = os.environ
+    elif environ is not os.environ:
+        os.environ.update(environ)
+    try:
+        env = RankEnv.from_environ(environ)
+    except RankEnvironmentError as exc:
+        sys.stderr.write(f"ddpq rank: {exc}\n")
+        return EXIT_FAILED
+    settings = Settings()
+    artifact_dir = settings.resolved_artifact_dir
+    stop = StopFlag()
+    log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
+    with (
+        redirect_output(log_path),
+        rank_logging(env.job_id, env.attempt, env.rank),
+        stop_signal_handlers(stop),
+    ):
+        return _run(env, settings, artifact_dir, stop)
+
+
+def _stop_code(stop: StopFlag) -> int:
+    return SIGNAL_EXIT_BASE + stop.signum if stop.signum is not None else EXIT_STALE
+
+
+def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -> int:
+    log.info(
+        "rank %d/%d starting (local_rank %d, pid %d)",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        os.getpid(),
+    )
+    db = Database.from_url(settings.resolved_database_url)
+    try:
+        spec = load_spec(db, env)
+        ctx = init_distributed(spec, env)
+        code = _train(spec, ctx, env, settings, db, artifact_dir, stop)
+        if code == EXIT_OK:
+            shutdown_distributed(ctx)
+        return code
+    except StaleAttemptError as exc:
+        log.warning("stopping: %s", exc)
+        return EXIT_STALE
+    except StopRequested:
+        log.warning("stopped: %s", stop.reason)
+        return _stop_code(stop)
+    except Exception as exc:
+        at_s = now_s()
+        if stop.is_set():
+            # A peer stopping on the same signal breaks our collectives: not a failure.
+            log.warning("stopped (%s) with %s: %s", stop.reason, type(exc).__name__, exc)
+            return _stop_code(stop)
+        log.exception("rank %d failed", env.rank)
+        write_rank_error(artifact_dir, env.job_id, env.attempt, env.rank, exc, at_s)
+        return EXIT_FAILED
+    finally:
+        db.dispose()
+
+
+def load_spec(db: Database, env: RankEnv) -> JobSpec:
+    """The job's spec, after checking this attempt is still the job's current, active one.
+
+    Raises:
+        NotFoundError: no such job.
+        StaleAttemptError: the job moved on (requeued, cancelled, finished) before we started.
+    """
+    with db.session(write=False) as session:
+        job = get_job(session, env.job_id)
+        if job.attempt != env.attempt or job.state not in {s.value for s in ACTIVE_STATES}:
+            raise StaleAttemptError(
+                f"job {env.job_id} attempt {env.attempt} is stale "
+                f"(job is {job.state}, attempt {job.attempt})"
+            )
+        return JobSpec.model_validate(job.spec)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy and python's RNGs alike on every rank (identical model init)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _train(
+    spec: JobSpec,
+    ctx: DistContext,
+    env: RankEnv,
+    settings: Settings,
+    db: Database,
+    artifact_dir: Path,
+    stop: StopFlag,
+) -> int:
+    seed_everything(spec.training.seed)
+    sink = make_sink(env.rank, ctx, db, env.job_id, env.attempt)
+    checkpointer = make_checkpointer(
+        env.rank, db, artifact_dir, env.job_id, env.attempt, keep=spec.training.keep_checkpoints
+    )
+    extra: dict[str, Any] = {}
+    try:
+        if spec.task in TASKS:
+            resume_path = agree_on_resume(ctx, db, artifact_dir, env.job_id)
+            setup = TaskSetup(spec.config, spec.training.seed, ctx.rank, ctx.world_size, stop)
+            parts = TASKS[spec.task](setup)
+            result = Trainer(parts, spec, ctx, sink, checkpointer, stop, resume_path).run()
+            step, stopped = result.step, result.stopped
+        else:
+            entrypoint = load_entrypoint(spec.task, settings)
+            train_ctx = TrainContext(
+                spec=spec,
+                dist=ctx,
+                sink=sink,
+                checkpointer=checkpointer,
+                stop=stop,
+                db=db,
+                artifact_dir=artifact_dir,
+                job_id=env.job_id,
+                attempt=env.attempt,
+            )
+            returned = entrypoint(train_ctx)
+            train_ctx.close()
+            if isinstance(returned, Mapping):
+                extra = {str(k): v for k, v in returned.items() if _json_scalar(v)}
+            step, stopped = train_ctx.last_step, train_ctx.stopped
+    except BaseException:
+        _close_quietly(sink, checkpointer)
+        raise
+    sink.close()
+    checkpointer.close()
+    if stopped or stop.is_set() or sink.should_stop() or checkpointer.should_stop():
+        log.warning("stopped at step %d without finishing: %s", step, stop.reason or "fenced off")
+        return _stop_code(stop)
+    saved = checkpointer.last_saved
+    sink.write_result(
+        artifact_dir, step=step, checkpoint=str(saved.path) if saved else None, extra=extra
+    )
+    log.info("rank %d finished at step %d", env.rank, step)
+    return EXIT_OK
+
+
+def _json_scalar(value: object) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _close_quietly(sink: MetricsSink, checkpointer: NullCheckpointer) -> None:
+    """On the way out of a failure: write what can be written, never mask the real error."""
+    for close in (sink.close, checkpointer.close):
+        try:
+            close()
+        except Exception:
+            log.exception("while closing after a failure")
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()

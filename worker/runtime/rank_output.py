@@ -1,0 +1,81 @@
+"""A rank's stdout/stderr redirected into its log file, and its logging set up to go there."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+LOG_FORMAT = (
+    "%(asctime)s %(levelname)s job_id=%(job_id)s attempt=%(attempt)s rank=%(rank)s "
+    "%(name)s: %(message)s"
+)
+
+
+class _RankFields(logging.Filter):
+    """Stamps every record with the rank's identity (structured log fields)."""
+
+    def __init__(self, job_id: int, attempt: int, rank: int) -> None:
+        super().__init__()
+        self.fields = {"job_id": job_id, "attempt": attempt, "rank": rank}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self.fields.items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+@contextlib.contextmanager
+def redirect_output(log_path: Path) -> Iterator[None]:
+    """Point file descriptors 1 and 2 at ``log_path`` (appending; directories created) and
+    ``sys.stdout``/``sys.stderr`` at them, line-buffered; restore all of it on exit.
+
+    Everything the rank prints, including C++ warnings of torch/gloo, lands in the file.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    _flush_std()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = (os.dup(1), os.dup(2))
+    saved_streams = (sys.stdout, sys.stderr)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        # New stream objects on fds 1/2, in case the caller had replaced sys.stdout/stderr
+        # (submitit, pytest): Python-level writes must land in the file too.
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+        yield
+    finally:
+        _flush_std()
+        sys.stdout, sys.stderr = saved_streams
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for each in (*saved, fd):
+            os.close(each)
+
+
+@contextlib.contextmanager
+def rank_logging(job_id: int, attempt: int, rank: int) -> Iterator[None]:
+    """Send INFO and above of every logger to stderr, stamped with job_id/attempt/rank."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(_RankFields(job_id, attempt, rank))
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)

@@ -1,0 +1,282 @@
+"""The training loop of the built-in tasks: steps, epochs, eval, cadence of flushes and
+checkpoints, resume, and stopping together."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from service.spec import JobSpec, Training
+from worker.runtime.checkpointing import NullCheckpointer, load_checkpoint_file
+from worker.runtime.distributed import (
+    DistContext,
+    StopVote,
+    all_reduce_sum_,
+    make_sampler,
+    unwrap_model,
+    wrap_model,
+)
+from worker.runtime.signals import StopFlag
+from worker.runtime.sink import MetricsSink, Progress
+from worker.tasks.base import TaskParts
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = 1
+EVAL_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How the loop ended: the last global step, and whether it stopped early."""
+
+    step: int
+    stopped: bool
+
+
+def build_optimizer(training: Training, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The spec's optimizer over ``params`` (pass the WRAPPED model's parameters)."""
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=training.lr, momentum=0.9)
+    if training.optimizer == "adam":
+        return torch.optim.Adam(params, lr=training.lr)
+    return torch.optim.AdamW(params, lr=training.lr)
+
+
+def plan_total_steps(training: Training, steps_per_epoch: int) -> int:
+    """Global steps of the whole run: ``epochs × steps_per_epoch``, capped by ``max_steps``."""
+    total = training.epochs * steps_per_epoch
+    return min(total, training.max_steps) if training.max_steps is not None else total
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch/numpy/python (and CUDA) RNG states."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``rng_state`` (tensors may come back on a GPU after map_location)."""
+    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+class Trainer:
+    """Runs one task on one rank; every rank runs the same sequence of collectives.
+
+    Rank-0-only work is inside ``sink`` and ``checkpointer`` (see ``make_sink`` and
+    ``make_checkpointer``); the loop itself never asks which rank it is.
+    """
+
+    def __init__(
+        self,
+        parts: TaskParts,
+        spec: JobSpec,
+        ctx: DistContext,
+        sink: MetricsSink,
+        checkpointer: NullCheckpointer,
+        stop: StopFlag,
+        resume_path: Path | None = None,
+    ) -> None:
+        self.parts, self.spec, self.ctx = parts, spec, ctx
+        self.sink, self.checkpointer, self.stop = sink, checkpointer, stop
+        self.resume_path = resume_path
+        t = spec.training
+        self.model = wrap_model(parts.model, ctx)
+        self.bare = unwrap_model(self.model)
+        self.optimizer = build_optimizer(t, self.model.parameters())
+        self.sampler = make_sampler(parts.train_set, ctx, seed=t.seed)
+        self.loader = DataLoader(
+            parts.train_set, batch_size=t.batch_size, sampler=self.sampler, pin_memory=ctx.on_gpu
+        )
+        self.steps_per_epoch = max(1, math.ceil(self.sampler.num_samples / t.batch_size))
+        self.total_steps = plan_total_steps(t, self.steps_per_epoch)
+        self.amp = ctx.on_gpu and t.amp
+        self.epoch = self.step = self.batch_idx = 0
+        self._rate_mark = (time.monotonic(), 0)
+        self._samples_per_s: float | None = None
+        self._eta_s: float | None = None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        """Train until ``total_steps``, the last epoch, or a collective stop decision."""
+        t = self.spec.training
+        resumed_step = self._resume() if self.resume_path is not None else None
+        vote = StopVote(self.ctx)
+        stopped = False
+        evaluated_at: int | None = None
+        self.model.train()
+        while self.epoch < t.epochs and self.step < self.total_steps and not stopped:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.start_index = self.batch_idx * t.batch_size
+            for inputs, targets in self.loader:
+                self.step += 1
+                self.batch_idx += 1
+                loss = self._train_step(inputs, targets)
+                if self.step % t.log_every_steps == 0:
+                    self.sink.report(self.step, self.epoch, loss)
+                if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
+                    self._checkpoint()
+                decision = vote.collect()  # voted one step ago: the same on every rank
+                if decision.flush or self.sink.flush_due():
+                    self._flush()
+                vote.launch(self._local_stop(), self.sink.time_due())
+                if decision.stop:
+                    stopped = True
+                    break
+                if self.step >= self.total_steps:
+                    break
+            self.sampler.start_index = 0
+            if stopped or self.batch_idx < self.steps_per_epoch:
+                continue
+            self._evaluate()
+            evaluated_at = self.step
+            self._flush()
+            every = t.checkpoint_every_epochs
+            if (every is None and t.checkpoint_every_steps is None) or (
+                every is not None and (self.epoch + 1) % every == 0
+            ):
+                self._checkpoint()
+            self.epoch += 1
+            self.batch_idx = 0
+        vote.close()
+        stale = self.sink.should_stop() or self.checkpointer.should_stop()
+        if not stopped and evaluated_at != self.step:
+            self._evaluate()
+        self._flush()
+        if not stale and 0 < self.step != resumed_step and (not stopped or self.stop.is_set()):
+            self._checkpoint()  # the end of training, or a signal (preemption, cancel)
+        return TrainResult(step=self.step, stopped=stopped)
+
+    def _train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.parts.before_step is not None:
+            self.parts.before_step(self.step)
+        device = self.ctx.device
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=self.amp):
+            loss = self.parts.loss_fn(self.model(inputs), targets)
+        if self.parts.adjust_loss is not None:
+            loss = self.parts.adjust_loss(self.step, loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def _local_stop(self) -> bool:
+        return self.stop.is_set() or self.sink.should_stop() or self.checkpointer.should_stop()
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Collective: every rank flushes at the same step with the same buffered keys."""
+        now, (mark_s, mark_step) = time.monotonic(), self._rate_mark
+        steps = self.step - mark_step
+        if steps > 0:
+            step_s = max(now - mark_s, 1e-9) / steps
+            self._samples_per_s = self.spec.training.batch_size * self.ctx.world_size / step_s
+            self._eta_s = (self.total_steps - self.step) * step_s
+            if self.parts.tokens_per_sample:
+                tokens_per_s = self._samples_per_s * self.parts.tokens_per_sample
+                self.sink.report_values(self.step, self.epoch, {"tokens_per_s": tokens_per_s})
+        self._rate_mark = (now, self.step)
+        self.sink.flush(
+            Progress(
+                step=self.step,
+                total_steps=self.total_steps,
+                epoch=min(self.epoch, self.spec.training.epochs - 1),
+                samples_per_s=self._samples_per_s,
+                eta_s=self._eta_s,
+            )
+        )
+
+    def _evaluate(self) -> None:
+        """Sharded evaluation + one all_reduce: ``eval_loss`` (and ``eval_accuracy``)."""
+        eval_set = self.parts.eval_set
+        if eval_set is None:
+            return
+        shard = Subset(eval_set, range(self.ctx.rank, len(eval_set), self.ctx.world_size))  # type: ignore[arg-type]
+        sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
+        self.bare.eval()
+        with (
+            torch.no_grad(),
+            torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.amp),
+        ):
+            for inputs, targets in DataLoader(shard, batch_size=EVAL_BATCH_SIZE):
+                inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+                output = self.bare(inputs)
+                n = targets.shape[0]
+                sums[0] += self.parts.loss_fn(output, targets).double() * n
+                if self.parts.classification:
+                    sums[1] += (output.argmax(dim=-1) == targets).sum()
+                sums[2] += n
+        self.bare.train()
+        loss_sum, correct, count = all_reduce_sum_(sums, self.ctx).tolist()
+        values = {"eval_loss": loss_sum / max(count, 1.0)}
+        if self.parts.classification:
+            values["eval_accuracy"] = correct / max(count, 1.0)
+        self.sink.report_values(self.step, self.epoch, values)
+        log.info("eval at step %d: %s", self.step, values)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        epoch, step, batch_idx = self.epoch, self.step, self.batch_idx
+
+        def build_state() -> dict[str, Any]:
+            return {
+                "format": CHECKPOINT_FORMAT,
+                "model": self.bare.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "epoch": epoch,
+                "step": step,
+                "batch_idx": batch_idx,
+                "sampler_epoch": epoch,
+                "world_size": self.ctx.world_size,
+                "rng": rng_state(),
+            }
+
+        self.checkpointer.save(step, epoch, build_state)
+
+    def _resume(self) -> int:
+        assert self.resume_path is not None
+        state = load_checkpoint_file(self.resume_path, self.ctx.device)
+        self.bare.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng_state(state["rng"])
+        self.epoch, self.step, self.batch_idx = state["epoch"], state["step"], state["batch_idx"]
+        if state.get("world_size") != self.ctx.world_size:
+            log.warning(
+                "resuming a checkpoint of world_size %s with %d ranks: the position within "
+                "the epoch is approximate",
+                state.get("world_size"),
+                self.ctx.world_size,
+            )
+        if self.batch_idx >= self.steps_per_epoch:
+            self.epoch, self.batch_idx = self.epoch + 1, 0
+        self._rate_mark = (time.monotonic(), self.step)
+        log.info(
+            "resumed from %s: step %d, epoch %d, batch_idx %d",
+            self.resume_path,
+            self.step,
+            self.epoch,
+            self.batch_idx,
+        )
+        return int(state["step"])

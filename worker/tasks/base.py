@@ -1,0 +1,54 @@
+"""What a built-in task hands the trainer (TaskParts) and what it is built from (TaskSetup)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from worker.runtime.signals import StopFlag
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TaskSetup:
+    """Inputs of a task builder: its validated ``config`` and who is building it.
+
+    ``stop`` is the rank's local stop flag: code that blocks on purpose (an injected hang)
+    must poll it and raise ``StopRequested`` so a SIGTERM still ends the rank.
+    """
+
+    config: Mapping[str, Any]
+    seed: int
+    rank: int
+    world_size: int
+    stop: StopFlag
+
+
+@dataclass
+class TaskParts:
+    """A built-in task: a bare model (on CPU) and its data; the trainer does the rest.
+
+    ``train_set``/``eval_set`` yield ``(input, target)`` pairs. ``loss_fn(output, target)``
+    returns the mean loss of a batch (a 0-d tensor). With ``classification`` the evaluation
+    also reports ``eval_accuracy`` (argmax over the last dim of the output). With
+    ``tokens_per_sample`` the trainer reports ``tokens_per_s``. ``before_step(step)`` and
+    ``adjust_loss(step, loss)`` are fault-injection hooks (regression's knobs).
+    """
+
+    model: nn.Module
+    train_set: Dataset[Any]
+    loss_fn: LossFn
+    eval_set: Dataset[Any] | None = None
+    classification: bool = False
+    tokens_per_sample: int | None = None
+    before_step: Callable[[int], None] | None = None
+    adjust_loss: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+
+
+TaskBuilder = Callable[[TaskSetup], TaskParts]

@@ -1,0 +1,188 @@
+"""``ddpq up``: migrate, then run the API and one local worker as child processes until
+Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from pydantic import SecretStr
+
+from service import migrate
+from service.config import Settings
+from service.db import Database
+from worker.errors import ChildExitedError, PortInUseError
+from worker.launchers.local import parent_death_preexec
+from worker.main import ensure_logging, stop_on_signals
+
+log = logging.getLogger(__name__)
+
+API_READY_TIMEOUT_S = 60.0
+WORKER_STOP_TIMEOUT_S = 60.0  # the worker stops and requeues its jobs (grace per job: 10 s)
+API_STOP_TIMEOUT_S = 15.0
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``settings`` as ``DDPQ_*`` environment variables, so child processes see the same
+    configuration (lists as JSON, secrets in clear, unset values left out)."""
+    env: dict[str, str] = {}
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        elif isinstance(value, list | dict):
+            value = json.dumps(value)
+        env[f"DDPQ_{name.upper()}"] = str(value)
+    return env
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` briefly (with SO_REUSEADDR, as uvicorn does) to see it is free.
+
+    Raises:
+        PortInUseError: another process listens there (the message says how to pick another).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortInUseError(
+                    f"cannot serve on {host}:{port}: {exc.strerror}. Stop the process using it "
+                    "or choose another port (DDPQ_PORT or --port)."
+                ) from None
+            raise
+
+
+@dataclass
+class Child:
+    """A supervised child process."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    stop_timeout_s: float
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], stop_timeout_s: float) -> Child:
+    """Start ``argv`` in its own session (so a terminal's Ctrl-C reaches only us, and we
+    decide the stop order), dying with us if we are killed."""
+    popen = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=parent_death_preexec(signal.SIGTERM),
+    )
+    log.info("started %s (pid %d)", name, popen.pid)
+    return Child(name, popen, stop_timeout_s)
+
+
+def stop_child(child: Child) -> None:
+    """SIGTERM the child's process group, SIGKILL it after its stop timeout, reap it."""
+    timeout_s = child.stop_timeout_s
+    if child.popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.popen.pid, signal.SIGTERM)
+        try:
+            child.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s; killing it", child.name, timeout_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.popen.pid, signal.SIGKILL)
+    child.popen.wait()
+
+
+def wait_until_ready(child: Child, url: str, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200.
+
+    Raises:
+        ChildExitedError: the child exited first, or ``timeout_s`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.popen.poll() is not None:
+            raise ChildExitedError(
+                f"the {child.name} exited with code {child.popen.returncode} before it was "
+                "ready; see its output above"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise ChildExitedError(f"the {child.name} did not answer {url} within {timeout_s:.0f} s")
+
+
+def _print_line(text: str) -> None:
+    print(text, flush=True)  # user-facing output of the `ddpq up` command
+
+
+def run_up(
+    settings: Settings,
+    *,
+    announce: Callable[[str], None] = _print_line,
+    stop: threading.Event | None = None,
+) -> None:
+    """Migrate the database, serve the API on ``settings.host:port`` and run one local
+    worker, until SIGTERM/SIGINT (or ``stop``); then stop the worker (it requeues running
+    jobs), then the API. No child process outlives this call.
+
+    Raises:
+        PortInUseError: the port is taken.
+        ChildExitedError: the API or the worker exited on its own.
+    """
+    ensure_logging()
+    stop = stop or threading.Event()
+    db = Database.from_url(settings.resolved_database_url)
+    try:
+        migrate.upgrade(db.engine)
+    finally:
+        db.dispose()
+    check_port_free(settings.host, settings.port)
+    env = {**os.environ, **settings_env(settings)}
+    py = sys.executable
+    api_argv = [
+        py, "-m", "uvicorn", "--factory", "service.app:create_app",
+        "--host", settings.host, "--port", str(settings.port), "--no-access-log",
+    ]  # fmt: skip
+    children: list[Child] = []
+    failed: Child | None = None
+    with stop_on_signals(stop):
+        try:
+            children.append(spawn("API server", api_argv, env, API_STOP_TIMEOUT_S))
+            url = settings.resolved_api_url
+            wait_until_ready(children[0], f"{url}/healthz", API_READY_TIMEOUT_S)
+            worker_argv = [py, "-m", "worker.main", "--launcher", "local", "--gpus", "auto"]
+            children.append(spawn("worker", worker_argv, env, WORKER_STOP_TIMEOUT_S))
+            announce(f"ddpq is up: dashboard {url}/  ·  API {url}/api/v1  ·  docs {url}/docs")
+            announce("Press Ctrl-C to stop.")
+            while not stop.wait(0.5):
+                failed = next((c for c in children if c.popen.poll() is not None), None)
+                if failed is not None:
+                    break
+        finally:
+            for child in reversed(children):  # the worker first: it requeues running jobs
+                stop_child(child)
+    if failed is not None:
+        raise ChildExitedError(
+            f"the {failed.name} exited with code {failed.popen.returncode}; ddpq stopped"
+        )
+    announce("ddpq stopped.")
