@@ -17,12 +17,21 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && python -c "import torch, service" 2>/dev/null; then
   exit 0
 fi
-python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+log=.venv/pip.log
+pipq() {
+  # pip's output goes to a log; shown only when pip fails.
+  if ! python -m pip install "$@" >>"$log" 2>&1; then
+    echo "setup: pip install $* failed; the end of $log:" >&2
+    tail -30 "$log" >&2
+    exit 1
+  fi
+}
+pipq --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   echo "setup: installing ${DDPQ_TORCH_SPEC:-torch==2.13.0}"
-  python -m pip install -q "${DDPQ_TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
+  pipq "${DDPQ_TORCH_SPEC:-torch==2.13.0}"
 fi
 echo "setup: installing ddpq[dev]"
-python -m pip install -q -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+pipq -e '.[dev]'
 python -c "import torch, fastapi, sqlalchemy, service" >/dev/null
 echo "$want" > "$stamp"

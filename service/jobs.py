@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import ConflictError, NotFoundError, StaleStateError
@@ -294,6 +294,10 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
     compare-and-set that also re-checks the lease, so a worker that just renewed it keeps
     its job. At most ``limit`` jobs per call.
 
+    Slurm jobs already submitted (``launcher == 'slurm'`` with a ``scheduler_job_id``) are
+    skipped: they keep running in Slurm without their worker, and a Slurm worker adopts them
+    (``worker.launchers.slurm_attach``); requeueing would start a second copy as attempt + 1.
+
     Returns:
         The transitions applied.
     """
@@ -301,7 +305,11 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
     active = [JobState.STARTING.value, JobState.RUNNING.value]
     rows = session.execute(
         select(Job.id, Job.state)
-        .where(Job.state.in_(active), Job.lease_expires_at < now)
+        .where(
+            Job.state.in_(active),
+            Job.lease_expires_at < now,
+            or_(Job.launcher != "slurm", Job.scheduler_job_id.is_(None)),
+        )
         .order_by(Job.id)
         .limit(limit)
     ).all()

@@ -306,6 +306,30 @@ def test_sigterm_stops_every_rank_at_the_same_step(db: Database, settings: Setti
 
 
 @SQLITE_ONLY
+def test_sigterm_ends_a_hung_job(db: Database, settings: Settings) -> None:
+    job_id = start_job(db, regression({"hang_rank": 1, "hang_at_step": 3}, epochs=5))
+    proc = launch(settings, job_id, 1, 2)
+    log = artifacts.rank_log_path(settings.resolved_artifact_dir, job_id, 1, 1)
+    try:
+        deadline = time.monotonic() + 180
+        while not (log.exists() and "injected hang" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 1 never hung"
+            time.sleep(0.5)
+        time.sleep(1.0)  # rank 0 is now blocked in the step's all_reduce
+        os.killpg(proc.pid, signal.SIGTERM)
+        sent_s = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert time.monotonic() - sent_s < 30, "a rank blocked in a collective must not linger"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code != 0
+    folder = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
+    assert not list(folder.glob("error-rank-*.json")), "a stop on a signal is not a failure"
+    assert not artifacts.result_path(settings.resolved_artifact_dir, job_id, 1).exists()
+
+
+@SQLITE_ONLY
 def test_fenced_off_attempt_stops(db: Database, settings: Settings) -> None:
     job_id = start_job(db, regression({"sleep_per_step_ms": 50}, epochs=100))
     proc = launch(settings, job_id, 1, 2)

@@ -13,16 +13,17 @@ from service.states import JobState
 from service.workers import heartbeat, register_worker
 
 
-def _claimed(db: Database, worker_id: str, lease_s: float) -> int:
+def _claimed(db: Database, worker_id: str, lease_s: float, launcher: str = "local") -> int:
+    spec = JobSpec(name="t", task="regression", launcher=launcher)  # type: ignore[arg-type]
     with db.session() as s:
-        job, _ = jobs.submit_job(s, JobSpec(name="t", task="regression"), owner="local")
+        job, _ = jobs.submit_job(s, spec, owner="local")
         job_id = job.id
     with db.session() as s:
         register_worker(
-            s, worker_id=worker_id, host="h", pid=1, launcher="local", capacity={"slots": 1}
+            s, worker_id=worker_id, host="h", pid=1, launcher=launcher, capacity={"slots": 1}
         )
         claimed = jobs.claim_next_job(
-            s, worker_id=worker_id, launcher="local", max_gpus_per_node=0, lease_s=lease_s
+            s, worker_id=worker_id, launcher=launcher, max_gpus_per_node=0, lease_s=lease_s
         )
         assert claimed is not None and claimed.id == job_id
     return job_id
@@ -53,3 +54,28 @@ def test_expired_lease_requeues_without_counting_a_restart(db: Database) -> None
         assert heartbeat(s, "lost", lease_s=30) == []
     with db.session() as s:
         assert jobs.requeue_expired_jobs(s) == [], "reaping is idempotent"
+
+
+def test_submitted_slurm_jobs_are_left_for_a_slurm_worker_to_adopt(db: Database) -> None:
+    """A Slurm job keeps running without its worker: requeueing it would start a second copy
+    as attempt + 1. Only a Slurm job not yet submitted (no scheduler_job_id) is requeued."""
+    on_slurm = _claimed(db, "lost-slurm", lease_s=0.01, launcher="slurm")
+    not_submitted = _claimed(db, "lost-slurm", lease_s=0.01, launcher="slurm")
+    with db.session() as s:
+        jobs.apply_transition(s, Transition(on_slurm, JobState.STARTING, JobState.RUNNING, "x"))
+        jobs.set_scheduler_job_id(s, on_slurm, 1, "4242")
+    time.sleep(0.05)
+    with db.session() as s:
+        reaped = jobs.requeue_expired_jobs(s)
+    assert reaped == [
+        Transition(not_submitted, JobState.STARTING, JobState.QUEUED, WORKER_LOST_REASON)
+    ], "only the Slurm job without a scheduler_job_id may be requeued"
+    with db.session(write=False) as s:
+        job = s.get(Job, on_slurm)
+        assert job is not None
+        assert (job.state, job.attempt, job.worker_id, job.scheduler_job_id) == (
+            "running",
+            1,
+            "lost-slurm",
+            "4242",
+        ), "a submitted Slurm job must keep its attempt, holder and Slurm id for adoption"

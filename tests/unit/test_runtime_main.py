@@ -114,12 +114,22 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_no_result(
     db: Database, settings: Settings, rank_environ: dict[str, str]
 ) -> None:
     job_id, attempt = start_job(db, dp_spec(epochs=1000, config={"sleep_per_step_ms": 20}))
-    timer = threading.Timer(3.0, os.kill, args=(os.getpid(), signal.SIGTERM))
-    timer.start()
+    done = threading.Event()
+
+    def terminate_once_training() -> None:  # the launcher's cancel, once steps are recorded
+        while not done.wait(0.2):
+            with db.session(write=False) as s:
+                if len(query_points(s, job_id, "loss")[0]) >= 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+    killer = threading.Thread(target=terminate_once_training)
+    killer.start()
     try:
         code = run_rank({**rank_environ, **ids(job_id, attempt)})
     finally:
-        timer.cancel()
+        done.set()
+        killer.join()
     assert code == 128 + signal.SIGTERM
     root = settings.resolved_artifact_dir
     assert not artifacts.result_path(root, job_id, attempt).exists()
