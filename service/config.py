@@ -44,6 +44,21 @@ class Settings(BaseSettings):
     slurm_enabled: bool = Field(
         default=False, description="Whether this deployment accepts launcher 'slurm' jobs."
     )
+    slurm_partition: str | None = Field(
+        default=None,
+        description="Partition for Slurm jobs whose spec names none (else Slurm's default).",
+    )
+    slurm_signal_delay_s: int = Field(
+        default=60,
+        ge=1,
+        description="Seconds before a Slurm job's time limit that its ranks get USR1 "
+        "(checkpoint and stop).",
+    )
+    slurm_python: str | None = Field(
+        default=None,
+        description="Interpreter the ranks run on the Slurm nodes (same path on every node). "
+        "Default: the worker's own (sys.executable).",
+    )
     # Caps on what one job may ask for (HTTP 422 beyond them).
     max_nnodes: int = Field(default=64, ge=1)
     max_nproc_per_node: int = Field(default=64, ge=1)

@@ -4,6 +4,11 @@ Plan, then act: every state change is first a ``Decision`` made by a pure functi
 the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
 applies it with ``service.jobs.apply_transition``. The loop knows launchers only through
 ``worker.launchers.base.Launcher``.
+
+A detached launcher (Slurm: ``launcher.detached``) runs jobs that outlive the worker: a Slurm
+worker adopts such jobs from lost or stopped workers at start and on every tick
+(``worker.launchers.slurm_attach``), follows them by their ``scheduler_job_id``, and on a clean
+shutdown leaves its own running for the next worker to adopt instead of cancelling them.
 """
 
 from __future__ import annotations
@@ -29,14 +34,16 @@ from worker.decisions import (
     decide_on_status,
     reconcile,
 )
-from worker.launchers.base import Launcher, LaunchPlan
+from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus, is_detached
 from worker.launchers.local import bind_gpus
+from worker.launchers.slurm_attach import adopt_slurm_jobs
 from worker.runtime import envvars
 
 log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
 MAX_BACKOFF_S = 30.0
+SLURM = "slurm"  # the launcher whose jobs a worker adopts (worker.launchers.slurm_attach)
 
 
 def render_for_log(plan: LaunchPlan) -> str:
@@ -62,7 +69,8 @@ class WorkerLoop:
     """One worker: holds up to ``slots`` jobs at once on one launcher.
 
     ``host_gpus`` says whether this worker hands out its own ``gpus`` to jobs (the local
-    launcher); otherwise GPU placement is the backend's business (Slurm).
+    launcher); otherwise GPU placement is the backend's business (Slurm). Jobs adopted from
+    other workers count against ``slots`` like claimed ones.
     """
 
     def __init__(
@@ -88,6 +96,8 @@ class WorkerLoop:
         self.gpu_ids = list(gpus or [])
         self.pool = GpuPool(self.gpu_ids)
         self.host_gpus = host_gpus
+        self.detached = is_detached(launcher)
+        self.adopts = self.detached and launcher.name == SLURM
         self.runs: dict[int, HeldRun] = {}
         self.registered = False
         self.stopping = False
@@ -133,7 +143,9 @@ class WorkerLoop:
             self.shutdown()
 
     def tick(self) -> None:
-        """One round: heartbeat, reconcile, watch every held job, claim, reap lost workers.
+        """One round: heartbeat, reconcile, adopt (Slurm), watch every held job, claim, reap
+        lost workers. Adoption comes before the reaper so a Slurm job whose worker is gone is
+        followed, never requeued as a second copy.
 
         Raises:
             DatabaseUnavailableError: the database could not be reached (nothing is killed).
@@ -141,8 +153,9 @@ class WorkerLoop:
         if not self.registered:
             self.register()
         self._heartbeat()
-        for run in list(self.runs.values()):
-            self._watch(run)
+        if self.adopts:
+            self._adopt()
+        self._watch_all()
         if not self.stopping:
             self._claim_and_launch()
         now = time.monotonic()
@@ -159,8 +172,26 @@ class WorkerLoop:
         A job that finished meanwhile ends as it ended; one with a pending cancel ends
         cancelled. If the database is down the jobs' leases expire and another worker
         requeues them.
+
+        With a detached launcher (Slurm) the jobs are neither stopped nor requeued: outcomes
+        already known are recorded, pending cancels are sent, and the rest keep running for
+        the next Slurm worker to adopt (at once, since this worker is marked stopped).
         """
         self.stopping = True
+        if self.detached:
+            self._leave_running()
+        else:
+            self._stop_runs()
+        if self.registered:
+            try:
+                with self.db.session() as s:
+                    workers.stop_worker(s, self.worker_id)
+            except DatabaseUnavailableError as exc:
+                log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
+        log.info("worker %s stopped", self.worker_id)
+
+    def _stop_runs(self) -> None:
+        """Shutdown with an attached launcher: stop every held job and requeue it."""
         for run in list(self.runs.values()):
             if run.handle is not None:
                 _jlog(logging.INFO, run, "stopping (worker shutdown)")
@@ -179,13 +210,22 @@ class WorkerLoop:
                 self._apply(run, decide_on_shutdown(run, status))
             except DatabaseUnavailableError as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
-        if self.registered:
-            try:
-                with self.db.session() as s:
-                    workers.stop_worker(s, self.worker_id)
+
+    def _leave_running(self) -> None:
+        """Shutdown with a detached launcher: one last watch, then leave submitted jobs be."""
+        try:
+            self._watch_all()
+        except Exception:  # the jobs still run; the next worker adopts and watches them
+            log.exception("last watch before shutdown failed")
+        for run in list(self.runs.values()):
+            if run.handle is not None:
+                _jlog(logging.INFO, run, "left running as %s job %s for the next worker",
+                      self.launcher.name, run.handle)  # fmt: skip
+                continue
+            try:  # never submitted: nothing to adopt, so requeue it now
+                self._apply(run, decide_on_shutdown(run, None))
             except DatabaseUnavailableError as exc:
-                log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
-        log.info("worker %s stopped", self.worker_id)
+                _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
 
     # -- steps of a tick ---------------------------------------------------------------
 
@@ -200,9 +240,13 @@ class WorkerLoop:
         plan = reconcile(self.runs, held)
         for job_id in plan.lost:
             run = self.runs[job_id]
-            _jlog(logging.WARNING, run, "no longer held by this worker; stopping its processes")
-            if run.handle is not None:
-                self.launcher.cancel(run.handle)
+            adopter = self._adopter(run)
+            if adopter is not None:
+                _jlog(logging.WARNING, run, "adopted by worker %s; leaving it running", adopter)
+            else:
+                _jlog(logging.WARNING, run, "no longer held by this worker; stopping it")
+                if run.handle is not None:
+                    self.launcher.cancel(run.handle)
             self._forget(run)
         for job_id, state in plan.states.items():
             self.runs[job_id].state = state
@@ -212,15 +256,68 @@ class WorkerLoop:
             log.warning("job_id=%d held but not running here; requeueing", decision.job_id)
             self._apply(None, decision)
 
-    def _watch(self, run: HeldRun) -> None:
+    def _adopter(self, run: HeldRun) -> str | None:
+        """The worker that adopted ``run``'s attempt (still active there), if any: its
+        detached job must keep running. None when the job was requeued or ended instead."""
+        if not self.detached or run.handle is None:
+            return None
+        with self.db.session(write=False) as s:
+            try:
+                job = jobs.get_job(s, run.job_id)
+            except NotFoundError:
+                return None
+            adopted = (
+                job.attempt == run.attempt
+                and not JobState(job.state).is_terminal
+                and job.worker_id not in (None, self.worker_id)
+            )
+            return job.worker_id if adopted else None
+
+    def _adopt(self) -> None:
+        """Follow the Slurm jobs of lost or stopped workers (by their scheduler_job_id)."""
+        with self.db.session() as s:
+            adopted = adopt_slurm_jobs(s, worker_id=self.worker_id, lease_s=self.settings.lease_s)
+        for job in adopted:
+            self.runs[job.job_id] = HeldRun(
+                job_id=job.job_id,
+                attempt=job.attempt,
+                state=job.state,
+                restarts=job.restarts,
+                max_restarts=job.max_restarts,
+                handle=job.scheduler_job_id,
+                cancel_requested=job.cancel_requested,
+            )
+
+    def _watch_all(self) -> None:
+        """Watch every held job; pending cancels first, then one batched poll where the
+        launcher supports it (Slurm: one sacct per tick for all of them)."""
+        runs = list(self.runs.values())
+        for run in runs:
+            self._send_cancel(run)
+        handles = [r.handle for r in runs if r.handle is not None]
+        statuses: dict[str, RunStatus] = {}
+        if handles and isinstance(self.launcher, BatchPoller):
+            statuses = self.launcher.poll_many(handles)
+        for run in runs:
+            if self.runs.get(run.job_id) is run:
+                self._watch(run, statuses.get(run.handle or ""))
+
+    def _send_cancel(self, run: HeldRun) -> None:
+        if run.handle is not None and run.cancel_requested and not run.cancel_sent:
+            _jlog(logging.INFO, run, "cancel requested; stopping its processes")
+            self.launcher.cancel(run.handle)
+            run.cancel_sent = True
+
+    def _watch(self, run: HeldRun, status: RunStatus | None = None) -> None:
+        """Act on one held job: fail a launch error, send a pending cancel, apply what its
+        ``status`` (polled here when not given) calls for."""
         if run.handle is None:
             self._apply(run, decide_on_launch_error(run, run.launch_error or "not started"))
             return
         if run.cancel_requested and not run.cancel_sent:
-            _jlog(logging.INFO, run, "cancel requested; stopping its processes")
-            self.launcher.cancel(run.handle)
-            run.cancel_sent = True
-        decision = decide_on_status(run, self.launcher.poll(run.handle))
+            self._send_cancel(run)
+            status = None  # observe the job after the cancel
+        decision = decide_on_status(run, status or self.launcher.poll(run.handle))
         if decision is not None:
             self._apply(run, decision)
 

@@ -100,6 +100,8 @@ def run_worker(
 ) -> None:
     """Run a worker until SIGTERM/SIGINT (or ``stop`` is set), then shut down cleanly:
     stop claiming, stop held jobs' processes and requeue them, mark the worker stopped.
+    A Slurm worker instead adopts the Slurm jobs of lost or stopped workers as it runs, and
+    at shutdown leaves its own running in Slurm for the next Slurm worker to adopt.
 
     Args:
         settings: database, artifact dir, heartbeat interval (seconds) and lease (seconds).

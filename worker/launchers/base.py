@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from service.spec import JobSpec
 
@@ -79,3 +79,18 @@ class Launcher(Protocol):
     def cancel(self, handle: str) -> None:
         """Stop the attempt; idempotent."""
         ...
+
+
+@runtime_checkable
+class BatchPoller(Protocol):
+    """A launcher that observes many attempts with one backend query (Slurm: one sacct)."""
+
+    def poll_many(self, handles: list[str]) -> dict[str, RunStatus]:
+        """The status of every handle in ``handles``."""
+        ...
+
+
+def is_detached(launcher: Launcher) -> bool:
+    """Whether the launcher's attempts keep running when its worker stops (a launcher says so
+    with a true ``detached`` attribute, as Slurm's does); such jobs are adopted, not stopped."""
+    return bool(getattr(launcher, "detached", False))

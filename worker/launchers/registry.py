@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import get_args
 
 from service.config import Settings
@@ -15,7 +16,7 @@ HOST_LAUNCHERS = frozenset({"local"})
 
 
 def make_launcher(name: str, settings: Settings) -> Launcher:
-    """Build the launcher called ``name``.
+    """Build the launcher called ``name``; Slurm's gets its ``slurm_*`` settings.
 
     Raises:
         LaunchError: unknown name (the message lists the valid ones).
@@ -27,7 +28,12 @@ def make_launcher(name: str, settings: Settings) -> Launcher:
     if name == "slurm":
         from worker.launchers.slurm import SlurmLauncher  # type: ignore[import-not-found,unused-ignore]
 
-        launcher: Launcher = SlurmLauncher(settings)
+        launcher: Launcher = SlurmLauncher(
+            settings,
+            python=settings.slurm_python or sys.executable,
+            partition=settings.slurm_partition,
+            signal_delay_s=settings.slurm_signal_delay_s,
+        )
         return launcher
     raise LaunchError(f"unknown launcher {name!r}; choose one of: {', '.join(LAUNCHER_NAMES)}")
 

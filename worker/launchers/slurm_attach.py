@@ -33,6 +33,8 @@ class AdoptedJob:
     scheduler_job_id: str
     cancel_requested: bool
     previous_worker_id: str | None
+    restarts: int = 0  # relaunches after failures so far
+    max_restarts: int = 0  # from the spec
 
 
 def adopt_slurm_jobs(
@@ -64,6 +66,8 @@ def adopt_slurm_jobs(
             Job.worker_id,
             Job.scheduler_job_id,
             Job.cancel_requested,
+            Job.restarts,
+            Job.spec,
         )
         .where(
             Job.launcher == "slurm",
@@ -104,6 +108,8 @@ def adopt_slurm_jobs(
             scheduler_job_id=str(row.scheduler_job_id),
             cancel_requested=bool(row.cancel_requested),
             previous_worker_id=row.worker_id,
+            restarts=int(row.restarts or 0),
+            max_restarts=int((row.spec or {}).get("max_restarts", 0)),
         )
         log.info(
             "job_id=%d attempt=%d: adopted Slurm job %s from worker %s",
