@@ -53,6 +53,20 @@ def confine(artifact_dir: Path, path: str | Path) -> Path:
     return resolved
 
 
+def artifact_relative_path(artifact_dir: Path, stored: str) -> str | None:
+    """``stored`` (absolute, or relative to ``artifact_dir``) as a POSIX path relative to
+    ``artifact_dir``, symlinks resolved; None when it lies outside (never leak server paths)."""
+    root = artifact_dir.resolve()
+    path = Path(stored)
+    try:
+        resolved = (path if path.is_absolute() else root / path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        return None
+    if not resolved.is_relative_to(root) or resolved == root:
+        return None
+    return resolved.relative_to(root).as_posix()
+
+
 def result_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     """Written by rank 0 once training finished, before teardown: ``…/attempt-<n>/result.json``.
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, Task, TextColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,8 @@ STATE_STYLES = {
     "failed": "red",
     "cancelled": "magenta",
 }
+# What replaces the spinner once a job has ended.
+END_MARKS = {"succeeded": "✓", "failed": "✗", "cancelled": "■"}
 # The first item of a 422 ``loc`` says where the field was (body, query...); people don't care.
 _LOC_SOURCES = frozenset({"body", "query", "path", "header"})
 
@@ -77,13 +80,54 @@ def short_time(iso: str) -> str:
     return iso[:19].replace("T", " ")
 
 
+def parse_time(iso: str) -> datetime:
+    """An API time (ISO 8601, ``Z`` or an offset; naive taken as UTC) as an aware datetime."""
+    parsed = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def format_age(iso: str, now: datetime | None = None) -> str:
+    """How long ago ``iso`` was: ``just now``, ``42s ago``, ``3m ago``, ``5h ago``, ``2d ago``."""
+    try:
+        seconds = ((now or datetime.now(UTC)) - parse_time(iso)).total_seconds()
+    except ValueError:
+        return short_time(iso)
+    if seconds < 5:
+        return "just now"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
 def state_text(state: str) -> Text:
     """The state, coloured."""
     return Text(state, style=STATE_STYLES.get(state, ""))
 
 
+def progress_line(job: dict[str, Any]) -> str:
+    """``step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s`` (epoch 1-based; ETA while
+    running); empty before the first report."""
+    progress = job.get("progress") or {}
+    if progress.get("step") is None:
+        return ""
+    total = progress.get("total_steps")
+    parts = [f"step {progress['step']}" + (f"/{total}" if total else "")]
+    if progress.get("epoch") is not None:
+        parts.append(f"epoch {int(progress['epoch']) + 1}")
+    rate = progress.get("samples_per_s")
+    if isinstance(rate, int | float):
+        parts.append(f"{rate:.0f} samples/s")
+    if progress.get("eta_s") is not None and job.get("state") == "running":
+        parts.append(f"ETA {format_seconds(progress['eta_s'])}")
+    return " · ".join(parts)
+
+
 def progress_detail(job: dict[str, Any]) -> str:
-    """``step 40/100  loss 0.1234  812 samples/s  ETA 12s`` from a Job's progress."""
+    """``step 40/100  loss 0.1234  812 samples/s  ETA 12s`` from a Job's progress; for a
+    queued job, why it waits (``queue_reason``)."""
+    if job.get("state") == "queued" and job.get("queue_reason"):
+        return str(job["queue_reason"])
     progress = job.get("progress") or {}
     parts = []
     if progress.get("step") is not None:
@@ -99,18 +143,30 @@ def progress_detail(job: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+class JobSpinnerColumn(SpinnerColumn):
+    """A spinner while the job is live; once it ended, a mark for its end state instead."""
+
+    def render(self, task: Task) -> RenderableType:
+        """The mark of ``task.fields["state"]`` when that is an end state, else the spinner."""
+        state = task.fields.get("state")
+        if state in END_MARKS:
+            return Text(END_MARKS[state], style=STATE_STYLES.get(state, ""))
+        return super().render(task)
+
+
 @contextmanager
 def job_progress(console: Console) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A live progress bar; yields ``update(job)`` to call with each polled Job."""
+    """A live progress bar; yields ``update(job)`` to call with each polled Job. After an
+    ended Job, the line shows its state's mark where the spinner was."""
     with Progress(
-        SpinnerColumn(),
+        JobSpinnerColumn(),
         TextColumn("{task.description}", markup=False),
         BarColumn(),
         TextColumn("{task.fields[detail]}", markup=False),
         console=console,
         transient=False,
     ) as bar:
-        task = bar.add_task("waiting", total=None, detail="")
+        task = bar.add_task("waiting", total=None, detail="", state="")
 
         def update(job: dict[str, Any]) -> None:
             progress = job.get("progress") or {}
@@ -125,6 +181,7 @@ def job_progress(console: Console) -> Iterator[Callable[[dict[str, Any]], None]]
                 completed=progress.get("step") or 0,
                 total=total,
                 detail=progress_detail(job),
+                state=job["state"],
             )
 
         yield update
@@ -143,20 +200,20 @@ def format_job_summary(
     checkpoint: dict[str, Any] | None,
     checkpoint_url: str | None,
     dashboard_url: str,
+    checkpoint_file: str | None = None,
 ) -> RenderableType:
-    """The end-of-job report: state, latest metrics, newest checkpoint, links, error."""
+    """The job report: state, why it waits, progress, latest metrics, newest checkpoint (its
+    download URL and ``checkpoint_file``, where the file is), links, error."""
     head = Text(f"job {job['id']} {job['name']!r} ") + state_text(job["state"])
     head.append(f"{_duration(job)} (attempt {job['attempt']})")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    progress = job.get("progress") or {}
-    if progress.get("step") is not None:
-        epoch = progress.get("epoch")
-        grid.add_row(
-            "step",
-            f"{progress['step']}" + (f" (epoch {int(epoch) + 1})" if epoch is not None else ""),
-        )
+    if job["state"] == "queued" and job.get("queue_reason"):
+        grid.add_row("queued", Text(str(job["queue_reason"])))
+    line = progress_line(job)
+    if line:
+        grid.add_row("progress", line)
     for name, value in sorted((job.get("latest_metrics") or {}).items()):
         grid.add_row(Text(name), format_metric(name, value))
     if checkpoint is not None:
@@ -167,6 +224,8 @@ def format_job_summary(
                 f"sha256 {checkpoint['sha256']}\n{checkpoint_url}"
             ),
         )
+        if checkpoint_file:
+            grid.add_row("file", Text(checkpoint_file))
     grid.add_row("dashboard", Text(dashboard_url))
     if job.get("cancel_requested") and job["state"] not in {"succeeded", "failed", "cancelled"}:
         grid.add_row("cancel", "requested")
@@ -175,23 +234,40 @@ def format_job_summary(
     return Group(head, grid)
 
 
-def jobs_table(jobs: list[dict[str, Any]]) -> Table:
-    """A table of Jobs: id, name, state, attempt, progress, loss, launcher, created."""
-    table = Table("id", "name", "state", "attempt", "progress", "loss", "launcher", "created")
+def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table:
+    """A table of Jobs: id, name, state, attempt, progress, loss, launcher, age.
+
+    Fits 80 columns: only the name shrinks (cut with …); id, state and the rest are never
+    cut; times are ages (``3m ago``) measured from ``now`` (default: the current time).
+    """
+    now = now or datetime.now(UTC)
+    table = Table(
+        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True
+    )
+    # Rich narrows "wrappable" columns first: the name is the only one.
+    table.add_column("id", no_wrap=True, justify="right")
+    table.add_column("name", min_width=4)
+    table.add_column("state", no_wrap=True)
+    for header in ("attempt", "progress", "loss"):
+        table.add_column(header, no_wrap=True, justify="right")
+    table.add_column("launcher", no_wrap=True)
+    table.add_column("age", no_wrap=True, justify="right")
     for job in jobs:
         progress = job.get("progress") or {}
         step, total = progress.get("step"), progress.get("total_steps")
         shown = f"{step}/{total}" if step is not None and total else (str(step) if step else "")
         loss = (job.get("latest_metrics") or {}).get("loss", "")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            loss = f"{loss:.4g}"
         table.add_row(
             str(job["id"]),
-            Text(job["name"]),
+            Text(job["name"], no_wrap=True, overflow="ellipsis"),
             state_text(job["state"]),
             str(job["attempt"]),
             shown,
             format_metric("loss", loss) if loss != "" else "",
             job["launcher"],
-            short_time(job["created_at"]),
+            format_age(job["created_at"], now),
         )
     if not jobs:
         table.caption = "no jobs"

@@ -7,7 +7,9 @@ config schema, and reports every problem at once as ``SpecValidationError``.
 
 from __future__ import annotations
 
+import difflib
 import re
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -101,6 +103,11 @@ class JobSpec(_Part):
         return self.backend
 
     @property
+    def world_size(self) -> int:
+        """Ranks the job runs: 1 for strategy dp (one process), else nnodes × nproc_per_node."""
+        return 1 if self.strategy == "dp" else self.resources.world_size
+
+    @property
     def is_builtin_task(self) -> bool:
         """True for a built-in task name, False for an entrypoint."""
         return self.task in BUILTIN_TASK_CONFIGS
@@ -155,60 +162,157 @@ def _loc(parts: tuple[int | str, ...]) -> list[int | str]:
     return ["body", *parts]
 
 
+def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside ``annotation`` (``Resources``, ``SlurmOptions | None``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _unwrap_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _fields_at(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model that holds ``path`` (``("resources",)`` → Resources')."""
+    for part in path:
+        info = model.model_fields.get(str(part))
+        inner = _unwrap_model(info.annotation) if info is not None else None
+        if inner is None:
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
+def unknown_field_message(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """Pydantic's "extra inputs" message for ``loc`` plus a hint: the closest valid field
+    (``did you mean 'nproc_per_node'?``) or, failing that, the list of valid fields."""
+    message = "Extra inputs are not permitted"
+    if not loc:
+        return message
+    valid = _fields_at(model, loc[:-1])
+    if not valid:
+        return message
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+    if close:
+        return f"{message}: did you mean {close[0]!r}?"
+    return f"{message}; valid fields: {', '.join(valid)}"
+
+
+def _pydantic_errors(
+    exc: ValidationError, model: type[BaseModel], prefix: tuple[int | str, ...] = ()
+) -> list[dict[str, Any]]:
+    """``exc`` as ``{loc, msg, type}`` entries under ``prefix``, unknown fields with a hint."""
+    errors = []
+    for e in exc.errors(include_url=False, include_context=False, include_input=False):
+        loc = tuple(e["loc"])
+        msg = unknown_field_message(model, loc) if e["type"] == "extra_forbidden" else e["msg"]
+        errors.append({"loc": _loc((*prefix, *loc)), "msg": msg, "type": e["type"]})
+    return errors
+
+
+def _raw_int(section: Any, field: str) -> int | None:
+    """``section[field]`` when ``section`` is a mapping and the value a real int (not bool)."""
+    if not isinstance(section, dict):
+        return None
+    value = section.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ...], str]]:
+    """The deployment's rules (caps, Slurm, allow-list) as ``(loc, message)`` pairs.
+
+    Reads the raw ``data`` so they are reported together with pydantic's errors even when
+    the model did not build; values of the wrong type are skipped (pydantic reports those).
+    """
+    if not isinstance(data, dict):
+        return []
+    problems: list[tuple[tuple[str, ...], str]] = []
+    resources = data.get("resources")
+    caps = (
+        ("nnodes", settings.max_nnodes),
+        ("nproc_per_node", settings.max_nproc_per_node),
+        ("gpus_per_node", settings.max_gpus_per_node),
+        ("timeout_min", settings.max_timeout_min),
+    )
+    for field, cap in caps:
+        value = _raw_int(resources, field)
+        if value is not None and value > cap:
+            problems.append(
+                (("resources", field), f"{field}={value} exceeds this deployment's cap of {cap}")
+            )
+    if data.get("launcher") == "slurm" and not settings.slurm_enabled:
+        problems.append(
+            (("launcher",), "this deployment has no Slurm (DDPQ_SLURM_ENABLED is off); use 'local'")
+        )
+    task = data.get("task")
+    if (
+        isinstance(task, str)
+        and task not in BUILTIN_TASK_CONFIGS
+        and ENTRYPOINT_RE.match(task)
+        and not settings.entrypoint_allowed(task)
+    ):
+        allowed = ", ".join(settings.allowed_entrypoints) or "none configured"
+        problems.append(
+            (
+                ("task",),
+                f"entrypoint {task!r} is not on this deployment's allow-list "
+                f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); built-in tasks: "
+                f"{', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
+            )
+        )
+    return problems
+
+
+def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """A built-in task's ``config`` validated on the raw ``data``: ``(normalised, errors)``;
+    None when there is nothing to check (an entrypoint, or task/config of the wrong type)."""
+    if not isinstance(data, dict):
+        return None
+    task, config = data.get("task"), data.get("config", {})
+    schema = BUILTIN_TASK_CONFIGS.get(task) if isinstance(task, str) else None
+    if schema is None or not isinstance(config, dict):
+        return None
+    try:
+        return schema.model_validate(config).model_dump(), []
+    except ValidationError as exc:
+        return {}, _pydantic_errors(exc, schema, ("config",))
+
+
 def validate_spec(data: Any, settings: Settings) -> JobSpec:
     """Validate raw JSON ``data`` into a JobSpec under this deployment's ``settings``.
+
+    Every problem is reported in one go: pydantic's field errors (unknown fields with a
+    "did you mean" hint), the deployment's caps and rules, and the task's config errors,
+    even when other fields are invalid; the cross-field rules need a built model, so they
+    join only once the fields themselves are valid.
 
     Returns:
         The frozen spec, with the task's ``config`` normalised (defaults filled in).
     Raises:
         SpecValidationError: one ``{"loc": [...], "msg": str, "type": str}`` per problem.
     """
+    errors: list[dict[str, Any]] = []
+    spec: JobSpec | None = None
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecValidationError(
-            [
-                {"loc": _loc(tuple(e["loc"])), "msg": e["msg"], "type": e["type"]}
-                for e in exc.errors(include_url=False, include_context=False, include_input=False)
-            ]
-        ) from None
-    errors: list[dict[str, Any]] = []
+        errors.extend(_pydantic_errors(exc, JobSpec))
 
     def bad(loc: tuple[int | str, ...], msg: str) -> None:
         errors.append({"loc": _loc(loc), "msg": msg, "type": "value_error"})
 
-    for loc, msg in cross_field_problems(spec):
+    if spec is not None:
+        for loc, msg in cross_field_problems(spec):
+            bad(loc, msg)
+    # Once the model built, check its coerced values ("200" and 200.0 became 200).
+    view = spec.model_dump() if spec is not None else data
+    for loc, msg in settings_problems(view, settings):
         bad(loc, msg)
-    r = spec.resources
-    caps = (
-        ("nnodes", r.nnodes, settings.max_nnodes),
-        ("nproc_per_node", r.nproc_per_node, settings.max_nproc_per_node),
-        ("gpus_per_node", r.gpus_per_node, settings.max_gpus_per_node),
-        ("timeout_min", r.timeout_min, settings.max_timeout_min),
-    )
-    for field, value, cap in caps:
-        if value > cap:
-            bad(("resources", field), f"{field}={value} exceeds this deployment's cap of {cap}")
-    if spec.launcher == "slurm" and not settings.slurm_enabled:
-        bad(("launcher",), "this deployment has no Slurm (DDPQ_SLURM_ENABLED is off); use 'local'")
-    config = spec.config
-    schema = BUILTIN_TASK_CONFIGS.get(spec.task)
-    if schema is not None:
-        try:
-            config = schema.model_validate(spec.config).model_dump()
-        except ValidationError as exc:
-            for e in exc.errors(include_url=False, include_context=False, include_input=False):
-                errors.append(
-                    {"loc": _loc(("config", *e["loc"])), "msg": e["msg"], "type": e["type"]}
-                )
-    elif ENTRYPOINT_RE.match(spec.task) and not settings.entrypoint_allowed(spec.task):
-        allowed = ", ".join(settings.allowed_entrypoints) or "none configured"
-        bad(
-            ("task",),
-            f"entrypoint {spec.task!r} is not on this deployment's allow-list "
-            f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); built-in tasks: "
-            f"{', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
-        )
-    if errors:
+    checked = _task_config(view)
+    if checked is not None:
+        errors.extend(checked[1])
+    if errors or spec is None:
         raise SpecValidationError(errors)
+    config = checked[0] if checked is not None else spec.config
     return spec.model_copy(update={"config": config})

@@ -1,4 +1,4 @@
-"""Worker registration, heartbeats (which renew the leases of the jobs a worker holds)."""
+"""Workers: registration, heartbeats (renewing their jobs' leases), why a queued job waits."""
 
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import NotFoundError
 from service.models import Job, Worker, utcnow
-from service.states import ACTIVE_STATES
+from service.states import ACTIVE_STATES, JobState
+
+# A worker is live while its last heartbeat is younger than this many heartbeat intervals.
+LIVE_HEARTBEATS = 3
+# Launchers whose workers hand out their own host's GPUs (others leave GPUs to Slurm).
+HOST_GPU_LAUNCHERS = frozenset({"local"})
 
 
 @dataclass(frozen=True)
@@ -92,3 +97,94 @@ def list_workers(session: Session) -> list[tuple[Worker, list[int]]]:
     for wid, jid in rows:
         held.setdefault(str(wid), []).append(jid)
     return [(w, sorted(held.get(w.id, []))) for w in workers]
+
+
+def _capacity_int(capacity: Any, key: str, default: int) -> int:
+    value = capacity.get(key) if isinstance(capacity, dict) else None
+    if key == "gpus":
+        return len(value) if isinstance(value, list) else default
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def queue_reason(
+    session: Session,
+    *,
+    job_id: int,
+    launcher: str,
+    gpus_per_node: int,
+    priority: int,
+    heartbeat_interval_s: float,
+) -> str:
+    """Why a queued job is still waiting, for people (three small queries; call it for one
+    job, not for lists).
+
+    Considers the live workers of the job's launcher (not stopped, heartbeat younger than
+    ``LIVE_HEARTBEATS × heartbeat_interval_s`` seconds), their ``capacity`` (slots, GPUs)
+    and the active jobs they hold; GPUs count only for launchers in ``HOST_GPU_LAUNCHERS``.
+
+    Returns:
+        e.g. ``"no live worker for launcher local"``, ``"waiting for a worker with 1 free
+        GPU (live workers have at most 0)"``, ``"waiting for a free slot (…)"`` or
+        ``"waiting for a worker to claim it (2 queued jobs ahead)"``.
+    """
+    cutoff = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * heartbeat_interval_s)
+    live = list(
+        session.execute(
+            select(Worker.id, Worker.capacity).where(
+                Worker.launcher == launcher,
+                Worker.stopped_at.is_(None),
+                Worker.heartbeat_at > cutoff,
+            )
+        )
+    )
+    if not live:
+        hint = f"`ddpq worker --launcher {launcher}`"
+        return f"no live worker for launcher {launcher} (start one: {hint})"
+    held = {
+        str(wid): (int(n), int(gpus or 0))
+        for wid, n, gpus in session.execute(
+            select(Job.worker_id, func.count(), func.sum(Job.gpus_per_node))
+            .where(
+                Job.worker_id.in_([w.id for w in live]),
+                Job.state.in_([s.value for s in ACTIVE_STATES]),
+            )
+            .group_by(Job.worker_id)
+        )
+    }
+    wants_gpus = gpus_per_node if launcher in HOST_GPU_LAUNCHERS else 0
+    free_slots, free_gpus, total_gpus = [], [], []
+    for w in live:
+        jobs_held, gpus_held = held.get(w.id, (0, 0))
+        total = _capacity_int(w.capacity, "gpus", 0)
+        free_slots.append(_capacity_int(w.capacity, "slots", 1) - jobs_held)
+        free_gpus.append(total - gpus_held)
+        total_gpus.append(total)
+    if wants_gpus and max(total_gpus) < wants_gpus:
+        return (
+            f"waiting for a worker with {_plural(wants_gpus, 'free GPU')} "
+            f"(live workers have at most {max(total_gpus)})"
+        )
+    fitting = [g for s, g in zip(free_slots, free_gpus, strict=True) if s > 0 and g >= wants_gpus]
+    if not fitting:
+        if wants_gpus and any(s > 0 for s in free_slots):
+            return (
+                f"waiting for {_plural(wants_gpus, 'free GPU')} on one worker "
+                f"(live workers have at most {max(free_gpus)} free now)"
+            )
+        return f"waiting for a free slot ({_plural(len(live), 'live worker')}, all busy)"
+    # Jobs the same workers would claim first: better priority (or older), and small enough.
+    ahead_filter = [
+        Job.state == JobState.QUEUED.value,
+        Job.launcher == launcher,
+        or_(Job.priority > priority, (Job.priority == priority) & (Job.id < job_id)),
+    ]
+    if launcher in HOST_GPU_LAUNCHERS:
+        ahead_filter.append(Job.gpus_per_node <= max(fitting))
+    ahead = session.scalar(select(func.count()).where(*ahead_filter))
+    if ahead:
+        return f"waiting for a worker to claim it ({_plural(int(ahead), 'queued job')} ahead)"
+    return "waiting for a worker to claim it"

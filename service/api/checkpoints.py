@@ -24,12 +24,16 @@ router = APIRouter(tags=["checkpoints"])
     summary="A job's checkpoints",
     responses=ERRORS,
 )
-def checkpoints_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> CheckpointListOut:
-    """Live (not rotated away) checkpoints, newest step first."""
+def checkpoints_route(
+    job_id: JobIdPath, db: DbDep, settings: SettingsDep, owner: OwnerDep
+) -> CheckpointListOut:
+    """Live (not rotated away) checkpoints, newest step first; ``path`` is relative to the
+    server's artifact directory."""
+    root = settings.resolved_artifact_dir
     with db.session(write=False) as session:
         get_job(session, job_id, owner=owner)
         return CheckpointListOut(
-            checkpoints=[checkpoint_out(c) for c in list_checkpoints(session, job_id)]
+            checkpoints=[checkpoint_out(c, root) for c in list_checkpoints(session, job_id)]
         )
 
 

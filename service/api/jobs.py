@@ -17,6 +17,7 @@ from service.errors import SpecValidationError
 from service.jobs import cancel_job, get_job, list_events, list_jobs, submit_job
 from service.spec import JobSpec, validate_spec
 from service.states import JobState
+from service.workers import queue_reason
 
 router = APIRouter(tags=["jobs"])
 
@@ -180,10 +181,24 @@ def list_jobs_route(
     summary="Get a job",
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
-def get_job_route(request: Request, job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> Response:
-    """State, attempt, progress, latest metrics and error of one job."""
+def get_job_route(
+    request: Request, job_id: JobIdPath, db: DbDep, settings: SettingsDep, owner: OwnerDep
+) -> Response:
+    """State, attempt, progress, latest metrics and error of one job; a queued job also
+    says why it waits (``queue_reason``)."""
     with db.session(write=False) as session:
-        job = job_out(get_job(session, job_id, owner=owner))
+        row = get_job(session, job_id, owner=owner)
+        reason = None
+        if row.state == JobState.QUEUED.value:
+            reason = queue_reason(
+                session,
+                job_id=row.id,
+                launcher=row.launcher,
+                gpus_per_node=row.gpus_per_node,
+                priority=row.priority,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+            )
+        job = job_out(row, queue_reason=reason)
     return etag_response(request, job)
 
 

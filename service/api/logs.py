@@ -7,12 +7,15 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import ValidationError
 
 from service.api.deps import DbDep, OwnerDep, SettingsDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import LogsOut
 from service.artifacts import rank_log_path
+from service.errors import NotFoundError
 from service.jobs import get_job
+from service.spec import JobSpec
 
 router = APIRouter(tags=["logs"])
 
@@ -45,6 +48,14 @@ def read_log_chunk(
     return text, end - pending, end >= size
 
 
+def _world_size(stored_spec: dict[str, object]) -> int | None:
+    """The ranks of a stored spec; None if it no longer validates (then no rank is refused)."""
+    try:
+        return JobSpec.model_validate(stored_spec).world_size
+    except ValidationError:
+        return None
+
+
 @router.get(
     "/jobs/{job_id}/logs",
     response_model=LogsOut,
@@ -65,10 +76,16 @@ def logs_route(
         Query(ge=0, le=MAX_INT64, description="Byte offset (``next_offset`` of the last call)."),
     ] = 0,
 ) -> LogsOut:
-    """At most 256 KiB of the rank's log from ``offset``; follow with ``next_offset``."""
+    """At most 256 KiB of the rank's log from ``offset``; follow with ``next_offset``.
+    A rank the job does not have (``rank`` ≥ its world_size) answers 404 naming its ranks."""
     with db.session(write=False) as session:
         job = get_job(session, job_id, owner=owner)
         attempt = attempt or job.attempt
+        stored_spec = job.spec
+    world_size = _world_size(stored_spec)
+    if world_size is not None and rank >= world_size:
+        ranks = "only rank 0" if world_size == 1 else f"ranks 0–{world_size - 1}"
+        raise NotFoundError(f"job {job_id} has {ranks}; there is no rank {rank}")
     path = rank_log_path(settings.resolved_artifact_dir, job_id, attempt, rank)
     text, next_offset, eof = read_log_chunk(path, offset)
     return LogsOut(text=text, next_offset=next_offset, rank=rank, attempt=attempt, eof=eof)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.artifacts import artifact_relative_path
 from service.metrics import JsonNumber, json_safe
 from service.models import Checkpoint, Job, JobEvent, Metric, Worker, utcnow
 from service.spec import JobSpec
@@ -49,6 +51,11 @@ class JobOut(_Out):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    queue_reason: str | None = Field(
+        default=None,
+        description="Why a queued job waits (GET /jobs/{id} only; null otherwise), e.g. "
+        "'no live worker for launcher local'.",
+    )
 
 
 class JobListOut(_Out):
@@ -108,6 +115,11 @@ class CheckpointOut(_Out):
     size_bytes: int
     sha256: str
     created_at: datetime
+    path: str | None = Field(
+        default=None,
+        description="File path relative to the server's artifact directory "
+        "(jobs/<id>/checkpoints/step-<step>.pt); null if recorded outside it.",
+    )
 
 
 class CheckpointListOut(_Out):
@@ -185,7 +197,7 @@ def progress_out(progress: dict[str, Any] | None) -> ProgressOut | None:
     )
 
 
-def job_out(job: Job) -> JobOut:
+def job_out(job: Job, queue_reason: str | None = None) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``)."""
     latest: dict[str, JsonNumber] = {}
     for name, entry in (job.latest_metrics or {}).items():
@@ -208,6 +220,7 @@ def job_out(job: Job) -> JobOut:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
+        queue_reason=queue_reason,
     )
 
 
@@ -231,8 +244,10 @@ def point_out(metric: Metric) -> MetricPointOut:
     )
 
 
-def checkpoint_out(ckpt: Checkpoint) -> CheckpointOut:
-    """A checkpoints row as the API shows it (the server-side path stays private)."""
+def checkpoint_out(ckpt: Checkpoint, artifact_dir: Path | None = None) -> CheckpointOut:
+    """A checkpoints row as the API shows it: the path only relative to ``artifact_dir``
+    (omitted without one), so the server's own directory layout stays private."""
+    path = artifact_relative_path(artifact_dir, ckpt.path) if artifact_dir is not None else None
     return CheckpointOut(
         step=ckpt.step,
         epoch=ckpt.epoch,
@@ -240,6 +255,7 @@ def checkpoint_out(ckpt: Checkpoint) -> CheckpointOut:
         size_bytes=ckpt.size_bytes,
         sha256=ckpt.sha256,
         created_at=ckpt.created_at,
+        path=path,
     )
 
 

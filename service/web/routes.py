@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import yaml
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic.fields import FieldInfo
 
+from service.api.deps import DbDep, OwnerDep
+from service.errors import NotFoundError
+from service.jobs import get_job
 from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from service.task_configs import BUILTIN_TASK_CONFIGS
 
@@ -46,6 +50,17 @@ CONTENT_SECURITY_POLICY = "; ".join(
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=str(TEMPLATES_DIR))
+
+
+@jinja2.pass_context
+def static_url(context: Any, path: str) -> str:
+    """``/static/<path>`` as a root-relative URL (behind the app's ``root_path`` if any):
+    no scheme or host, so pages work behind an HTTPS proxy."""
+    request: Request = context["request"]
+    return f"{request.scope.get('root_path', '')}/static/{path}"
+
+
+templates.env.globals["static_url"] = static_url
 
 
 @dataclass(frozen=True)
@@ -136,8 +151,18 @@ def jobs_page(request: Request) -> HTMLResponse:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: int) -> HTMLResponse:
-    """One job: spec, timeline, curves, progress, logs, checkpoints, error, cancel."""
+def job_page(request: Request, job_id: int, db: DbDep, owner: OwnerDep) -> HTMLResponse:
+    """One job: spec, timeline, curves, progress, logs, checkpoints, error, cancel.
+    A job that does not exist (or is not the caller's) gets a small 404 page."""
+    try:
+        with db.session(write=False) as session:
+            get_job(session, job_id, owner=owner)
+    except NotFoundError:
+        page = _page(
+            request, "not_found.html", title="Job not found", message=f"Job {job_id} was not found."
+        )
+        page.status_code = 404
+        return page
     return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id, **_state_lists())
 
 

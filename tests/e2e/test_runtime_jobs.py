@@ -350,7 +350,8 @@ def test_user_entrypoint_two_ranks(db: Database, settings: Settings) -> None:
     job_id = start_job(db, example("custom_loop", training={"epochs": 4}))
     assert run_attempt(settings, job_id, 1) == 0, diagnostics(settings, job_id, 1)
     result = result_of(settings, job_id, 1)
-    assert result["final_metrics"]["test_accuracy"] >= 0.9
+    assert result["final_metrics"]["eval_accuracy"] >= 0.9
+    assert len(points(db, job_id, "eval_accuracy")) == 4, "one eval per epoch"
     assert [p.step for p in points(db, job_id, "loss")] == list(range(1, result["step"] + 1))
     with db.session(write=False) as s:
         assert list_checkpoints(s, job_id)[0].step == result["step"]

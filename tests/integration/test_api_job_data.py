@@ -9,17 +9,18 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 
 from service import artifacts, checkpoints, jobs, metrics, workers
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
 from service.metrics import MetricPoint
-from service.models import Metric, utcnow
+from service.models import Job, Metric, utcnow
 from service.spec import JobSpec
 from service.states import JobState
 
@@ -32,10 +33,13 @@ def api(settings: Settings, db: Database) -> Iterator[TestClient]:
         yield client
 
 
-def running_job(db: Database) -> int:
-    """A job claimed by worker w1 and running (attempt 1), ready to record metrics."""
+def running_job(db: Database, **spec: Any) -> int:
+    """A 2-rank job (unless ``spec`` says otherwise) claimed by worker w1 and running
+    (attempt 1), ready to record metrics."""
+    fields: dict[str, Any] = {"name": "j", "task": "regression"}
+    fields |= {"resources": {"nproc_per_node": 2}, **spec}
     with db.session() as s:
-        job, _ = jobs.submit_job(s, JobSpec(name="j", task="regression"), owner="local")
+        job, _ = jobs.submit_job(s, JobSpec.model_validate(fields), owner="local")
         workers.register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
     with db.session() as s:
         claimed = jobs.claim_next_job(
@@ -192,7 +196,13 @@ def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: 
             )
     listed = api.get(f"{API}/jobs/{job_id}/checkpoints").json()["checkpoints"]
     assert [c["step"] for c in listed] == [20, 10]
-    assert set(listed[0]) == {"step", "epoch", "attempt", "size_bytes", "sha256", "created_at"}
+    assert set(listed[0]) == {
+        "step", "epoch", "attempt", "size_bytes", "sha256", "created_at", "path"
+    }  # fmt: skip
+    assert [c["path"] for c in listed] == [
+        f"jobs/{job_id}/checkpoints/step-20.pt",
+        f"jobs/{job_id}/checkpoints/step-10.pt",
+    ], "relative to the artifact directory, never the server's absolute path"
     r = api.get(f"{API}/jobs/{job_id}/checkpoints/20/file")
     assert r.status_code == 200 and r.content == payload
     assert hashlib.sha256(r.content).hexdigest() == listed[0]["sha256"]
@@ -202,20 +212,28 @@ def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: 
     assert api.get(f"{API}/jobs/{job_id}/checkpoints/-1/file").status_code == 422
 
 
-def test_checkpoint_outside_the_artifact_dir_is_not_served(
-    api: TestClient, db: Database, tmp_path: Path
+def test_checkpoint_outside_the_artifact_dir_is_not_served_nor_named(
+    api: TestClient, db: Database, settings: Settings, tmp_path: Path
 ) -> None:
     job_id = running_job(db)
     secret = tmp_path / "secret.txt"
     secret.write_text("do not serve me")
+    link = artifacts.checkpoint_path(settings.resolved_artifact_dir, job_id, 3)
+    link.parent.mkdir(parents=True)
+    link.symlink_to(secret)
+    inside = f"jobs/{job_id}/checkpoints/step-4.pt"  # recorded relative: still inside
     with db.session() as s:
-        for step, path in ((1, str(secret)), (2, "../secret.txt")):
+        for step, path in ((1, str(secret)), (2, "../secret.txt"), (3, str(link)), (4, inside)):
             checkpoints.record_checkpoint(
                 s, job_id, 1, step=step, epoch=0, path=path, size_bytes=1, sha256="0" * 64
             )
-    for step in (1, 2):
+    for step in (1, 2, 3):
         r = api.get(f"{API}/jobs/{job_id}/checkpoints/{step}/file")
         assert r.status_code == 404 and "do not serve" not in r.text
+    listed = api.get(f"{API}/jobs/{job_id}/checkpoints").json()["checkpoints"]
+    paths = {c["step"]: c["path"] for c in listed}
+    assert paths == {4: inside, 3: None, 2: None, 1: None}, "no path outside the artifact dir"
+    assert str(tmp_path) not in json.dumps(listed)
 
 
 def test_logs_page_by_offset(api: TestClient, db: Database, settings: Settings) -> None:
@@ -248,9 +266,9 @@ def test_logs_page_by_offset(api: TestClient, db: Database, settings: Settings) 
 
 def test_logs_missing_file_and_bad_params(api: TestClient, db: Database) -> None:
     job_id = running_job(db)
-    r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 3, "offset": 42, "attempt": 2})
+    r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": 42, "attempt": 2})
     assert r.status_code == 200
-    assert r.json() == {"text": "", "next_offset": 42, "rank": 3, "attempt": 2, "eof": True}
+    assert r.json() == {"text": "", "next_offset": 42, "rank": 1, "attempt": 2, "eof": True}
     for params in (
         {"rank": "../../etc/passwd"},
         {"rank": -1},
@@ -262,3 +280,19 @@ def test_logs_missing_file_and_bad_params(api: TestClient, db: Database) -> None
         assert r.status_code == 422, params
         assert "passwd" not in json.dumps(r.json()["detail"][0].get("input", ""))
     assert api.get(f"{API}/jobs/31337/logs").status_code == 404
+
+
+def test_logs_of_a_rank_the_job_does_not_have_is_404_naming_its_ranks(
+    api: TestClient, db: Database
+) -> None:
+    job_id = running_job(db)
+    for rank in (2, 5):
+        r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": rank})
+        assert r.status_code == 404, r.text
+        assert r.json()["detail"] == f"job {job_id} has ranks 0–1; there is no rank {rank}"
+    assert api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1}).status_code == 200
+    with db.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(state=JobState.SUCCEEDED.value))
+    dp = running_job(db, strategy="dp", resources={})
+    r = api.get(f"{API}/jobs/{dp}/logs", params={"rank": 1})
+    assert r.status_code == 404 and r.json()["detail"].startswith(f"job {dp} has only rank 0")

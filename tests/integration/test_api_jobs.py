@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from service import jobs, workers
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
+from service.models import Worker, utcnow
 from service.states import JobState
 
 API = "/api/v1"
@@ -66,8 +69,11 @@ def test_submit_get_and_job_shape(api: TestClient) -> None:
     assert job["spec"]["config"]["hidden"] == 32, "task config defaults are filled in"
     assert job["progress"] is None and job["latest_metrics"] == {}
     assert job["created_at"].endswith("Z") or job["created_at"].endswith("+00:00")
+    assert job["queue_reason"] is None, "computed by GET /jobs/{id} only"
     got = api.get(f"{API}/jobs/{job['id']}")
-    assert got.status_code == 200 and got.json() == job
+    assert got.status_code == 200
+    assert got.json() == {**job, "queue_reason": "no live worker for launcher local "
+                          "(start one: `ddpq worker --launcher local`)"}  # fmt: skip
     assert api.get(f"{API}/jobs/999999").status_code == 404
     assert api.get(f"{API}/jobs/{2**70}").status_code == 422
 
@@ -240,6 +246,76 @@ def test_events_are_the_state_history(api: TestClient, db: Database) -> None:
         "id", "attempt", "from_state", "to_state", "reason", "worker_id", "created_at"
     }  # fmt: skip
     assert api.get(f"{API}/jobs/5555/events").status_code == 404
+
+
+def test_typo_hint_and_caps_in_the_same_422(api: TestClient, db: Database) -> None:
+    spec = {**SPEC, "strategy": "fsdp", "resources": {"nproc_per_nod": 2, "nnodes": 100}}
+    r = api.post(f"{API}/jobs", json=spec)
+    assert r.status_code == 422
+    by_loc = {tuple(e["loc"]): e["msg"] for e in r.json()["detail"]}
+    assert set(by_loc) == {
+        ("body", "strategy"),
+        ("body", "resources", "nproc_per_nod"),
+        ("body", "resources", "nnodes"),
+    }, by_loc
+    assert by_loc[("body", "resources", "nproc_per_nod")].endswith("did you mean 'nproc_per_node'?")
+    assert "cap of 64" in by_loc[("body", "resources", "nnodes")]
+    assert job_count(db) == 0
+
+
+def _reason(api: TestClient, job_id: int) -> str | None:
+    r = api.get(f"{API}/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    reason: str | None = r.json()["queue_reason"]
+    return reason
+
+
+def _worker(db: Database, worker_id: str, **capacity: Any) -> None:
+    with db.session() as s:
+        workers.register_worker(
+            s, worker_id=worker_id, host="h", pid=1, launcher="local", capacity=capacity
+        )
+
+
+def test_queue_reason_says_why_a_job_waits(
+    api: TestClient, db: Database, settings: Settings
+) -> None:
+    gpu_job = submit(api, name="gpu", resources={"nproc_per_node": 1, "gpus_per_node": 1})["id"]
+    assert str(_reason(api, gpu_job)).startswith("no live worker for launcher local")
+    _worker(db, "stopped", slots=4, gpus=[0, 1])
+    _worker(db, "silent", slots=4, gpus=[0, 1])
+    with db.session() as s:
+        workers.stop_worker(s, "stopped")
+        too_old = utcnow() - timedelta(seconds=3 * settings.heartbeat_interval_s + 1)
+        s.execute(update(Worker).where(Worker.id == "silent").values(heartbeat_at=too_old))
+    assert str(_reason(api, gpu_job)).startswith("no live worker"), "stopped or silent"
+    _worker(db, "cpu-only", slots=1, gpus=[])
+    assert _reason(api, gpu_job) == (
+        "waiting for a worker with 1 free GPU (live workers have at most 0)"
+    )
+    cpu_job = submit(api, name="cpu")["id"]
+    assert _reason(api, cpu_job) == "waiting for a worker to claim it"
+    later = submit(api, name="later")["id"]
+    assert _reason(api, later) == "waiting for a worker to claim it (1 queued job ahead)"
+    with db.session() as s:
+        claimed = jobs.claim_next_job(
+            s, worker_id="cpu-only", launcher="local", max_gpus_per_node=0, lease_s=30
+        )
+        assert claimed is not None and claimed.id == cpu_job
+    assert _reason(api, later) == "waiting for a free slot (1 live worker, all busy)"
+    assert _reason(api, cpu_job) is None, "only queued jobs have a reason"
+    _worker(db, "gpu-box", slots=2, gpus=[0])
+    with db.session() as s:
+        claimed = jobs.claim_next_job(
+            s, worker_id="gpu-box", launcher="local", max_gpus_per_node=1, lease_s=30
+        )
+        assert claimed is not None and claimed.id == gpu_job
+    second_gpu = submit(api, name="gpu2", resources={"nproc_per_node": 1, "gpus_per_node": 1})
+    assert _reason(api, second_gpu["id"]) == (
+        "waiting for 1 free GPU on one worker (live workers have at most 0 free now)"
+    )
+    listed = api.get(f"{API}/jobs").json()["jobs"]
+    assert [j["queue_reason"] for j in listed] == [None] * 4, "the list stays cheap"
 
 
 def test_workers_list_heartbeats_and_held_jobs(api: TestClient, db: Database) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -60,8 +61,10 @@ def live_url(settings: Settings, db: Database) -> Iterator[str]:
     thread.join(10)
 
 
-def ddpq(url: str, *args: str) -> Any:
-    return runner.invoke(app, list(args), env={"DDPQ_API_URL": url, "COLUMNS": "250"})
+def ddpq(url: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(
+        app, list(args), env={"DDPQ_API_URL": url, "COLUMNS": "250", **(env or {})}
+    )
 
 
 def spec_file(tmp_path: Path, spec: dict[str, Any], suffix: str = ".yaml") -> Path:
@@ -95,6 +98,12 @@ def test_submit_ls_show_metrics_logs_cancel(
     ls = ddpq(live_url, "ls")
     assert ls.exit_code == 0 and "cli-job" in ls.output and "digits-2" in ls.output
     assert ls.output.index("digits-2") < ls.output.index("cli-job"), "newest first"
+    narrow = ddpq(live_url, "ls", env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0
+    assert all(len(line) <= 80 for line in narrow.output.splitlines()), narrow.output
+    for jid in (job_id, second_id):
+        assert re.search(rf"^\s*{jid}\s+\S+\s+queued\s+1\s.*\s(just now|\d+s ago)\s*$",
+                         narrow.output, re.M), narrow.output  # fmt: skip
     assert "queued" in ddpq(live_url, "ls", "--state", "queued").output
     bad_state = ddpq(live_url, "ls", "--state", "bogus")
     assert bad_state.exit_code == 2 and "state:" in bad_state.output
@@ -104,18 +113,35 @@ def test_submit_ls_show_metrics_logs_cancel(
     with db.session() as s:
         jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
         jobs.apply_transition(s, jobs.Transition(job_id, JobState.STARTING, JobState.RUNNING))
-        metrics.record_metrics(s, job_id, 1, [MetricPoint("loss", i, 1 / i) for i in (1, 2, 3)])
+        progress = {"step": 3, "total_steps": 400, "epoch": 1, "samples_per_s": 123.4, "eta_s": 80}
+        metrics.record_metrics(
+            s, job_id, 1, [MetricPoint("loss", i, 1 / i) for i in (1, 2, 3)], progress=progress
+        )
     log = artifacts.rank_log_path(settings.resolved_artifact_dir, job_id, 1, 1)
     log.parent.mkdir(parents=True)
     log.write_text("hello from rank 1\n[bold]not markup[/bold]\n")
 
     show = ddpq(live_url, "show", str(job_id))
     assert show.exit_code == 0 and "running" in show.output and "claimed" in show.output
+    assert "step 3/400 · epoch 2 · 123 samples/s · ETA 1m20s" in show.output, show.output
+    waiting = ddpq(live_url, "show", str(second_id))
+    assert re.search(r"queued\s+waiting for a free slot \(1 live worker, all busy\)",
+                     waiting.output), waiting.output  # fmt: skip
     out = ddpq(live_url, "metrics", str(job_id), "--name", "loss")
     assert out.exit_code == 0 and "0.333333" in out.output
+    missing_metric = ddpq(live_url, "metrics", str(job_id), "--name", "accuracy")
+    assert missing_metric.exit_code == 2, missing_metric.output
+    assert f"job {job_id} has no metric 'accuracy'; it reports: loss" in missing_metric.output
+    none_yet = ddpq(live_url, "metrics", str(second_id), "--name", "loss")
+    assert none_yet.exit_code == 2 and "reported none yet" in none_yet.output
+    later = ddpq(live_url, "metrics", str(job_id), "--after-step", "3")
+    assert later.exit_code == 0 and "no 'loss' points after step 3" in later.output
     logs = ddpq(live_url, "logs", str(job_id), "--rank", "1")
     assert logs.output == "hello from rank 1\n[bold]not markup[/bold]\n"
     assert ddpq(live_url, "logs", str(job_id), "--rank", "-1").exit_code == 2
+    no_rank = ddpq(live_url, "logs", str(job_id), "--rank", "5")
+    assert no_rank.exit_code == 2, no_rank.output
+    assert f"job {job_id} has ranks 0–1" in no_rank.output
 
     cancel = ddpq(live_url, "cancel", str(job_id))
     assert cancel.exit_code == 0 and "cancel requested" in cancel.output
@@ -212,7 +238,11 @@ def test_submit_wait_follows_the_job_to_its_end(
 
     driver = threading.Thread(target=drive)
     driver.start()
-    result = ddpq(live_url, "submit", str(spec_file(tmp_path, SPEC)), "--wait", "--poll-s", "0.1")
+    # The succeeded run shares the server's artifact dir (the file is local), the failed not.
+    local = outcome == JobState.SUCCEEDED
+    env = {"DDPQ_ARTIFACT_DIR": str(settings.resolved_artifact_dir)} if local else {}
+    args = ("submit", str(spec_file(tmp_path, SPEC)), "--wait", "--poll-s", "0.1")
+    result = ddpq(live_url, *args, env=env)
     driver.join(30)
     assert not errors, errors
     job_id = driven[0]
@@ -225,6 +255,12 @@ def test_submit_wait_follows_the_job_to_its_end(
     assert f"{live_url}/api/v1/jobs/{job_id}/checkpoints/4/file" in out
     assert f"{live_url}/jobs/{job_id}" in out
     assert ("rank 1 raised RuntimeError: boom" in out) == (outcome == JobState.FAILED)
+    relative = f"jobs/{job_id}/checkpoints/step-4.pt"
+    shown = str(settings.resolved_artifact_dir / relative) if local else relative
+    assert re.search(rf"^file\s+{re.escape(shown)}\s*$", out, re.M), out
+    bar = next(line for line in out.splitlines() if line.lstrip().startswith(("✓", "✗")))
+    assert f"job {job_id} {outcome.value}" in bar and "step 4/4" in bar, bar
+    assert not re.search("[\u2800-\u28ff]", out), "the spinner must not stay on the last line"
 
 
 def _ddpq_exe() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import types
@@ -113,7 +114,7 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
         calls.append(("worker", kwargs))
 
     def run_up(settings: Any) -> None:
-        calls.append(("up", {"port": settings.port}))
+        calls.append(("up", {"port": settings.port, "url": settings.resolved_api_url}))
 
     fake_main.run_worker = run_worker  # type: ignore[attr-defined]
     fake_up.run_up = run_up  # type: ignore[attr-defined]
@@ -123,11 +124,18 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
     assert invoke(["worker", "--launcher", "slurm", "--gpus", "none"]).exit_code == 0
     assert invoke(["worker"]).exit_code == 0
     assert invoke(["up"], env={"DDPQ_PORT": "8123"}).exit_code == 0
+    moved = invoke(
+        ["up", "--host", "0.0.0.0", "--port", "8011"],
+        env={"DDPQ_PORT": "8123", "DDPQ_API_URL": "http://127.0.0.1:8123"},
+    )
+    assert moved.exit_code == 0, moved.output
+    assert invoke(["up", "--port", "0"]).exit_code == 2
     assert calls == [
         ("worker", {"launcher": "local", "gpus": [0, 1], "slots": 2}),
         ("worker", {"launcher": "slurm", "gpus": [], "slots": 1}),
         ("worker", {"launcher": "local", "gpus": None, "slots": 1}),
-        ("up", {"port": 8123}),
+        ("up", {"port": 8123, "url": "http://127.0.0.1:8123"}),
+        ("up", {"port": 8011, "url": "http://127.0.0.1:8011"}),
     ]
     bad = invoke(["worker", "--gpus", "x"])
     assert bad.exit_code == 2 and "0,1" in bad.output
@@ -146,7 +154,18 @@ def test_service_does_not_import_worker_at_module_level() -> None:
 
 
 def test_help_of_every_command() -> None:
-    for args in ([], ["db"], ["db", "upgrade"], ["serve"], ["submit"], ["logs"], ["worker"]):
+    commands = [[], ["db"], ["db", "upgrade"], ["serve"], ["up"], ["submit"], ["logs"], ["worker"]]
+    for args in commands:
         result = invoke([*args, "--help"])
         assert result.exit_code == 0, (args, result.output)
         assert "Usage" in result.output
+        assert "<bool>" not in result.output, f"a flag shows a type: {result.output}"
+
+
+def test_submit_help_shows_flags_as_flags() -> None:
+    text = invoke(["submit", "--help"]).output
+    assert re.search(r"^\s*--wait\s+Follow the job until it ends\.", text, re.M), text
+    assert re.search(r"^\s*--help\s+Show this message and exit\.", text, re.M), text
+    assert re.search(r"^\s*--poll-s <float", text, re.M), "valued options keep their type"
+    up = invoke(["up", "--help"]).output
+    assert "--host" in up and "--port" in up, up

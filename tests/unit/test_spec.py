@@ -102,3 +102,81 @@ def test_stored_spec_round_trips() -> None:
     spec = validate_spec({**OK, "tags": ["a"]}, SETTINGS)
     again = JobSpec.model_validate(spec.model_dump(mode="json"))
     assert again == spec
+
+
+@pytest.mark.parametrize(
+    ("patch", "loc", "hint"),
+    [
+        (
+            {"resources": {"nproc_per_nod": 2}},
+            ["body", "resources", "nproc_per_nod"],
+            "'nproc_per_node'",
+        ),
+        ({"trainig": {}}, ["body", "trainig"], "'training'"),
+        ({"training": {"learning_rate": 1}}, ["body", "training", "learning_rate"], None),
+        ({"config": {"hiden": 8}}, ["body", "config", "hiden"], "'hidden'"),
+        ({"task": "charlm", "config": {"n_head": 2}}, ["body", "config", "n_head"], "'n_heads'"),
+        (
+            {"launcher": "slurm", "slurm": {"partiton": "gpu"}},
+            ["body", "slurm", "partiton"],
+            "'partition'",
+        ),
+    ],
+)
+def test_unknown_field_suggests_the_closest_valid_one(
+    patch: dict[str, Any], loc: list[str], hint: str | None
+) -> None:
+    settings = Settings(slurm_enabled=True)
+    [error] = [e for e in _errors({**OK, **patch}, settings) if e["loc"] == loc]
+    assert error["type"] == "extra_forbidden"
+    if hint is not None:
+        assert error["msg"].endswith(f"did you mean {hint}?"), error["msg"]
+    else:  # nothing close: list what is valid
+        assert "valid fields: epochs, max_steps, batch_size, lr," in error["msg"], error["msg"]
+
+
+def test_unknown_top_level_field_lists_the_valid_ones() -> None:
+    [error] = _errors({**OK, "colour": "red"})
+    assert "valid fields: name, task, config, launcher, resources" in error["msg"], error["msg"]
+
+
+def test_caps_and_config_errors_come_with_pydantic_errors_in_one_round() -> None:
+    errors = _errors(
+        {**OK, "strategy": "fsdp", "resources": {"nproc_per_node": 200}, "config": {"x": 1}}
+    )
+    locs = {tuple(e["loc"]) for e in errors}
+    assert locs == {
+        ("body", "strategy"),
+        ("body", "resources", "nproc_per_node"),
+        ("body", "config", "x"),
+    }, errors
+    cap = next(e for e in errors if e["loc"][-1] == "nproc_per_node")
+    assert "exceeds this deployment's cap of 8" in cap["msg"]
+
+
+def test_settings_rules_join_pydantic_errors_and_skip_values_of_the_wrong_type() -> None:
+    errors = _errors(
+        {
+            "name": "",
+            "task": "os:system",
+            "launcher": "slurm",
+            "resources": {"nnodes": "many", "nproc_per_node": True, "gpus_per_node": 99},
+        }
+    )
+    by_loc = {tuple(e["loc"]): e["msg"] for e in errors}
+    assert "allow-list" in by_loc[("body", "task")]
+    assert "no Slurm" in by_loc[("body", "launcher")]
+    assert "cap of 16" in by_loc[("body", "resources", "gpus_per_node")]
+    assert "cap" not in by_loc[("body", "resources", "nnodes")], "pydantic's type error only"
+    assert ("body", "resources", "nproc_per_node") not in by_loc
+    assert ("body", "name") in by_loc
+
+
+def test_caps_apply_to_values_pydantic_coerced() -> None:
+    errors = _errors({**OK, "resources": {"nproc_per_node": "9", "nnodes": 1.0}})
+    assert [e["loc"] for e in errors] == [["body", "resources", "nproc_per_node"]], errors
+
+
+def test_world_size_is_one_for_dp() -> None:
+    assert validate_spec({**OK, "strategy": "dp"}, SETTINGS).world_size == 1
+    assert validate_spec({**OK, "resources": {"nproc_per_node": 2}}, SETTINGS).world_size == 2

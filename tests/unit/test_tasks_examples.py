@@ -54,3 +54,12 @@ def test_entrypoint_refused(task: str, message: str) -> None:
     settings = Settings(allowed_entrypoints=[] if "not allowed" in message else ["examples.*:*"])
     with pytest.raises(EntrypointError, match=message):
         load_entrypoint(task, settings)
+
+
+def test_custom_loop_says_how_to_allow_it_and_reports_like_the_builtins() -> None:
+    import examples.custom_loop as custom_loop
+
+    doc = custom_loop.__doc__ or ""
+    assert """DDPQ_ALLOWED_ENTRYPOINTS='["examples.*:*"]' ddpq up""" in doc, doc
+    source = (EXAMPLES / "custom_loop.py").read_text()
+    assert "eval_accuracy" in source and "test_accuracy" not in source

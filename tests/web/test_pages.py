@@ -45,7 +45,7 @@ def seeded(live_server: Any) -> dict[str, int]:
     done = srv.submit("digits-baseline", task="digits", priority=1000)["id"]
     srv.start(done)
     srv.report(done, loss_curve(120), total_steps=120)
-    srv.report(done, [0.5 + i / 300 for i in range(120)], name="test_accuracy", total_steps=120)
+    srv.report(done, [0.5 + i / 300 for i in range(120)], name="eval_accuracy", total_steps=120)
     srv.finish(done, JobState.SUCCEEDED)
     ids["succeeded"] = done
     failed = srv.submit("exploding-lr", priority=1000)["id"]
@@ -106,11 +106,27 @@ def test_pages_render_without_console_errors(
         w.screenshot(f"{path.strip('/')}-{viewport}")
 
 
-def test_unknown_job_says_not_found(open_page: Any) -> None:
-    w = open_page("/jobs/987654")
+def test_unknown_job_is_a_404_page_with_a_link_back(open_page: Any, seeded: dict[str, int]) -> None:
+    w = open_page("/")
     w.allow_console(r"status of 404")
-    expect(w.page.locator("#not-found")).to_be_visible()
-    expect(w.page.locator("#cancel-box")).to_be_hidden()
+    response = w.page.goto(w.base_url + "/jobs/987654")
+    assert response is not None and response.status == 404
+    expect(w.page.locator("#not-found-page")).to_contain_text("Job 987654 was not found")
+    expect(w.page.locator("#charts")).to_have_count(0)  # no empty panels
+    expect(w.page.locator("#cancel-box")).to_have_count(0)
+    w.page.get_by_role("link", name="Back to the job list").click()
+    expect(w.page.locator(f'tr[data-job-id="{seeded["queued"]}"]')).to_be_visible()
+
+
+def test_queued_job_says_why_it_waits(open_page: Any, seeded: dict[str, int]) -> None:
+    w = open_page(f"/jobs/{seeded['queued']}")
+    expect(w.page.locator("#job-state")).to_have_text("queued")
+    reason = w.page.locator("#queue-reason")
+    expect(reason).to_be_visible()
+    expect(reason).to_have_text(re.compile(r"^Waiting: (no live worker|waiting for) "))
+    w.goto(f"/jobs/{seeded['running']}")
+    expect(w.page.locator("body[data-loaded]")).to_have_count(1)
+    expect(w.page.locator("#queue-reason")).to_be_hidden()
 
 
 def test_job_page_loads_history_downsampled_then_follows_new_points(

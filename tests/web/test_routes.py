@@ -1,31 +1,45 @@
-"""The dashboard's server side without a browser: page shells, their security headers, the
-submit form's fields, and YAML/JSON parsing of pasted specs."""
+"""The dashboard's server side without a browser (the real app, real SQLite and PostgreSQL):
+page shells, their security headers and asset URLs, the 404 page of a missing job, the submit
+form's fields, and YAML/JSON parsing of pasted specs."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
-from fastapi import FastAPI
-from fastapi.staticfiles import StaticFiles
 from fastapi.testclient import TestClient
 
+from service import jobs
+from service.app import create_app
+from service.config import Settings
+from service.db import Database
+from service.spec import JobSpec
 from service.task_configs import BUILTIN_TASK_CONFIGS
 from service.web import routes
 
 
 @pytest.fixture
-def client() -> Iterator[TestClient]:
-    app = FastAPI()
-    app.include_router(routes.router)
-    app.mount("/static", StaticFiles(directory=routes.STATIC_DIR), name="static")
-    with TestClient(app) as c:
+def client(settings: Settings, db: Database) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as c:
         yield c
 
 
-@pytest.mark.parametrize("path", ["/", "/jobs/7", "/submit", "/workers"])
-def test_pages_are_shells_with_a_strict_policy(client: TestClient, path: str) -> None:
-    res = client.get(path)
+@pytest.fixture
+def job_id(db: Database) -> int:
+    """A queued job's id."""
+    with db.session() as s:
+        job, _ = jobs.submit_job(s, JobSpec(name="j", task="regression"), owner="local")
+        return job.id
+
+
+def asset_urls(html: str) -> list[str]:
+    return re.findall(r'(?:src|href)="([^"]*/static/[^"]*)"', html)
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/{id}", "/submit", "/workers"])
+def test_pages_are_shells_with_a_strict_policy(client: TestClient, job_id: int, path: str) -> None:
+    res = client.get(path.format(id=job_id))
     assert res.status_code == 200
     assert res.headers["content-type"].startswith("text/html")
     csp = res.headers["content-security-policy"]
@@ -35,15 +49,38 @@ def test_pages_are_shells_with_a_strict_policy(client: TestClient, path: str) ->
     )
     assert "<script>" not in res.text, "inline scripts would be blocked by the policy"
     for ref in ("/static/ddpq.css", "/static/ddpq.js", "/static/favicon.svg"):
-        assert ref in res.text
+        assert f'"{ref}"' in res.text, f"{ref} should be referenced root-relative"
         assert client.get(ref).status_code == 200, f"{ref} is not served"
 
 
-def test_job_page_carries_only_the_id(client: TestClient) -> None:
-    res = client.get("/jobs/42")
-    assert 'data-job-id="42"' in res.text
+@pytest.mark.parametrize("path", ["/", "/jobs/{id}", "/submit", "/workers", "/jobs/999999"])
+def test_assets_are_root_relative_so_pages_work_behind_a_proxy(
+    client: TestClient, job_id: int, path: str
+) -> None:
+    """Absolute http://<Host>/static/… URLs break behind an HTTPS proxy (mixed content)."""
+    html = client.get(path.format(id=job_id), headers={"host": "internal:8000"}).text
+    urls = asset_urls(html)
+    assert urls, "the page references no /static assets"
+    assert all(u.startswith("/static/") for u in urls), urls
+    assert "internal:8000" not in html
+
+
+def test_job_page_carries_only_the_id(client: TestClient, job_id: int) -> None:
+    res = client.get(f"/jobs/{job_id}")
+    assert f'data-job-id="{job_id}"' in res.text
     assert client.get("/static/vendor/uplot/uPlot.iife.min.js").status_code == 200
     assert client.get("/jobs/not-a-number").status_code == 422
+
+
+def test_missing_job_is_a_404_page_with_a_way_back(client: TestClient, job_id: int) -> None:
+    res = client.get(f"/jobs/{job_id + 1000}")
+    assert res.status_code == 404
+    assert res.headers["content-type"].startswith("text/html")
+    assert f"Job {job_id + 1000} was not found" in res.text
+    assert 'href="/"' in res.text and "Back to the job list" in res.text
+    assert "data-job-id" not in res.text, "no empty job panels under the banner"
+    assert "job.js" not in res.text
+    assert "content-security-policy" in res.headers
 
 
 def test_submit_form_offers_every_builtin_task_and_its_fields(client: TestClient) -> None:

@@ -73,6 +73,10 @@
     bar.classList.toggle("failed", job.state === "failed");
     d.setText("progress-text", [p.text, p.eta].filter(Boolean).join(" · ") || "No progress reported yet.");
 
+    const reason = $("queue-reason");
+    reason.hidden = !(job.state === "queued" && job.queue_reason);
+    if (!reason.hidden) d.setText(reason, "Waiting: " + job.queue_reason);
+
     const errorPanel = $("error-panel");
     errorPanel.hidden = !job.error;
     if (job.error) d.setText("error-text", job.error);

@@ -1,0 +1,95 @@
+"""What every `ddpq` command shares: the Typer app, consoles, exit codes and error handling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.text import Text
+
+from service.cli_output import field_error_lines
+from service.client import ApiError, ApiUnreachableError, DdpqClient
+from service.config import Settings
+from service.errors import DatabaseUnavailableError, DdpqError, SchemaOutOfDateError
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+EXIT_FAILED = 1  # the job failed or was cancelled; or the server refused (409, 5xx)
+EXIT_USAGE = 2  # bad input, unreachable API, unmigrated database: fix and retry
+
+# Help is click's plain layout (rich_markup_mode=None). Typer's rich help panel prints a
+# type after every option, flags included (`--wait <bool>`, `--help <bool>`): it calls
+# `display_type_rich` for each parameter without the `is_flag` test of the plain formatter
+# (seen with typer 0.29). The plain layout shows flags as flags on every typer version.
+
+app = typer.Typer(
+    name="ddpq",
+    help="Submit and watch distributed PyTorch training jobs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+db_app = typer.Typer(
+    help="Database schema migrations (Alembic).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(db_app, name="db")
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def fail(message: str, fix: str | None = None, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``message`` (and how to fix it) on stderr and exit with ``code``."""
+    err.print(Text("error: ", style="bold red") + Text(message))
+    if fix:
+        err.print(Text("fix: ", style="bold") + Text(fix))
+    raise typer.Exit(code)
+
+
+@contextmanager
+def friendly_errors() -> Iterator[None]:
+    """Turn expected errors into a one-screen message and an exit code, never a traceback."""
+    try:
+        yield
+    except ApiUnreachableError as exc:
+        fail(str(exc.detail))
+    except ApiError as exc:
+        if exc.status_code == 422 and isinstance(exc.detail, list):
+            err.print(Text("error: the API rejected the input (HTTP 422):", style="bold red"))
+            for line in field_error_lines(exc.detail):
+                err.print(Text(f"  {line}"))
+            raise typer.Exit(EXIT_USAGE) from None
+        code = EXIT_USAGE if 400 <= exc.status_code < 500 and exc.status_code != 409 else 1
+        fail(f"HTTP {exc.status_code}: {exc.detail}", code=code)
+    except DatabaseUnavailableError as exc:
+        fail(str(exc.detail), "check that the database runs and DDPQ_DATABASE_URL points at it")
+    except SchemaOutOfDateError as exc:
+        fail(str(exc.detail))
+    except DdpqError as exc:
+        fail(str(exc.detail), code=EXIT_USAGE if exc.status_code < 500 else EXIT_FAILED)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment (``DDPQ_*``), with non-None ``overrides`` applied."""
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"DDPQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        fail(f"bad environment: {problems}", "fix or unset those DDPQ_* variables")
+    updates = {k: v for k, v in overrides.items() if v is not None}
+    return settings.model_copy(update=updates) if updates else settings
+
+
+def make_client(settings: Settings | None = None) -> DdpqClient:
+    """A client for ``DDPQ_API_URL`` (default http://127.0.0.1:8000)."""
+    settings = settings or load_settings()
+    token = settings.token.get_secret_value() if settings.token else ""
+    return DdpqClient(settings.resolved_api_url, token=token)

@@ -1,0 +1,247 @@
+"""The `ddpq` job commands (submit, ls, show, cancel, metrics, logs), registered on the app."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.table import Table
+from rich.text import Text
+
+from service.cli_common import (
+    EXIT_FAILED,
+    TERMINAL,
+    app,
+    err,
+    fail,
+    friendly_errors,
+    load_settings,
+    make_client,
+    out,
+)
+from service.cli_output import (
+    format_job_summary,
+    format_metric,
+    job_progress,
+    jobs_table,
+    short_time,
+)
+from service.client import ApiUnreachableError, DdpqClient
+from service.config import Settings
+
+
+def load_spec_file(path: Path) -> dict[str, Any]:
+    """Read a job spec from a YAML or JSON file (exits 2 with the reason when it can't)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fail(f"spec file {path} not found", "pass the path of a .yaml or .json job spec")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read spec file {path}: {exc}")
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        fail(f"spec file {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {exc}")
+    if not isinstance(data, dict):
+        fail(f"spec file {path} must hold a mapping (name, task, resources, ...)")
+    return data
+
+
+def checkpoint_file(settings: Settings, checkpoint: dict[str, Any] | None) -> str | None:
+    """Where a checkpoint's file is, for people: ``<artifact_dir>/jobs/3/…`` when this
+    machine's artifact directory holds it (same host or shared file system), else the path
+    relative to the server's artifact directory; None when the API gave no path."""
+    relative = (checkpoint or {}).get("path")
+    if not isinstance(relative, str) or not relative:
+        return None
+    local = settings.resolved_artifact_dir / relative
+    return str(local) if local.is_file() else relative
+
+
+def _summary(client: DdpqClient, settings: Settings, job: dict[str, Any]) -> Any:
+    """The job report with its newest checkpoint (URL and file)."""
+    job_id = job["id"]
+    checkpoints = client.checkpoints(job_id)
+    newest = checkpoints[0] if checkpoints else None
+    ckpt_url = client.checkpoint_url(job_id, newest["step"]) if newest else None
+    dashboard = f"{client.base_url}/jobs/{job_id}"
+    return format_job_summary(
+        job, newest, ckpt_url, dashboard, checkpoint_file=checkpoint_file(settings, newest)
+    )
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (.yaml or .json).")],
+    name: Annotated[str | None, typer.Option(help="Override the spec's name.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe key: resubmitting returns the same job.")
+    ] = None,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Submit a job; with --wait, show its progress and exit 0 if it succeeds, 1 if not."""
+    spec = load_spec_file(spec_file)
+    if name is not None:
+        spec["name"] = name
+    with friendly_errors():
+        settings = load_settings()
+        client = make_client(settings)
+        job = client.submit(spec, idempotency_key=idempotency_key)
+        url = f"{client.base_url}/jobs/{job['id']}"
+        out.print(Text(f"job {job['id']} {job['name']!r} {job['state']}  {url}"))
+        if wait:
+            raise typer.Exit(wait_for_job(client, job["id"], poll_s, settings=settings))
+
+
+def _get_job_once_more(client: DdpqClient, job: dict[str, Any]) -> dict[str, Any]:
+    """The job re-read after it ended (its last progress and metrics), or ``job`` itself
+    if the API does not answer now."""
+    try:
+        return client.get_job(job["id"])
+    except ApiUnreachableError:
+        return job
+
+
+def wait_for_job(
+    client: DdpqClient,
+    job_id: int,
+    poll_s: float,
+    max_misses: int = 30,
+    settings: Settings | None = None,
+) -> int:
+    """Show a live progress bar until the job ends; print the summary; return the exit code.
+
+    Once the job has ended it is read once more, so the last line shows its final step and
+    its end state's mark instead of the spinner.
+
+    Raises:
+        ApiUnreachableError: the API stayed unreachable for ``max_misses`` polls in a row.
+    """
+    misses = 0
+    try:
+        with job_progress(out) as update:
+            while True:
+                try:
+                    job = client.get_job(job_id)
+                    misses = 0
+                except ApiUnreachableError:
+                    misses += 1
+                    if misses >= max_misses:
+                        raise
+                    time.sleep(poll_s)
+                    continue
+                if job["state"] in TERMINAL:
+                    job = _get_job_once_more(client, job)
+                    update(job)
+                    break
+                update(job)
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        err.print(f"stopped waiting; job {job_id} keeps running (`ddpq cancel {job_id}` stops it)")
+        return 130
+    out.print(_summary(client, settings or load_settings(), job))
+    return 0 if job["state"] == "succeeded" else EXIT_FAILED
+
+
+@app.command("ls")
+def list_command(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Most jobs to show.")] = 20,
+) -> None:
+    """List jobs, newest first."""
+    with friendly_errors():
+        page = make_client().list_jobs(state=state, limit=limit)
+    out.print(jobs_table(page["jobs"]))
+
+
+@app.command()
+def show(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
+    """Show one job: state, why it waits, progress, metrics, error, events and checkpoints."""
+    with friendly_errors():
+        settings = load_settings()
+        client = make_client(settings)
+        job = client.get_job(job_id)
+        events = client.events(job_id)
+        summary = _summary(client, settings, job)
+    out.print(summary)
+    table = Table("time", "attempt", "from", "to", "reason", "worker", title="events")
+    for e in events:
+        table.add_row(
+            short_time(e["created_at"]), str(e["attempt"]), e["from_state"] or "", e["to_state"],
+            Text(e["reason"] or ""), Text(e["worker_id"] or ""),
+        )  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def cancel(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
+    """Cancel a job (queued: at once; running: its worker stops it)."""
+    with friendly_errors():
+        job = make_client().cancel(job_id)
+    if job["state"] == "cancelled":
+        out.print(f"job {job_id} cancelled")
+    else:
+        out.print(f"job {job_id} {job['state']}: cancel requested, its worker will stop it")
+
+
+@app.command()
+def metrics(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    name: Annotated[str, typer.Option(help="Metric name.")] = "loss",
+    limit: Annotated[int, typer.Option(min=1, help="Most points to show.")] = 100,
+    after_step: Annotated[int, typer.Option(min=0, help="Only steps after this one.")] = 0,
+) -> None:
+    """Print a metric's points (step, epoch, value) in step order; exit 2 naming the job's
+    metrics if it has none called NAME."""
+    with friendly_errors():
+        client = make_client()
+        result = client.metrics(job_id, name, after_step=after_step, limit=limit)
+        names = client.metric_names(job_id) if not result["points"] else [name]
+    if name not in names:
+        reports = f"it reports: {', '.join(names)}" if names else "it has reported none yet"
+        fail(f"job {job_id} has no metric {name!r}; {reports}")
+    table = Table("step", "epoch", "value", title=Text(f"job {job_id} {name}"))
+    for p in result["points"]:
+        epoch = "" if p["epoch"] is None else str(p["epoch"] + 1)
+        table.add_row(str(p["step"]), epoch, format_metric(name, p["value"]))
+    out.print(table)
+    if not result["points"]:
+        out.print(f"no {name!r} points after step {after_step}")
+
+
+@app.command()
+def logs(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    rank: Annotated[int, typer.Option(min=0, help="Global rank.")] = 0,
+    attempt: Annotated[int | None, typer.Option(min=1, help="Default: current.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing.")] = False,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Print a rank's log; with --follow, keep printing until the job ends. A rank the job
+    does not have exits 2 naming its ranks."""
+    offset, ended = 0, False
+    with friendly_errors():
+        client = make_client()
+        try:
+            while True:
+                chunk = client.logs(job_id, rank=rank, attempt=attempt, offset=offset)
+                attempt = chunk["attempt"]
+                sys.stdout.write(chunk["text"])
+                sys.stdout.flush()
+                offset = chunk["next_offset"]
+                if not chunk["eof"]:
+                    continue
+                if not follow or ended:
+                    break
+                # Once the job has ended, one more pass picks up its last lines.
+                ended = client.get_job(job_id)["state"] in TERMINAL
+                if not ended:
+                    time.sleep(poll_s)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None

@@ -1,0 +1,118 @@
+"""How the CLI renders jobs: `ls` at 80 columns, ages, the progress line and the final line of
+the live bar (no server; rendered into a real rich Console)."""
+
+from __future__ import annotations
+
+import io
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from rich.console import Console
+
+from service.cli_output import (
+    format_age,
+    format_job_summary,
+    job_progress,
+    jobs_table,
+    progress_line,
+)
+
+NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+SPINNER_GLYPHS = re.compile("[\u2800-\u28ff]")  # rich's "dots" spinner is braille
+
+
+def render(renderable: Any, width: int) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(renderable)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert isinstance(text, str)
+    return "\n".join(line.rstrip() for line in text.splitlines())
+
+
+def job(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "id": 3,
+        "name": "digits-2",
+        "state": "running",
+        "attempt": 1,
+        "launcher": "local",
+        "progress": {"step": 39, "total_steps": 400, "epoch": 1, "samples_per_s": 123.4,
+                     "eta_s": 80.0},
+        "latest_metrics": {"loss": 0.123456789},
+        "created_at": (NOW - timedelta(minutes=3)).isoformat(),
+        "started_at": None,
+        "finished_at": None,
+        "error": None,
+        "cancel_requested": False,
+        "queue_reason": None,
+    }  # fmt: skip
+    return {**base, **changes}
+
+
+def test_ages() -> None:
+    assert format_age((NOW - timedelta(seconds=2)).isoformat(), NOW) == "just now"
+    assert format_age((NOW - timedelta(seconds=42)).isoformat(), NOW) == "42s ago"
+    assert format_age((NOW - timedelta(minutes=3, seconds=59)).isoformat(), NOW) == "3m ago"
+    assert format_age((NOW - timedelta(hours=5)).isoformat(), NOW) == "5h ago"
+    assert format_age("2026-02-27T12:00:00Z", NOW) == "2d ago"
+    assert format_age("not a time", NOW) == "not a time"
+
+
+def test_ls_fits_80_columns_cutting_only_the_name() -> None:
+    jobs = [
+        job(id=1234, name="a-rather-long-name-for-a-digits-baseline-run", state="succeeded",
+            progress={"step": 12345, "total_steps": 40000}),
+        job(id=1233, name="short", state="cancelled", attempt=12,
+            created_at=(NOW - timedelta(days=3)).isoformat()),
+        job(id=1232, name="queued-job", state="queued", progress=None, latest_metrics={}),
+    ]  # fmt: skip
+    text = render(jobs_table(jobs, NOW), 80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    assert "…" in text and "a-rather-long-name-for-a-digits-baseline-run" not in text
+    row = next(line for line in lines if "1234" in line)
+    assert re.search(r"\b1234\s+a-rather-\S*…\s+succeeded\s+1\s+12345/40000\s+0\.1235\s+local"
+                     r"\s+3m ago$", row), row  # fmt: skip
+    assert re.search(r"1233\s+short\s+cancelled\s+12\b.*3d ago$", text, re.M), text
+    assert re.search(r"1232\s+queued-job\s+queued\s+1\s+local\s+3m ago$", text, re.M), text
+    assert "2026-" not in text, "ages, not timestamps"
+
+
+def test_progress_line_like_the_bar() -> None:
+    assert progress_line(job()) == "step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s"
+    assert progress_line(job(state="failed")) == "step 39/400 · epoch 2 · 123 samples/s"
+    assert progress_line(job(progress={"step": 5})) == "step 5"
+    assert progress_line(job(progress=None)) == ""
+
+
+def test_summary_shows_progress_queue_reason_and_checkpoint_file() -> None:
+    ckpt = {"step": 230, "size_bytes": 2048, "sha256": "ab" * 32, "path": "jobs/3/x.pt"}
+    text = render(
+        format_job_summary(job(), ckpt, "http://h/ckpt", "http://h/jobs/3", "/a/jobs/3/x.pt"),
+        120,
+    )
+    assert re.search(r"^progress\s+step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s$", text, re.M)
+    assert re.search(r"^file\s+/a/jobs/3/x\.pt$", text, re.M), text
+    assert not re.search(r"^queued", text, re.M), "only a queued job says why it waits"
+    queued = job(state="queued", progress=None, queue_reason="no live worker for launcher local")
+    text = render(format_job_summary(queued, None, None, "http://h/jobs/3"), 120)
+    assert re.search(r"^queued\s+no live worker for launcher local$", text, re.M), text
+
+
+def test_final_bar_line_has_the_end_mark_and_the_last_step() -> None:
+    console = Console(file=io.StringIO(), width=120, force_terminal=True, color_system=None)
+    with job_progress(console) as update:
+        update(job(progress={"step": 2, "total_steps": 48, "epoch": 0}))
+        update(job(state="failed", progress={"step": 5, "total_steps": 48, "epoch": 0}))
+    final = console.file.getvalue().rsplit("\r", 1)[-1]  # type: ignore[attr-defined]
+    assert "job 3 failed" in final and "step 5/48" in final, repr(final)
+    assert "✗" in final and not SPINNER_GLYPHS.search(final), repr(final)
+
+
+def test_bar_shows_why_a_queued_job_waits() -> None:
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    reason = "waiting for a worker with 1 free GPU (live workers have at most 0)"
+    with job_progress(console) as update:
+        update(job(state="queued", progress=None, queue_reason=reason))
+    assert reason in console.file.getvalue()  # type: ignore[attr-defined]
