@@ -13,13 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy import exc as sa_exc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import checkpoints, health, jobs, logs, metrics, workers
 from service.api.schemas import job_spec_openapi_schemas
 from service.config import Settings, get_settings
 from service.db import Database, redact_url
-from service.errors import DdpqError, SpecValidationError
+from service.errors import ConflictError, DatabaseUnavailableError, DdpqError, SpecValidationError
 from service.web import routes as web_routes
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,30 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+def public_detail(exc: DdpqError) -> Any:
+    """What a client is told about ``exc``: a driver error's text (SQL, values, server
+    messages) stays in the server's log; the client gets "database unavailable", "database
+    error" or "conflicts with stored data"."""
+    cause = exc.__cause__
+    if not isinstance(cause, sa_exc.SQLAlchemyError):
+        return exc.detail
+    if isinstance(exc, DatabaseUnavailableError):
+        if isinstance(cause, sa_exc.OperationalError | sa_exc.InterfaceError):
+            return "database unavailable: try again later"
+        return "database error"
+    if isinstance(exc, ConflictError):
+        return "conflicts with stored data"
+    return exc.detail
+
+
 async def _ddpq_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DdpqError)
     if isinstance(exc, SpecValidationError):
         return JSONResponse({"detail": exc.errors}, status_code=exc.status_code)
-    if exc.status_code >= 500:
+    detail = public_detail(exc)
+    if exc.status_code >= 500 or detail is not exc.detail:
         log.warning("%s %s: %s", request.method, request.url.path, exc.detail)
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    return JSONResponse({"detail": detail}, status_code=exc.status_code)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

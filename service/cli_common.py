@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
 
-from service.cli_output import field_error_lines
+from service.cli_output import field_error_lines, printable
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.config import Settings
 from service.errors import DatabaseUnavailableError, DdpqError, SchemaOutOfDateError
@@ -46,9 +46,11 @@ err = Console(stderr=True, highlight=False)
 
 def fail(message: str, fix: str | None = None, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``message`` (and how to fix it) on stderr and exit with ``code``."""
-    err.print(Text("error: ", style="bold red") + Text(message))
+    # soft_wrap: one line per message, however narrow the terminal (it wraps, we don't).
+    error = Text("error: ", style="bold red") + Text(printable(message, keep_newlines=True))
+    err.print(error, soft_wrap=True)
     if fix:
-        err.print(Text("fix: ", style="bold") + Text(fix))
+        err.print(Text("fix: ", style="bold") + Text(printable(fix)), soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.table import Table
-from rich.text import Text
 
 from service.cli_common import (
     EXIT_FAILED,
@@ -25,6 +22,7 @@ from service.cli_common import (
     out,
 )
 from service.cli_output import (
+    cell,
     format_job_summary,
     format_metric,
     job_progress,
@@ -33,10 +31,12 @@ from service.cli_output import (
 )
 from service.client import ApiUnreachableError, DdpqClient
 from service.config import Settings
+from service.spec_text import SpecTextError, parse_spec_text
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
-    """Read a job spec from a YAML or JSON file (exits 2 with the reason when it can't)."""
+    """Read a job spec from a YAML or JSON file (``.json``: JSON only); exits 2 with the
+    reason, located by line or field, when it can't (see ``parse_spec_text``)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -44,12 +44,9 @@ def load_spec_file(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         fail(f"cannot read spec file {path}: {exc}")
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        fail(f"spec file {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {exc}")
-    if not isinstance(data, dict):
-        fail(f"spec file {path} must hold a mapping (name, task, resources, ...)")
-    return data
+        return parse_spec_text(text, json_only=path.suffix.lower() == ".json")
+    except SpecTextError as exc:
+        fail(f"spec file {path}: {exc}")
 
 
 def checkpoint_file(settings: Settings, checkpoint: dict[str, Any] | None) -> str | None:
@@ -94,7 +91,7 @@ def submit(
         client = make_client(settings)
         job = client.submit(spec, idempotency_key=idempotency_key)
         url = f"{client.base_url}/jobs/{job['id']}"
-        out.print(Text(f"job {job['id']} {job['name']!r} {job['state']}  {url}"))
+        out.print(cell(f"job {job['id']} {job['name']!r} {job['state']}  {url}"))
         if wait:
             raise typer.Exit(wait_for_job(client, job["id"], poll_s, settings=settings))
 
@@ -173,8 +170,8 @@ def show(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
     table = Table("time", "attempt", "from", "to", "reason", "worker", title="events")
     for e in events:
         table.add_row(
-            short_time(e["created_at"]), str(e["attempt"]), e["from_state"] or "", e["to_state"],
-            Text(e["reason"] or ""), Text(e["worker_id"] or ""),
+            cell(short_time(e["created_at"])), cell(e["attempt"]), cell(e["from_state"] or ""),
+            cell(e["to_state"]), cell(e["reason"] or ""), cell(e["worker_id"] or ""),
         )  # fmt: skip
     out.print(table)
 
@@ -187,7 +184,7 @@ def cancel(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
     if job["state"] == "cancelled":
         out.print(f"job {job_id} cancelled")
     else:
-        out.print(f"job {job_id} {job['state']}: cancel requested, its worker will stop it")
+        out.print(cell(f"job {job_id} {job['state']}: cancel requested, its worker will stop it"))
 
 
 @app.command()
@@ -206,13 +203,13 @@ def metrics(
     if name not in names:
         reports = f"it reports: {', '.join(names)}" if names else "it has reported none yet"
         fail(f"job {job_id} has no metric {name!r}; {reports}")
-    table = Table("step", "epoch", "value", title=Text(f"job {job_id} {name}"))
+    table = Table("step", "epoch", "value", title=cell(f"job {job_id} {name}"))
     for p in result["points"]:
         epoch = "" if p["epoch"] is None else str(p["epoch"] + 1)
-        table.add_row(str(p["step"]), epoch, format_metric(name, p["value"]))
+        table.add_row(cell(p["step"]), cell(epoch), cell(format_metric(name, p["value"])))
     out.print(table)
     if not result["points"]:
-        out.print(f"no {name!r} points after step {after_step}")
+        out.print(cell(f"no {name!r} points after step {after_step}"))
 
 
 @app.command()

@@ -27,17 +27,37 @@ END_MARKS = {"succeeded": "✓", "failed": "✗", "cancelled": "■"}
 _LOC_SOURCES = frozenset({"body", "query", "path", "header"})
 
 
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on written as an escape instead:
+    ``ESC[31m`` → ``\\x1b[31m``, bidi overrides → ``\\u202e``, lone surrogates → ``\\ud800``
+    (newlines and tabs too, unless ``keep_newlines``). Server data (job names, errors, field
+    names) goes through here before it reaches a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch
+        if ch.isprintable() or (keep_newlines and ch in "\n\t")
+        else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+        for ch in text
+    )
+
+
+def cell(value: Any, style: str = "", **options: Any) -> Text:
+    """``value`` as a table cell: ``printable`` text, never read as rich markup."""
+    return Text(printable(str(value)), style=style, **options)
+
+
 def field_error_lines(detail: list[Any]) -> list[str]:
-    """A 422 ``detail`` (``[{loc, msg, type}]``) as ``field.path: msg`` lines."""
+    """A 422 ``detail`` (``[{loc, msg, type}]``) as ``field.path: msg`` lines (``printable``)."""
     lines = []
     for entry in detail:
         if not isinstance(entry, dict):
-            lines.append(str(entry))
+            lines.append(printable(str(entry)))
             continue
         loc = [str(part) for part in entry.get("loc", [])]
         if loc and loc[0] in _LOC_SOURCES:
             loc = loc[1:]
-        lines.append(f"{'.'.join(loc) or '(spec)'}: {entry.get('msg', '')}")
+        lines.append(printable(f"{'.'.join(loc) or '(spec)'}: {entry.get('msg', '')}"))
     return lines
 
 
@@ -102,7 +122,7 @@ def format_age(iso: str, now: datetime | None = None) -> str:
 
 def state_text(state: str) -> Text:
     """The state, coloured."""
-    return Text(state, style=STATE_STYLES.get(state, ""))
+    return cell(state, STATE_STYLES.get(state, ""))
 
 
 def progress_line(job: dict[str, Any]) -> str:
@@ -171,7 +191,7 @@ def job_progress(console: Console) -> Iterator[Callable[[dict[str, Any]], None]]
         def update(job: dict[str, Any]) -> None:
             progress = job.get("progress") or {}
             epoch = progress.get("epoch")
-            description = f"job {job['id']} {job['state']}"
+            description = printable(f"job {job['id']} {job['state']}")
             if epoch is not None:
                 description += f"  epoch {int(epoch) + 1}"
             total = progress.get("total_steps") or None
@@ -180,7 +200,7 @@ def job_progress(console: Console) -> Iterator[Callable[[dict[str, Any]], None]]
                 description=description,
                 completed=progress.get("step") or 0,
                 total=total,
-                detail=progress_detail(job),
+                detail=printable(progress_detail(job)),
                 state=job["state"],
             )
 
@@ -204,33 +224,38 @@ def format_job_summary(
 ) -> RenderableType:
     """The job report: state, why it waits, progress, latest metrics, newest checkpoint (its
     download URL and ``checkpoint_file``, where the file is), links, error."""
-    head = Text(f"job {job['id']} {job['name']!r} ") + state_text(job["state"])
+    head = Text(f"job {job['id']} {printable(repr(job['name']))} ") + state_text(job["state"])
     head.append(f"{_duration(job)} (attempt {job['attempt']})")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     if job["state"] == "queued" and job.get("queue_reason"):
-        grid.add_row("queued", Text(str(job["queue_reason"])))
+        grid.add_row("queued", cell(job["queue_reason"]))
     line = progress_line(job)
     if line:
-        grid.add_row("progress", line)
+        grid.add_row("progress", cell(line))
     for name, value in sorted((job.get("latest_metrics") or {}).items()):
-        grid.add_row(Text(name), format_metric(name, value))
+        grid.add_row(cell(name), cell(format_metric(name, value)))
     if checkpoint is not None:
         grid.add_row(
             "checkpoint",
             Text(
-                f"step {checkpoint['step']}, {format_bytes(checkpoint['size_bytes'])}, "
-                f"sha256 {checkpoint['sha256']}\n{checkpoint_url}"
+                printable(
+                    f"step {checkpoint['step']}, {format_bytes(checkpoint['size_bytes'])}, "
+                    f"sha256 {checkpoint['sha256']}"
+                )
+                + f"\n{printable(str(checkpoint_url))}"
             ),
         )
         if checkpoint_file:
-            grid.add_row("file", Text(checkpoint_file))
-    grid.add_row("dashboard", Text(dashboard_url))
+            grid.add_row("file", cell(checkpoint_file))
+    grid.add_row("dashboard", cell(dashboard_url))
     if job.get("cancel_requested") and job["state"] not in {"succeeded", "failed", "cancelled"}:
         grid.add_row("cancel", "requested")
     if job.get("error"):
-        grid.add_row(Text("error", style="bold red"), Text(job["error"]))
+        grid.add_row(
+            Text("error", style="bold red"), Text(printable(str(job["error"]), keep_newlines=True))
+        )
     return Group(head, grid)
 
 
@@ -260,14 +285,14 @@ def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table
         if isinstance(loss, int | float) and not isinstance(loss, bool):
             loss = f"{loss:.4g}"
         table.add_row(
-            str(job["id"]),
-            Text(job["name"], no_wrap=True, overflow="ellipsis"),
+            cell(job["id"]),
+            cell(job["name"], no_wrap=True, overflow="ellipsis"),
             state_text(job["state"]),
-            str(job["attempt"]),
-            shown,
-            format_metric("loss", loss) if loss != "" else "",
-            job["launcher"],
-            format_age(job["created_at"], now),
+            cell(job["attempt"]),
+            cell(shown),
+            cell(format_metric("loss", loss) if loss != "" else ""),
+            cell(job["launcher"]),
+            cell(format_age(job["created_at"], now)),
         )
     if not jobs:
         table.caption = "no jobs"

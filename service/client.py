@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,20 @@ class ApiUnreachableError(DdpqError):
         )
 
 
+class ApiUrlError(DdpqError):
+    """The API URL itself is unusable (not a URL, bad host or port)."""
+
+    status_code = 400
+    code = "bad_api_url"
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        super().__init__(
+            f"invalid API URL {url!r} ({reason}): set DDPQ_API_URL to where `ddpq serve` "
+            "listens, e.g. http://127.0.0.1:8000"
+        )
+
+
 class DdpqClient:
     """A synchronous client of one ddpq API.
 
@@ -52,6 +67,9 @@ class DdpqClient:
 
     Every method raises ``ApiError`` for an error answer and ``ApiUnreachableError`` when
     the API does not answer.
+
+    Raises:
+        ApiUrlError: ``base_url`` is not a usable URL (e.g. ``http://[::1``).
     """
 
     def __init__(
@@ -64,7 +82,10 @@ class DdpqClient:
                 token = settings.token.get_secret_value()
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        try:
+            self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        except httpx.InvalidURL as exc:
+            raise ApiUrlError(self.base_url, str(exc)) from None
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -83,14 +104,24 @@ class DdpqClient:
             response = self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as exc:
             raise ApiUnreachableError(self.base_url, f"timed out: {type(exc).__name__}") from None
-        except httpx.TransportError as exc:
+        except httpx.InvalidURL as exc:
+            raise ApiUrlError(self.base_url, str(exc)) from None
+        except httpx.RequestError as exc:
             raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
         if response.status_code >= 400:
             raise ApiError(response.status_code, _detail(response))
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._send(method, API_PREFIX + path, **kwargs).json()
+        response = self._send(method, API_PREFIX + path, **kwargs)
+        try:
+            return response.json()
+        except ValueError:
+            raise ApiError(
+                response.status_code,
+                f"{self.base_url} answered something that is not JSON: is DDPQ_API_URL the "
+                "address of a ddpq API?",
+            ) from None
 
     # ---- jobs -----------------------------------------------------------------------
 
@@ -100,8 +131,13 @@ class DdpqClient:
         Raises:
             ApiError: 422 with ``detail`` = list of ``{loc, msg, type}`` for a bad spec.
         """
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        result: dict[str, Any] = self._json("POST", "/jobs", json=spec, headers=headers)
+        headers = {"Content-Type": "application/json"}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        # ASCII JSON with NaN/Infinity allowed: text and numbers that JSON cannot carry reach
+        # the server, whose 422 names the field, instead of failing here while encoding.
+        body = json.dumps(spec, ensure_ascii=True, allow_nan=True)
+        result: dict[str, Any] = self._json("POST", "/jobs", content=body, headers=headers)
         return result
 
     def get_job(self, job_id: int) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class Settings(BaseSettings):
     max_nproc_per_node: int = Field(default=64, ge=1)
     max_gpus_per_node: int = Field(default=16, ge=0)
     max_timeout_min: int = Field(default=7 * 24 * 60, ge=1)
+    max_cpus_per_task: int = Field(default=256, ge=1)
+    max_mem_gb: float = Field(default=4096, gt=0, allow_inf_nan=False)
     max_body_bytes: int = Field(default=1_000_000, ge=1024, description="Request body cap (bytes).")
     max_list_limit: int = Field(default=500, ge=1)
     max_metric_points: int = Field(default=10_000, ge=2, description="Cap on limit/max_points.")

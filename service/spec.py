@@ -8,6 +8,7 @@ config schema, and reports every problem at once as ``SpecValidationError``.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import typing
 from typing import Any, Literal
@@ -16,15 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from service.config import Settings
 from service.errors import SpecValidationError
+from service.spec_text import display_text, json_value_problems
 from service.task_configs import BUILTIN_TASK_CONFIGS
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 LauncherName = Literal["local", "slurm"]
 BackendName = Literal["auto", "nccl", "gloo"]
+# Most errors one SpecValidationError reports.
+MAX_REPORTED_ERRORS = 100
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Resources(_Part):
@@ -159,7 +163,7 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
 
 
 def _loc(parts: tuple[int | str, ...]) -> list[int | str]:
-    return ["body", *parts]
+    return ["body", *(display_text(p) if isinstance(p, str) else p for p in parts)]
 
 
 def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
@@ -219,6 +223,19 @@ def _raw_int(section: Any, field: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _raw_number(section: Any, field: str) -> float | None:
+    """``section[field]`` as a float when it is a finite real number (not bool), else None
+    (pydantic reports the others)."""
+    value = section.get(field) if isinstance(section, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ...], str]]:
     """The deployment's rules (caps, Slurm, allow-list) as ``(loc, message)`` pairs.
 
@@ -234,6 +251,7 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
         ("nproc_per_node", settings.max_nproc_per_node),
         ("gpus_per_node", settings.max_gpus_per_node),
         ("timeout_min", settings.max_timeout_min),
+        ("cpus_per_task", settings.max_cpus_per_task),
     )
     for field, cap in caps:
         value = _raw_int(resources, field)
@@ -241,6 +259,14 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
             problems.append(
                 (("resources", field), f"{field}={value} exceeds this deployment's cap of {cap}")
             )
+    mem_gb = _raw_number(resources, "mem_gb")
+    if mem_gb is not None and mem_gb > settings.max_mem_gb:
+        problems.append(
+            (
+                ("resources", "mem_gb"),
+                f"mem_gb={mem_gb:g} exceeds this deployment's cap of {settings.max_mem_gb:g}",
+            )
+        )
     if data.get("launcher") == "slurm" and not settings.slurm_enabled:
         problems.append(
             (("launcher",), "this deployment has no Slurm (DDPQ_SLURM_ENABLED is off); use 'local'")
@@ -285,7 +311,9 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     Every problem is reported in one go: pydantic's field errors (unknown fields with a
     "did you mean" hint), the deployment's caps and rules, and the task's config errors,
     even when other fields are invalid; the cross-field rules need a built model, so they
-    join only once the fields themselves are valid.
+    join only once the fields themselves are valid. Every value anywhere (keys and free-form
+    ``config`` included) must be storable JSON (``spec_text.json_value_problems``): no lone
+    surrogates or NUL, no NaN/Infinity, at most ``MAX_SPEC_DEPTH`` levels deep.
 
     Returns:
         The frozen spec, with the task's ``config`` normalised (defaults filled in).
@@ -297,7 +325,8 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        errors.extend(_pydantic_errors(exc, JobSpec))
+        # Undecodable text is reported below, at the field that holds it.
+        errors.extend(e for e in _pydantic_errors(exc, JobSpec) if e["type"] != "string_unicode")
 
     def bad(loc: tuple[int | str, ...], msg: str) -> None:
         errors.append({"loc": _loc(loc), "msg": msg, "type": "value_error"})
@@ -312,7 +341,18 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     checked = _task_config(view)
     if checked is not None:
         errors.extend(checked[1])
+    # Text, numbers and nesting anywhere (keys and config included), unless that field is
+    # reported already; then the task's normalised config ("nan" coerced to NaN).
+    seen = {tuple(e["loc"]) for e in errors}
+    value_problems = json_value_problems(data)
+    if checked is not None and not errors:
+        value_problems += json_value_problems(checked[0], ("config",))
+    for where, msg in value_problems:
+        if tuple(_loc(where)) not in seen:
+            errors.append({"loc": _loc(where), "msg": msg, "type": "value_error"})
     if errors or spec is None:
-        raise SpecValidationError(errors)
+        raise SpecValidationError(
+            [{**e, "msg": display_text(e["msg"])} for e in errors[:MAX_REPORTED_ERRORS]]
+        )
     config = checked[0] if checked is not None else spec.config
     return spec.model_copy(update={"config": config})

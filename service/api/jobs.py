@@ -11,11 +11,20 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import DbDep, OwnerDep, SettingsDep
-from service.api.schemas import EventListOut, JobListOut, JobOut, event_out, job_out
+from service.api.schemas import (
+    EventListOut,
+    JobListOut,
+    JobOut,
+    dump_json,
+    event_out,
+    job_out,
+)
+from service.config import Settings
 from service.db import Database
 from service.errors import SpecValidationError
 from service.jobs import cancel_job, get_job, list_events, list_jobs, submit_job
 from service.spec import JobSpec, validate_spec
+from service.spec_text import display_text
 from service.states import JobState
 from service.workers import queue_reason
 
@@ -38,53 +47,33 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body as JSON for spec validation.
+    """Decode a request body as JSON for spec validation (``validate_spec`` then checks
+    every value: text, numbers, nesting).
 
     Raises:
-        SpecValidationError: not JSON, nested too deeply, or a string holds a NUL character
-            (PostgreSQL cannot store those).
+        SpecValidationError: empty, not JSON, or nested too deeply for the parser.
     """
 
-    def bad(msg: str, loc: list[int | str] | None = None) -> SpecValidationError:
-        return SpecValidationError(
-            [{"loc": ["body", *(loc or [])], "msg": msg, "type": "json_invalid"}]
-        )
+    def bad(msg: str) -> SpecValidationError:
+        return SpecValidationError([{"loc": ["body"], "msg": msg, "type": "json_invalid"}])
 
     if not raw.strip():
         raise bad("request body is empty: send the job spec as a JSON object")
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except RecursionError:
         raise bad("JSON nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise bad(f"invalid JSON: {exc}") from None
-    loc = _nul_location(data, [])
-    if loc is not None:
-        raise bad("strings must not contain NUL characters", loc)
-    return data
 
 
-def _nul_location(value: Any, loc: list[int | str]) -> list[int | str] | None:
-    if isinstance(value, str):
-        return loc if "\x00" in value else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if "\x00" in key:
-                return [*loc, key.replace("\x00", "\\u0000")]
-            found = _nul_location(item, [*loc, key])
-            if found is not None:
-                return found
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _nul_location(item, [*loc, i])
-            if found is not None:
-                return found
-    return None
+def _validated(raw: bytes, settings: Settings) -> JobSpec:
+    return validate_spec(parse_json_body(raw), settings)
 
 
 def etag_response(request: Request, model: BaseModel) -> Response:
     """``model`` as JSON with a weak ETag of its bytes; 304 when ``If-None-Match`` matches."""
-    body = model.model_dump_json().encode()
+    body = dump_json(model)
     etag = f'W/"{hashlib.sha256(body).hexdigest()[:32]}"'
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if_none_match = request.headers.get("if-none-match", "")
@@ -97,9 +86,34 @@ def etag_response(request: Request, model: BaseModel) -> Response:
 def _store(
     db: Database, spec: JobSpec, owner: str, idempotency_key: str | None
 ) -> tuple[JobOut, bool]:
+    """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec.
+
+    Raises:
+        SpecValidationError: the key was used before for a different spec (422).
+    """
     with db.session() as session:
         job, created = submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)
+        if not created and job.spec != spec.model_dump(mode="json"):
+            raise SpecValidationError(
+                [
+                    {
+                        "loc": ["header", "Idempotency-Key"],
+                        "msg": f"Idempotency-Key {display_text(idempotency_key or '')!r} was "
+                        f"used for a different spec (job {job.id}): send a new key for a new "
+                        f"job, or the same spec to get job {job.id} again",
+                        "type": "idempotency_key_reused",
+                    }
+                ]
+            )
         return job_out(job), created
+
+
+def _json_response(
+    model: BaseModel, status_code: int, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        dump_json(model), status_code=status_code, media_type="application/json", headers=headers
+    )
 
 
 @router.post(
@@ -116,7 +130,6 @@ def _store(
 )
 async def submit(
     request: Request,
-    response: Response,
     db: DbDep,
     settings: SettingsDep,
     owner: OwnerDep,
@@ -125,17 +138,18 @@ async def submit(
         Header(
             min_length=1,
             max_length=200,
-            description="A retried POST with the same key returns the same job (200).",
+            description="A retried POST with the same key and spec returns the same job "
+            "(200); the key with another spec is refused (422).",
         ),
     ] = None,
-) -> JobOut:
+) -> Response:
     """Validate the spec (every bad field reported at once) and queue it: 201 with the job,
-    or 200 with the earlier job when ``Idempotency-Key`` was used before."""
-    spec = validate_spec(parse_json_body(await request.body()), settings)
+    or 200 with the earlier job when ``Idempotency-Key`` was used before for this spec
+    (422 when it was used for another)."""
+    spec = await run_in_threadpool(_validated, await request.body(), settings)
     job, created = await run_in_threadpool(_store, db, spec, owner, idempotency_key)
-    response.status_code = 201 if created else 200
-    response.headers["Location"] = f"{request.url.path.rstrip('/')}/{job.id}"
-    return job
+    location = f"{request.url.path.rstrip('/')}/{job.id}"
+    return _json_response(job, 201 if created else 200, {"Location": location})
 
 
 @router.get(
@@ -209,11 +223,12 @@ def get_job_route(
     summary="Cancel a job",
     responses={409: {"description": "The job already finished"}, **ERRORS},
 )
-def cancel_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> JobOut:
+def cancel_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> Response:
     """A queued job is cancelled at once; a started one gets ``cancel_requested`` and its
     worker stops it. Repeating the call is harmless; a finished job answers 409."""
     with db.session() as session:
-        return job_out(cancel_job(session, job_id, owner=owner))
+        job = job_out(cancel_job(session, job_id, owner=owner))
+    return _json_response(job, 202)
 
 
 @router.get(

@@ -77,11 +77,16 @@ def logs_route(
     ] = 0,
 ) -> LogsOut:
     """At most 256 KiB of the rank's log from ``offset``; follow with ``next_offset``.
-    A rank the job does not have (``rank`` ≥ its world_size) answers 404 naming its ranks."""
+    A rank the job does not have (``rank`` ≥ its world_size), or an attempt after its current
+    one, answers 404 naming its ranks or attempts."""
     with db.session(write=False) as session:
         job = get_job(session, job_id, owner=owner)
-        attempt = attempt or job.attempt
+        current_attempt = job.attempt
         stored_spec = job.spec
+    if attempt is not None and attempt > current_attempt:
+        attempts = "only attempt 1" if current_attempt == 1 else f"attempts 1–{current_attempt}"
+        raise NotFoundError(f"job {job_id} has {attempts}; there is no attempt {attempt}")
+    attempt = attempt or current_attempt
     world_size = _world_size(stored_spec)
     if world_size is not None and rank >= world_size:
         ranks = "only rank 0" if world_size == 1 else f"ranks 0–{world_size - 1}"

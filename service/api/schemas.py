@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticSerializationError
 
 from service.artifacts import artifact_relative_path
 from service.metrics import JsonNumber, json_safe
 from service.models import Checkpoint, Job, JobEvent, Metric, Worker, utcnow
 from service.spec import JobSpec
+from service.spec_text import display_text
+
+log = logging.getLogger(__name__)
 
 # ---- output models ---------------------------------------------------------------------
 
@@ -197,10 +202,33 @@ def progress_out(progress: dict[str, Any] | None) -> ProgressOut | None:
     )
 
 
+def _escaped(value: Any) -> Any:
+    """``value`` with every string (keys too) through ``display_text``: JSON-encodable."""
+    if isinstance(value, str):
+        return display_text(value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def dump_json(model: BaseModel) -> bytes:
+    """``model`` as JSON bytes. A row stored before the spec checks could hold text JSON
+    cannot carry (lone surrogates); then every string is escaped (as ``\\udXXX``) and served
+    all the same, so one bad row never turns a list into a 500."""
+    try:
+        return model.model_dump_json().encode()
+    except PydanticSerializationError as exc:
+        log.warning("%s holds text JSON cannot carry (%s); serving it escaped", type(model), exc)
+        return type(model).model_validate(_escaped(model.model_dump())).model_dump_json().encode()
+
+
 def job_out(job: Job, queue_reason: str | None = None) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``)."""
     latest: dict[str, JsonNumber] = {}
-    for name, entry in (job.latest_metrics or {}).items():
+    metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
+    for name, entry in metrics.items():
         latest[str(name)] = _number(entry.get("value") if isinstance(entry, dict) else entry)
     return JobOut(
         id=job.id,
@@ -209,8 +237,8 @@ def job_out(job: Job, queue_reason: str | None = None) -> JobOut:
         state=job.state,
         attempt=job.attempt,
         cancel_requested=bool(job.cancel_requested),
-        spec=job.spec,
-        progress=progress_out(job.progress),
+        spec=job.spec if isinstance(job.spec, dict) else {},
+        progress=progress_out(job.progress if isinstance(job.progress, dict) else None),
         latest_metrics=latest,
         error=job.error,
         scheduler_job_id=job.scheduler_job_id,

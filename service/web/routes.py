@@ -1,4 +1,4 @@
-"""Dashboard pages: Jinja2 shells that plain JavaScript fills from the REST API, plus YAML parsing.
+"""Dashboard pages (Jinja2 shells that JavaScript fills from the REST API) and spec parsing.
 
 The pages hold no job data: each carries only ids in ``data-*`` attributes and its script
 polls ``/api/v1``. Every page is sent with a Content-Security-Policy that allows scripts from
@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import yaml
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic.fields import FieldInfo
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import DbDep, OwnerDep
 from service.errors import NotFoundError
 from service.jobs import get_job
+from service.spec_text import SpecTextError, display_text, parse_spec_text
 from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from service.task_configs import BUILTIN_TASK_CONFIGS
 
@@ -190,35 +191,12 @@ def _spec_text_error(msg: str, type_: str = "value_error") -> JSONResponse:
     )
 
 
-def parse_spec_text(text: str) -> Any:
-    """Parse a pasted spec: JSON, or YAML (a superset of JSON).
-
-    Returns:
-        The parsed document (the API validates it as a JobSpec).
-    Raises:
-        ValueError: the text is not valid YAML/JSON; the message names line and column.
-    """
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
-        if mark is not None:
-            raise ValueError(
-                f"not valid YAML/JSON at line {mark.line + 1}, column {mark.column + 1}: {problem}"
-            ) from None
-        raise ValueError(f"not valid YAML/JSON: {problem}") from None
-
-
 @router.post("/submit/parse-spec")
 async def parse_spec(request: Request) -> Response:
     """Turn pasted YAML or JSON (``{"text": str}``) into ``{"spec": object}`` for the API.
 
-    Only parses: validation and storage stay with ``POST /api/v1/jobs``. Errors are 422 in
+    Only parses (``service.spec_text.parse_spec_text``, in a worker thread so the event loop
+    stays free): validation and storage stay with ``POST /api/v1/jobs``. Errors are 422 in
     the API's shape, located at ``["body", "text"]``.
     """
     body = await request.body()
@@ -226,23 +204,15 @@ async def parse_spec(request: Request) -> Response:
         return _spec_text_error(f"spec text is larger than {MAX_SPEC_TEXT_BYTES} bytes")
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _spec_text_error('send JSON: {"text": "<YAML or JSON spec>"}', "json_invalid")
     text = payload.get("text") if isinstance(payload, dict) else None
     if not isinstance(text, str) or not text.strip():
         return _spec_text_error("paste a job spec (YAML or JSON)", "missing")
-    if len(text.encode()) > MAX_SPEC_TEXT_BYTES:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_TEXT_BYTES:
         return _spec_text_error(f"spec text is larger than {MAX_SPEC_TEXT_BYTES} bytes")
     try:
-        spec = parse_spec_text(text)
-    except ValueError as exc:
-        return _spec_text_error(str(exc), "yaml_invalid")
-    if not isinstance(spec, dict):
-        return _spec_text_error(
-            f"a job spec is a mapping (name: …, task: …), not {type(spec).__name__}", "dict_type"
-        )
-    try:
-        return JSONResponse({"spec": spec})
-    except (TypeError, ValueError):
-        # YAML timestamps/NaN and the like that JSON cannot carry.
-        return _spec_text_error("the spec holds values JSON cannot represent (dates, NaN)")
+        spec = await run_in_threadpool(parse_spec_text, text)
+    except SpecTextError as exc:
+        return _spec_text_error(display_text(str(exc)), exc.kind)
+    return JSONResponse({"spec": spec})

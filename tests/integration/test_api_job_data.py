@@ -266,9 +266,9 @@ def test_logs_page_by_offset(api: TestClient, db: Database, settings: Settings) 
 
 def test_logs_missing_file_and_bad_params(api: TestClient, db: Database) -> None:
     job_id = running_job(db)
-    r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": 42, "attempt": 2})
+    r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": 42, "attempt": 1})
     assert r.status_code == 200
-    assert r.json() == {"text": "", "next_offset": 42, "rank": 1, "attempt": 2, "eof": True}
+    assert r.json() == {"text": "", "next_offset": 42, "rank": 1, "attempt": 1, "eof": True}
     for params in (
         {"rank": "../../etc/passwd"},
         {"rank": -1},
@@ -296,3 +296,22 @@ def test_logs_of_a_rank_the_job_does_not_have_is_404_naming_its_ranks(
     dp = running_job(db, strategy="dp", resources={})
     r = api.get(f"{API}/jobs/{dp}/logs", params={"rank": 1})
     assert r.status_code == 404 and r.json()["detail"].startswith(f"job {dp} has only rank 0")
+
+
+def test_logs_of_an_attempt_after_the_current_one_is_404_naming_its_attempts(
+    api: TestClient, db: Database
+) -> None:
+    job_id = running_job(db)
+    r = api.get(f"{API}/jobs/{job_id}/logs", params={"attempt": 99})
+    assert r.status_code == 404, r.text
+    assert r.json()["detail"] == f"job {job_id} has only attempt 1; there is no attempt 99"
+    with db.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(attempt=3))
+    for attempt in (4, 1_000_000):
+        r = api.get(f"{API}/jobs/{job_id}/logs", params={"attempt": attempt})
+        assert r.status_code == 404
+        assert r.json()["detail"] == f"job {job_id} has attempts 1–3; there is no attempt {attempt}"
+    for attempt in (1, 3):
+        r = api.get(f"{API}/jobs/{job_id}/logs", params={"attempt": attempt})
+        assert r.status_code == 200 and r.json()["attempt"] == attempt
+    assert api.get(f"{API}/jobs/{job_id}/logs").json()["attempt"] == 3, "default: the current"

@@ -183,6 +183,26 @@ def test_bad_spec_prints_each_field_and_exits_2(
         assert jobs.list_jobs(s)[0] == []
 
 
+def test_control_characters_are_escaped_and_reused_keys_refused(
+    live_url: str, tmp_path: Path, db: Database
+) -> None:
+    evil = "red\x1b[31m\x1b]0;pwned\x07[bold]x"
+    first = ddpq(live_url, "submit", str(spec_file(tmp_path, {**SPEC, "name": evil})),
+                 "--idempotency-key", "k1")  # fmt: skip
+    assert first.exit_code == 0, first.output
+    listing = ddpq(live_url, "ls")
+    assert listing.exit_code == 0, listing.output
+    for output in (first.output, listing.output, ddpq(live_url, "show", "1").output):
+        assert "\x1b" not in output and "\x07" not in output, repr(output)
+        assert "red\\x1b[31m" in output and "[bold]x" in output, output
+    other = spec_file(tmp_path, {**SPEC, "name": "other"}, ".json")
+    reused = ddpq(live_url, "submit", str(other), "--idempotency-key", "k1")
+    assert reused.exit_code == 2, reused.output
+    assert "Idempotency-Key: Idempotency-Key 'k1' was used for a different spec" in reused.output
+    with db.session(write=False) as s:
+        assert len(jobs.list_jobs(s)[0]) == 1
+
+
 def _drive_job(db: Database, settings: Settings, outcome: JobState) -> int:
     """Stand-in for a worker (through the real domain functions): claim the queued job, run
     4 steps with progress and metrics, write a checkpoint, then end in ``outcome``."""

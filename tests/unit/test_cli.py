@@ -85,6 +85,28 @@ def test_unreachable_api_exits_2_naming_the_url(tmp_path: Path) -> None:
         ("broken.json", '{"name": ', "not valid JSON"),
         ("list.yaml", "- a\n- b\n", "must hold a mapping"),
         ("binary.yaml", b"\xff\xfe\x00\x01", "cannot read"),
+        (
+            "date.yaml",
+            "name: 2024-01-01\ntask: regression\n",
+            "name: a date (2024-01-01) is not a JSON value",
+        ),
+        ("set.yaml", "name: x\ntask: regression\ntags: !!set {a}\n", "tags: a set"),
+        ("binary-tag.yaml", "name: !!binary aGk=\ntask: regression\n", "name: a bytes"),
+        ("inf.yaml", "name: x\nresources: {mem_gb: .inf}\n", "resources.mem_gb: inf"),
+        ("nan.json", '{"name": "x", "config": {"lr": NaN}}', "config.lr: nan"),
+        ("yaml-in.json", "name: x\n", "not valid JSON"),
+        ("alias.yaml", "a: &a [*a]\n", "recursive"),
+        ("deep.yaml", "x: " + "[" * 5000 + "]" * 5000, "nested deeper than 50"),
+        (
+            "bomb.yaml",
+            "a: &a [1,1,1,1,1,1,1,1,1,1]\n"
+            + "".join(
+                f"{c}: &{c} [{','.join([f'*{p}'] * 10)}]\n"
+                for p, c in zip("abcde", "bcdef", strict=True)
+            ),
+            "expands to more than",
+        ),
+        ("surrogate.json", '{"name": "\\ud800"}', "name: text must be valid Unicode"),
     ],
 )
 def test_bad_spec_file_exits_2(
@@ -98,6 +120,21 @@ def test_bad_spec_file_exits_2(
     result = invoke(["submit", str(path)], env={"DDPQ_API_URL": closed_port_url()})
     assert result.exit_code == 2, result.output
     assert expected in result.output and "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    line, *fix = result.output.strip().splitlines()
+    assert line.startswith("error: ") and expected in line, result.output
+    assert fix == [] or (len(fix) == 1 and fix[0].startswith("fix: ")), result.output
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:99999", "http://exa mple"])
+def test_unusable_api_url_exits_2_saying_so(url: str) -> None:
+    for args in (["ls"], ["show", "1"], ["cancel", "1"]):
+        result = invoke(args, env={"DDPQ_API_URL": url})
+        assert result.exit_code == 2, (args, result.output, result.exception)
+        assert "Traceback" not in result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        [line] = result.output.strip().splitlines()
+        assert line.startswith("error: ") and "DDPQ_API_URL" in line, result.output
 
 
 def test_bad_environment_exits_2() -> None:

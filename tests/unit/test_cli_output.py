@@ -11,15 +11,18 @@ from typing import Any
 from rich.console import Console
 
 from service.cli_output import (
+    field_error_lines,
     format_age,
     format_job_summary,
     job_progress,
     jobs_table,
+    printable,
     progress_line,
 )
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 SPINNER_GLYPHS = re.compile("[\u2800-\u28ff]")  # rich's "dots" spinner is braille
+CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def render(renderable: Any, width: int) -> str:
@@ -116,3 +119,36 @@ def test_bar_shows_why_a_queued_job_waits() -> None:
     with job_progress(console) as update:
         update(job(state="queued", progress=None, queue_reason=reason))
     assert reason in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+EVIL = "a\x1b[31mred\x1b]0;title\x07\u202eb[bold]x[/bold]"
+ESCAPED = "a\\x1b[31mred\\x1b]0;title\\x07\\u202eb[bold]x[/bold]"
+
+
+def test_ls_and_summary_escape_control_characters_and_markup() -> None:
+    evil = job(
+        name=EVIL, launcher="[red]local", state="running\x1b[2J", queue_reason=EVIL,
+        latest_metrics={EVIL: 1.0, "loss": "[b]Infinity"}, error=f"line 1 {EVIL}\nline 2",
+    )  # fmt: skip
+    for renderable in (
+        jobs_table([evil], now=NOW),
+        format_job_summary(evil, None, None, "http://h/jobs/3\x1b[0m"),
+    ):
+        text = render(renderable, 400)
+        assert not CONTROL.search(text), repr(text)
+        assert "\\x1b[31mred" in text and "\\u202e" in text, text
+        assert "[bold]x[/bold]" in text, "markup in data is shown, not applied"
+    table = render(jobs_table([evil], now=NOW), 400)
+    assert "[red]local" in table and "[b]Infinity" in table and "running\\x1b[2J" in table
+    summary = render(format_job_summary(evil, None, None, "http://h/jobs/3"), 400)
+    assert ESCAPED in summary
+    assert re.search(r"line 1 .*\n\s+line 2", summary), "an error keeps its line breaks"
+
+
+def test_printable_and_field_errors() -> None:
+    assert printable(EVIL) == ESCAPED
+    assert printable("tab\there\nnl") == "tab\\there\\nnl"
+    assert printable("tab\there\nnl", keep_newlines=True) == "tab\there\nnl"
+    assert printable("ünï €") == "ünï €" and printable("\ud800") == "\\ud800"
+    detail = [{"loc": ["body", "config", "k\x1b"], "msg": "bad \x1b[31m", "type": "x"}, "\x07"]
+    assert field_error_lines(detail) == ["config.k\\x1b: bad \\x1b[31m", "\\x07"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,6 +13,14 @@ from service.spec import JobSpec, validate_spec
 
 SETTINGS = Settings(allowed_entrypoints=["examples.*:*"], max_nproc_per_node=8)
 OK: dict[str, Any] = {"name": "digits-2", "task": "digits"}
+
+
+def _nested(levels: int) -> Any:
+    """``[[...[1]...]]``: ``levels`` arrays around a 1."""
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
 
 
 def _errors(data: Any, settings: Settings = SETTINGS) -> list[dict[str, Any]]:
@@ -180,3 +189,69 @@ def test_caps_apply_to_values_pydantic_coerced() -> None:
 def test_world_size_is_one_for_dp() -> None:
     assert validate_spec({**OK, "strategy": "dp"}, SETTINGS).world_size == 1
     assert validate_spec({**OK, "resources": {"nproc_per_node": 2}}, SETTINGS).world_size == 2
+
+
+ENTRY: dict[str, Any] = {"name": "e", "task": "examples.custom_loop:train"}
+
+
+@pytest.mark.parametrize(
+    ("data", "loc", "needle"),
+    [
+        ({**OK, "tags": ["ok", "\ud800"]}, ["body", "tags", 1], "lone surrogate \\ud800"),
+        ({**OK, "name": "a\udcffb"}, ["body", "name"], "lone surrogate"),
+        ({**ENTRY, "config": {"d": {"x": ["\ud83d"]}}}, ["body", "config", "d", "x", 0], "Unicode"),
+        ({**ENTRY, "config": {"k\ud800": 1}}, ["body", "config", "k\\ud800"], "field name"),
+        ({**ENTRY, "config": {"k\x00": 1}}, ["body", "config", "k\\x00"], "NUL"),
+        ({**ENTRY, "config": {"v": "a\x00"}}, ["body", "config", "v"], "NUL"),
+        (
+            {**ENTRY, "launcher": "slurm", "slurm": {"extra": {"gres": "gpu\ud800"}}},
+            ["body", "slurm", "extra", "gres"],
+            "surrogate",
+        ),
+        ({**ENTRY, "config": {"lr": float("nan")}}, ["body", "config", "lr"], "finite"),
+        ({**ENTRY, "config": {"a": [1, float("-inf")]}}, ["body", "config", "a", 1], "finite"),
+        ({**OK, "resources": {"mem_gb": float("inf")}}, ["body", "resources", "mem_gb"], "finite"),
+        ({**OK, "resources": {"mem_gb": "Infinity"}}, ["body", "resources", "mem_gb"], "finite"),
+        ({**OK, "training": {"lr": float("nan")}}, ["body", "training", "lr"], "finite"),
+        (
+            {**ENTRY, "config": {"d": _nested(60)}},
+            ["body", "config", "d", *[0] * 48],  # spec, config, d: levels 1-3
+            "nested deeper than 50",
+        ),
+    ],
+    ids=[
+        "surrogate tag", "surrogate name", "nested config value", "config key", "NUL key",
+        "NUL config value", "slurm extra", "NaN config", "-inf in list", "inf mem_gb",
+        "Infinity string", "NaN lr", "deep config",
+    ],
+)  # fmt: skip
+def test_text_and_numbers_json_cannot_carry_are_refused_naming_the_field(
+    data: dict[str, Any], loc: list[Any], needle: str
+) -> None:
+    settings = Settings(allowed_entrypoints=["examples.*:*"], slurm_enabled=True)
+    errors = _errors(data, settings)
+    assert any(e["loc"] == loc and needle in e["msg"] for e in errors), errors
+    # The errors themselves are plain UTF-8 JSON: no surrogate or NUL is echoed back.
+    json.dumps(errors, ensure_ascii=False).encode("utf-8")
+    assert "\x00" not in json.dumps(errors, ensure_ascii=False)
+
+
+def test_one_error_per_field_and_no_confusing_duplicates() -> None:
+    errors = _errors({**OK, "\ud800": 1, "resources": {"mem_gb": float("nan")}})
+    locs = [tuple(e["loc"]) for e in errors]
+    assert len(locs) == len(set(locs)), errors
+    assert ("body",) not in locs, "pydantic's own unicode error is replaced by the field's"
+
+
+def test_cpus_and_memory_are_capped() -> None:
+    errors = _errors({**OK, "resources": {"cpus_per_task": 10**40, "mem_gb": 5000}})
+    by_loc = {tuple(e["loc"]): e["msg"] for e in errors}
+    assert "cap of 256" in by_loc[("body", "resources", "cpus_per_task")], errors
+    assert "cap of 4096" in by_loc[("body", "resources", "mem_gb")], errors
+    small = Settings(max_cpus_per_task=4, max_mem_gb=8)
+    assert validate_spec({**OK, "resources": {"cpus_per_task": 4, "mem_gb": 8}}, small)
+    assert [e["loc"] for e in _errors({**OK, "resources": {"cpus_per_task": 5}}, small)] == [
+        ["body", "resources", "cpus_per_task"]
+    ]
+    [mem] = _errors({**OK, "resources": {"mem_gb": 8.5}}, small)
+    assert mem["loc"] == ["body", "resources", "mem_gb"] and "cap of 8" in mem["msg"]

@@ -4,6 +4,7 @@ form's fields, and YAML/JSON parsing of pasted specs."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -31,6 +32,12 @@ def job_id(db: Database) -> int:
     with db.session() as s:
         job, _ = jobs.submit_job(s, JobSpec(name="j", task="regression"), owner="local")
         return job.id
+
+
+# Aliases that expand to 25**3 = 15,625 values: over the parser's budget, yet small enough
+# that a parser without one answers quickly (the real "billion laughs" is in test_spec_text).
+ALIAS_BOMB = "a: &a [" + ",".join(["1"] * 25) + "]\nb: &b [" + ",".join(["*a"] * 25) + "]\n"
+ALIAS_BOMB += "c: [" + ",".join(["*b"] * 25) + "]\n"
 
 
 def asset_urls(html: str) -> list[str]:
@@ -120,14 +127,43 @@ def test_parse_spec_accepts_yaml_and_json(client: TestClient, text: str, spec: d
         ({"text": "name: [oops\n"}, "at line"),
         ({"text": "   "}, "paste a job spec"),
         ({"text": "- a\n- b\n"}, "mapping"),
-        ({"text": "when: 2024-01-01\n"}, "JSON cannot represent"),
+        ({"text": "when: 2024-01-01\n"}, "when: a date (2024-01-01) is not a JSON value"),
         ({"nope": 1}, "paste a job spec"),
+        ({"text": ALIAS_BOMB}, "expands to more than"),
+        ({"text": "x: " + "[" * 5000 + "]" * 5000}, "nested deeper than 50"),
+        ({"text": "[" * 5000}, "nested deeper than 50"),
+        ({"text": "a: &a [*a]\n"}, "recursive"),
+        ({"text": "x: !!set {a}\n"}, "x: a set"),
+        ({"text": "x: !!binary aGk=\n"}, "x: a bytes"),
+        ({"text": "resources: {mem_gb: .inf}\n"}, "resources.mem_gb: inf"),
+        ({"text": '{"name": "\\ud800"}'}, "name: text must be valid Unicode"),
+        ({"text": "name: \ud800\n"}, "not valid YAML/JSON"),
+        ({"text": '{"x": NaN}'}, "x: nan"),
+    ],
+    ids=[
+        "yaml syntax",
+        "blank",
+        "list",
+        "date",
+        "no text",
+        "alias bomb",
+        "deep yaml",
+        "deep json",
+        "recursive alias",
+        "set",
+        "binary",
+        "inf",
+        "surrogate",
+        "raw surrogate",
+        "NaN",
     ],
 )
 def test_parse_spec_errors_are_422_at_the_text_field(
     client: TestClient, body: dict, needle: str
 ) -> None:
-    res = client.post("/submit/parse-spec", json=body)
+    res = client.post(  # ASCII JSON, so lone surrogates travel as \ud800 escapes
+        "/submit/parse-spec", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
     assert res.status_code == 422, res.text
     [err] = res.json()["detail"]
     assert err["loc"] == ["body", "text"]
