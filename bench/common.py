@@ -1,0 +1,179 @@
+"""Shared bench plumbing: sizes, interleaved repetitions, medians/p99, results, scratch DBs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy import create_engine, insert, text
+
+from service import migrate
+from service.db import Database
+from service.jobs import claim_next_job
+from service.models import Job
+from service.spec import JobSpec
+from service.workers import register_worker
+
+SIZES = ("tiny", "default", "full")
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@dataclass
+class BenchResult:
+    """One benchmark's figures: ``ratios`` (ours ÷ anchor, or ÷ goal) and ``goals`` (met?)."""
+
+    name: str
+    size: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    goals: dict[str, bool | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "name": self.name,
+            "size": self.size,
+            "figures": self.figures,
+            "ratios": self.ratios,
+            "goals": self.goals,
+            "notes": self.notes,
+        }
+
+
+def pick(size: str, tiny: Any, default: Any, full: Any = None) -> Any:
+    """The value for ``size`` (``full`` falls back to ``default``)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, not {size!r}")
+    if size == "tiny":
+        return tiny
+    if size == "full" and full is not None:
+        return full
+    return default
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100, nearest rank) of a non-empty sequence."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return float(ordered[index])
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den`` rounded to 4 places, or None when either is missing or den is 0."""
+    if num is None or den is None or den == 0:
+        return None
+    return round(num / den, 4)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with ``--size`` and ``--json`` (write the result there)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--size", choices=SIZES, default="default")
+    p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    return p
+
+
+def sqlite_url(directory: Path) -> str:
+    """A SQLite database file URL under ``directory``."""
+    return f"sqlite:///{directory / f'bench-{uuid.uuid4().hex[:8]}.db'}"
+
+
+@contextlib.contextmanager
+def pg_schema(base_url: str = PG_URL) -> Iterator[str]:
+    """A URL whose search_path is a throwaway PostgreSQL schema, dropped on exit."""
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    sep = "&" if "?" in base_url else "?"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        yield f"{base_url}{sep}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
+
+def migrated(url: str) -> Database:
+    """A Database for ``url``, migrated to head."""
+    db = Database.from_url(url)
+    migrate.upgrade(db.engine)
+    return db
+
+
+TINY_SPEC: dict[str, Any] = {
+    "name": "bench",
+    "task": "regression",
+    "launcher": "local",
+    "resources": {"nproc_per_node": 1},
+    "training": {"max_steps": 10},
+}
+
+
+def queue_jobs(db: Database, count: int, *, owner: str = "bench") -> None:
+    """Bulk-insert ``count`` queued jobs (same columns as ``submit_job``, no events: fast)."""
+    spec = JobSpec.model_validate(TINY_SPEC)
+    row = {
+        "name": spec.name,
+        "owner": owner,
+        "state": "queued",
+        "spec": spec.model_dump(mode="json"),
+        "launcher": spec.launcher,
+        "gpus_per_node": spec.resources.gpus_per_node,
+        "priority": spec.priority,
+        "attempt": 1,
+    }
+    with db.session() as session:
+        for start in range(0, count, 1000):
+            session.execute(insert(Job), [row] * min(1000, count - start))
+
+
+def add_worker(db: Database, worker_id: str) -> str:
+    """Register a worker row (claims reference it); returns ``worker_id``."""
+    with db.session() as session:
+        register_worker(
+            session, worker_id=worker_id, host="bench", pid=0, launcher="local",
+            capacity={"slots": 1, "gpus": []},
+        )  # fmt: skip
+    return worker_id
+
+
+def active_jobs(db: Database, count: int, *, owner: str = "bench") -> list[int]:
+    """Queue and claim ``count`` jobs so metric writes for attempt 1 pass the fence."""
+    queue_jobs(db, count, owner=owner)
+    add_worker(db, "bench")
+    ids = []
+    for _ in range(count):
+        with db.session() as session:
+            job = claim_next_job(
+                session, worker_id="bench", launcher="local", max_gpus_per_node=0, lease_s=3600
+            )
+            assert job is not None
+            ids.append(job.id)
+    return ids
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: …`` then ``sw.s`` (seconds, perf_counter)."""
+
+    def __enter__(self) -> Stopwatch:
+        self._t0 = time.perf_counter()
+        self.s = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.perf_counter() - self._t0

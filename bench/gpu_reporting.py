@@ -1,0 +1,131 @@
+"""Benchmark #1 on one GPU: steps/s of a small bf16 transformer with ddpq's sink vs anchors.
+
+Single process (world_size 1, no process group); ``bench/gpu.sh`` runs it. The sink's
+``report`` keeps the loss on the GPU; the naive anchor syncs with ``.item()`` every step.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.common import (
+    BenchResult,
+    active_jobs,
+    median,
+    migrated,
+    parser,
+    percentile,
+    pick,
+    ratio,
+    sqlite_url,
+)
+from bench.reporting import REPORT_P99_GOAL_US, STEPS_RATIO_GOAL
+
+
+def build_transformer(device: torch.device) -> nn.Module:
+    """A 4-layer, d_model 512 encoder with a 1-unit head (~13M params), in bf16."""
+    layer = nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 4), nn.Linear(512, 1)).to(
+        device, torch.bfloat16
+    )
+
+
+def run(size: str, *, workdir: Path | None = None) -> BenchResult:
+    """Steps/s per mode (median of interleaved reps) and report() p99 (µs) on ``cuda``."""
+    from service.db import Database
+    from worker.runtime.distributed import DistContext
+    from worker.runtime.sink import make_sink
+
+    device = torch.device("cuda")
+    steps, reps = pick(size, 20, 200), pick(size, 2, 7)
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))
+    url = sqlite_url(tmp)
+    job_id = active_jobs(migrated(url), 1)[0]
+    model = build_transformer(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 128, 512, device=device, dtype=torch.bfloat16)
+    ctx = DistContext(0, 0, 1, device, "ddp", None)
+    sink = make_sink(0, ctx, Database.from_url(url), job_id, 1)
+    naive = sqlite3.connect(tmp / "naive.db")
+    naive.execute("CREATE TABLE m (name TEXT, step INT, value REAL)")
+    report_ns: list[int] = []
+    step = 0
+
+    def train_step() -> torch.Tensor:
+        nonlocal step
+        step += 1
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def ddpq() -> None:
+        loss = train_step()
+        t0 = time.perf_counter_ns()
+        sink.report(step, 0, loss)
+        report_ns.append(time.perf_counter_ns() - t0)
+        if sink.flush_due():
+            sink.flush()
+
+    def naive_step() -> None:
+        loss = train_step()
+        naive.execute("INSERT INTO m VALUES (?, ?, ?)", ("loss", step, loss.item()))
+        naive.commit()
+
+    modes: dict[str, Callable[[], Any]] = {"none": train_step, "ddpq": ddpq, "naive": naive_step}
+    for _ in range(pick(size, 3, 20)):
+        train_step()
+    rates: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(reps):
+        for name, fn in modes.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            if name == "ddpq" and sink.pending:
+                sink.flush()
+            torch.cuda.synchronize()
+            rates[name].append(steps / (time.perf_counter() - t0))
+    sink.close()
+    med = {k: median(v) for k, v in rates.items()}
+    paired = median([d / n for d, n in zip(rates["ddpq"], rates["none"], strict=True)])
+    p99_us = percentile(report_ns, 99) / 1000
+    res = BenchResult("gpu_reporting", size)
+    res.figures = {
+        "gpu": torch.cuda.get_device_name(),
+        "steps_per_s_median": {k: round(v, 1) for k, v in med.items()},
+        "report_call_p99_us": round(p99_us, 2),
+    }
+    res.ratios = {
+        "ddpq_vs_none": round(paired, 4),
+        "naive_vs_none": ratio(med["naive"], med["none"]),
+    }
+    res.goals = {
+        "ddpq_vs_none>=0.99": paired >= STEPS_RATIO_GOAL,
+        "report_p99<=20us": p99_us <= REPORT_P99_GOAL_US,
+    }
+    return res
+
+
+def main() -> None:
+    """CLI: ``python -m bench.gpu_reporting --size default``."""
+    args = parser(__doc__ or "").parse_args()
+    text = json.dumps(run(args.size).as_dict(), indent=2)
+    if args.json:
+        args.json.write_text(text)
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Each benchmark runs at its tiny size and produces its ratio fields (figures not judged)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# bench/ is not an installed package (pyproject installs service*, worker*, migrations*).
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import api, checkpoint, claims, ingest, launch, reporting  # noqa: E402
+from bench.common import BenchResult  # noqa: E402
+
+NEEDS_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"
+skip_no_pg = pytest.mark.skipif(NEEDS_PG, reason="DDPQ_TEST_SKIP_PG=1")
+
+
+def _measured(res: BenchResult, *keys: str) -> None:
+    for key in keys:
+        value = res.ratios.get(key)
+        assert isinstance(value, float) and value > 0, (
+            f"{res.name}: ratio {key!r} should be a positive number, got {value!r}; "
+            f"all ratios: {res.ratios}"
+        )
+    assert res.goals, f"{res.name}: no goal verdicts"
+
+
+@pytest.mark.slow
+def test_reporting_tiny(tmp_path: Path) -> None:
+    res = reporting.run("tiny", workdir=tmp_path, mlflow=False)
+    _measured(res, "ddpq_vs_none", "naive_vs_none")
+    fig = res.figures
+    # Every report()ed point reached the database (steps × reps on rank 0).
+    assert fig["points_written"] == fig["steps_per_rep"] * fig["reps"], fig
+    assert fig["report_call_p99_us"] > 0
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_claims_tiny(tmp_path: Path) -> None:
+    res = claims.run("tiny", workdir=tmp_path)
+    _measured(res, "sqlite_vs_goal", "postgresql_vs_goal")
+    for dialect in ("sqlite", "postgresql"):
+        fig = res.figures[dialect]
+        assert fig["duplicates"] == 0 and fig["claims"] == res.figures["jobs"], fig
+        assert fig["starting_rows"] == res.figures["jobs"], fig
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_ingest_tiny() -> None:
+    _measured(ingest.run("tiny"), "ddpq_vs_plain_b50")
+
+
+@pytest.mark.slow
+def test_checkpoint_tiny(tmp_path: Path) -> None:
+    res = checkpoint.run("tiny", workdir=tmp_path)
+    _measured(res, "ddpq_vs_torch_save", "ddpq_vs_dcp_async_save")
+    assert all(v > 0 for v in res.figures["stall_s_median"].values()), res.figures
+
+
+@pytest.mark.slow
+def test_launch_tiny(tmp_path: Path) -> None:
+    res = launch.run("tiny", workdir=tmp_path)
+    _measured(res, "ddpq_vs_bare")
+    assert res.figures["seconds_median"]["bare"] > 0
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_api_tiny(tmp_path: Path) -> None:
+    res = api.run("tiny", workdir=tmp_path)
+    _measured(res, "get_job_vs_goal")
+    assert res.figures["poll_p99_ms"] > 0
