@@ -6,18 +6,23 @@ Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import ConflictError, NotFoundError, StaleStateError
 from service.models import Job, JobEvent, utcnow
 from service.spec import JobSpec
-from service.states import TERMINAL_STATES, JobState, check_transition
+from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+
+CANCEL_REQUESTED_REASON = "cancel requested"
+CANCEL_TRIES = 5  # cancel_job's compare-and-set rounds against a job that keeps moving
 
 
 @dataclass(frozen=True)
@@ -133,11 +138,68 @@ def apply_transition(
     ``finished_at`` and releases the worker; ``queued`` (a relaunch) bumps ``attempt`` and
     releases the worker. ``error`` sets the job's error text.
 
+    A requeue of a job whose cancel was requested ends it ``cancelled`` instead (reason
+    ``"cancel requested (instead of: <t.reason>)"``, ``error`` and ``values`` dropped), so an
+    accepted cancel survives a lost or stopped worker, a retry and a preemption. Read the
+    returned job's ``state`` for what was applied.
+
     Raises:
         InvalidTransitionError: the table forbids ``expected → target``.
         StaleStateError: the job was not in ``expected`` any more (someone else moved it).
+        NotFoundError: no such job.
     """
+    return _apply_transition(session, t, worker_id=worker_id, error=error, values=values)[0]
+
+
+def _apply_transition(
+    session: Session,
+    t: Transition,
+    *,
+    worker_id: str | None = None,
+    error: str | None = None,
+    values: dict[str, Any] | None = None,
+    where: Sequence[ColumnElement[bool]] = (),
+) -> tuple[Job, Transition]:
+    """``apply_transition`` with extra compare-and-set ``where`` conditions; also returns the
+    transition actually applied (``t``, or its cancel instead of a requeue)."""
     check_transition(t.expected, t.target)
+    if t.target != JobState.QUEUED:
+        job = _compare_and_set(session, t, worker_id, error, values, where)
+        if job is not None:
+            return job, t
+    else:
+        # Two compare-and-sets on the flag: it only ever goes False → True while the job is
+        # active (``cancel_job``), so one of them matches unless the state itself moved.
+        not_cancelled = [*where, Job.cancel_requested.is_(False)]
+        job = _compare_and_set(session, t, worker_id, error, values, not_cancelled)
+        if job is not None:
+            return job, t
+        cancel = Transition(
+            t.job_id,
+            t.expected,
+            JobState.CANCELLED,
+            f"{CANCEL_REQUESTED_REASON} (instead of: {t.reason or 'requeue'})",
+        )
+        cancelled = [*where, Job.cancel_requested.is_(True)]
+        job = _compare_and_set(session, cancel, worker_id, None, None, cancelled)
+        if job is not None:
+            return job, cancel
+    current = session.scalar(select(Job.state).where(Job.id == t.job_id))
+    if current is None:
+        raise NotFoundError(f"job {t.job_id} not found")
+    raise StaleStateError(t.job_id, t.expected, current)
+
+
+def _compare_and_set(
+    session: Session,
+    t: Transition,
+    worker_id: str | None,
+    error: str | None,
+    values: dict[str, Any] | None,
+    where: Sequence[ColumnElement[bool]],
+) -> Job | None:
+    """One ``UPDATE … WHERE id = ? AND state = ? [AND where…]`` plus its event; None when no
+    row matched (nothing written)."""
     now = utcnow()
     vals: dict[str, Any] = {"state": t.target.value, "updated_at": now}
     if t.target == JobState.RUNNING:
@@ -156,15 +218,13 @@ def apply_transition(
     vals.update(values or {})
     row = session.execute(
         update(Job)
-        .where(Job.id == t.job_id, Job.state == t.expected.value)
+        .where(Job.id == t.job_id, Job.state == t.expected.value, *where)
         .values(**vals)
         .returning(Job.attempt)
+        .execution_options(synchronize_session=False)
     ).one_or_none()
     if row is None:
-        current = session.scalar(select(Job.state).where(Job.id == t.job_id))
-        if current is None:
-            raise NotFoundError(f"job {t.job_id} not found")
-        raise StaleStateError(t.job_id, t.expected, current)
+        return None
     session.add(
         JobEvent(
             job_id=t.job_id,
@@ -196,15 +256,20 @@ def claim_next_job(
     locked rows; on SQLite the session's ``BEGIN IMMEDIATE`` serialises claimers and the
     ``state = 'queued'`` test is the compare-and-set.
 
+    A queued job with ``cancel_requested`` is never claimed (and the flag never dropped):
+    it is cancelled first (``cancel_flagged_queued_jobs``).
+
     Returns:
         The job, now ``starting`` and leased to ``worker_id`` until now + ``lease_s``
         seconds; None when nothing fits.
     """
+    cancel_flagged_queued_jobs(session)
     now = utcnow()
     candidate = (
         select(Job.id)
         .where(
             Job.state == JobState.QUEUED.value,
+            Job.cancel_requested.is_(False),
             Job.launcher == launcher,
             Job.gpus_per_node <= max_gpus_per_node,
         )
@@ -215,12 +280,15 @@ def claim_next_job(
     )
     row = session.execute(
         update(Job)
-        .where(Job.id == candidate, Job.state == JobState.QUEUED.value)
+        .where(
+            Job.id == candidate,
+            Job.state == JobState.QUEUED.value,
+            Job.cancel_requested.is_(False),
+        )
         .values(
             state=JobState.STARTING.value,
             worker_id=worker_id,
             lease_expires_at=now + timedelta(seconds=lease_s),
-            cancel_requested=False,
             updated_at=now,
         )
         .returning(Job.id, Job.attempt)
@@ -246,31 +314,64 @@ def cancel_job(session: Session, job_id: int, *, owner: str | None = None) -> Jo
     """Cancel a job: a queued one at once; a started one gets ``cancel_requested`` for its
     worker to act on. Idempotent on a job already being cancelled.
 
+    The flag is set only on an active (``starting``/``running``) job, by a compare-and-set
+    on the state: a job requeued meanwhile is cancelled at once instead, so no queued job
+    ever carries the flag.
+
     Raises:
         NotFoundError: no such job (or not the owner's).
         ConflictError: the job already finished (HTTP 409).
+        StaleStateError: the job kept changing state under us (retry the call).
     """
-    job = get_job(session, job_id, owner=owner)
-    state = JobState(job.state)
-    if state.is_terminal:
-        raise ConflictError(f"job {job_id} already {state}; nothing to cancel")
-    if state == JobState.QUEUED:
-        try:
-            return apply_transition(
-                session, Transition(job_id, state, JobState.CANCELLED, "cancelled while queued")
-            )
-        except StaleStateError:
-            # A worker claimed it meanwhile: fall through to flag it.
-            job = get_job(session, job_id)
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state.in_([s.value for s in JobState if not s.is_terminal]))
-        .values(cancel_requested=True, updated_at=utcnow())
-    )
-    session.flush()
-    refreshed = session.get(Job, job_id, populate_existing=True)
-    assert refreshed is not None
-    return refreshed
+    active = [s.value for s in ACTIVE_STATES]
+    for _ in range(CANCEL_TRIES):
+        job = get_job(session, job_id, owner=owner)
+        state = JobState(job.state)
+        if state.is_terminal:
+            raise ConflictError(f"job {job_id} already {state}; nothing to cancel")
+        if state == JobState.QUEUED:
+            with contextlib.suppress(StaleStateError):  # claimed meanwhile: flag it instead
+                return apply_transition(
+                    session,
+                    Transition(job_id, state, JobState.CANCELLED, "cancelled while queued"),
+                )
+        else:
+            row = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state.in_(active))
+                .values(cancel_requested=True, updated_at=utcnow())
+                .returning(Job.id)
+                .execution_options(synchronize_session=False)
+            ).one_or_none()
+            if row is not None:
+                session.flush()
+                refreshed = session.get(Job, job_id, populate_existing=True)
+                assert refreshed is not None
+                return refreshed
+        session.expire(job)  # it moved under us: read it again
+    raise StaleStateError(job_id, state)
+
+
+def cancel_flagged_queued_jobs(session: Session, *, limit: int = 100) -> list[Transition]:
+    """Cancel queued jobs that carry ``cancel_requested`` (none should: a requeue of a
+    flagged job cancels it instead; this mends rows written before that rule). At most
+    ``limit`` jobs per call.
+
+    Returns:
+        The transitions applied.
+    """
+    ids = session.scalars(
+        select(Job.id)
+        .where(Job.state == JobState.QUEUED.value, Job.cancel_requested.is_(True))
+        .order_by(Job.id)
+        .limit(limit)
+    ).all()
+    done: list[Transition] = []
+    for job_id in ids:
+        t = Transition(job_id, JobState.QUEUED, JobState.CANCELLED, CANCEL_REQUESTED_REASON)
+        if _compare_and_set(session, t, None, None, None, [Job.cancel_requested.is_(True)]):
+            done.append(t)
+    return done
 
 
 def set_scheduler_job_id(
@@ -292,56 +393,34 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
 
     Each job moves ``starting|running → queued`` (attempt + 1, restarts unchanged) in one
     compare-and-set that also re-checks the lease, so a worker that just renewed it keeps
-    its job. At most ``limit`` jobs per call.
+    its job. A job whose cancel was requested ends ``cancelled`` instead (as in
+    ``apply_transition``). At most ``limit`` jobs per call.
 
     Slurm jobs already submitted (``launcher == 'slurm'`` with a ``scheduler_job_id``) are
     skipped: they keep running in Slurm without their worker, and a Slurm worker adopts them
     (``worker.launchers.slurm_attach``); requeueing would start a second copy as attempt + 1.
 
     Returns:
-        The transitions applied.
+        The transitions applied (target ``queued``, or ``cancelled`` for a flagged job).
     """
     now = utcnow()
     active = [JobState.STARTING.value, JobState.RUNNING.value]
+    not_adoptable = or_(Job.launcher != "slurm", Job.scheduler_job_id.is_(None))
     rows = session.execute(
         select(Job.id, Job.state)
-        .where(
-            Job.state.in_(active),
-            Job.lease_expires_at < now,
-            or_(Job.launcher != "slurm", Job.scheduler_job_id.is_(None)),
-        )
+        .where(Job.state.in_(active), Job.lease_expires_at < now, not_adoptable)
         .order_by(Job.id)
         .limit(limit)
     ).all()
     done: list[Transition] = []
     for job_id, state in rows:
         t = Transition(job_id, JobState(state), JobState.QUEUED, WORKER_LOST_REASON)
-        check_transition(t.expected, t.target)
-        row = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.state == state, Job.lease_expires_at < now)
-            .values(
-                state=JobState.QUEUED.value,
-                attempt=Job.attempt + 1,
-                worker_id=None,
-                lease_expires_at=None,
-                scheduler_job_id=None,
-                updated_at=now,
+        try:
+            _, applied = _apply_transition(
+                session, t, where=[Job.lease_expires_at < now, not_adoptable]
             )
-            .returning(Job.attempt)
-            .execution_options(synchronize_session=False)
-        ).one_or_none()
-        if row is None:
-            continue
-        session.add(
-            JobEvent(
-                job_id=job_id,
-                attempt=row.attempt,
-                from_state=state,
-                to_state=JobState.QUEUED.value,
-                reason=t.reason,
-            )
-        )
-        done.append(t)
+        except (StaleStateError, NotFoundError):
+            continue  # renewed, moved or deleted since the select
+        done.append(applied)
     session.flush()
     return done

@@ -36,6 +36,11 @@ NAMING_CONVENTION = {
 }
 
 
+# Primary keys of tables that grow with use: BIGINT on PostgreSQL (ids up to 2**63 - 1), but
+# INTEGER on SQLite, where only an ``INTEGER PRIMARY KEY`` is the autoincrementing rowid.
+BIGINT_PK = BigInteger().with_variant(Integer, "sqlite")
+
+
 def utcnow() -> datetime:
     """The current time, tz-aware UTC."""
     return datetime.now(UTC)
@@ -71,7 +76,7 @@ class Job(Base):
 
     __tablename__ = "jobs"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200))
     owner: Mapped[str] = mapped_column(String(100))
     state: Mapped[str] = mapped_column(String(16), default="queued")
@@ -103,6 +108,9 @@ class Job(Base):
         Index("ix_jobs_claim", "state", "launcher", "priority", "id"),
         Index("ix_jobs_owner_id", "owner", "id"),
         Index("ix_jobs_worker_id", "worker_id"),
+        # AUTOINCREMENT: SQLite never hands out an id again, even after the newest job is
+        # deleted, so a new job never meets an old job's artifacts (jobs/<id>/…).
+        {"sqlite_autoincrement": True},
     )
 
 
@@ -111,8 +119,8 @@ class JobEvent(Base):
 
     __tablename__ = "job_events"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    job_id: Mapped[int] = mapped_column(Integer, ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str] = mapped_column(String(16))
@@ -145,7 +153,7 @@ class Metric(Base):
     __tablename__ = "metrics"
 
     job_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+        BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
     )
     name: Mapped[str] = mapped_column(String(100), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -172,8 +180,8 @@ class Checkpoint(Base):
 
     __tablename__ = "checkpoints"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    job_id: Mapped[int] = mapped_column(Integer, ForeignKey("jobs.id", ondelete="CASCADE"))
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)
     epoch: Mapped[int] = mapped_column(Integer)

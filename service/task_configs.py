@@ -6,7 +6,14 @@ They live in ``service`` so the API can check a job's ``config`` without importi
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DIGITS_IMAGES = 1797  # scikit-learn's bundled 8×8 digits
+# Both splits of the digits must hold at least one batch on every rank, whatever the seed.
+MIN_TEST_FRACTION = 0.05
+MAX_TEST_FRACTION = 0.5
 
 
 class _TaskConfig(BaseModel):
@@ -34,7 +41,27 @@ class DigitsConfig(_TaskConfig):
 
     model: str = Field(default="cnn", pattern="^(cnn|mlp)$")
     hidden: int = Field(default=64, ge=1, le=10_000)
-    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    test_fraction: float = Field(
+        default=0.2,
+        ge=MIN_TEST_FRACTION,
+        le=MAX_TEST_FRACTION,
+        description="Share of the 1,797 images held out for test accuracy.",
+    )
+
+    @field_validator("test_fraction", mode="before")
+    @classmethod
+    def _both_splits_hold_a_batch(cls, value: Any) -> Any:
+        """Explain the bounds (pydantic's own message would not say why, or what to use)."""
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and not MIN_TEST_FRACTION <= value <= MAX_TEST_FRACTION:
+            test = round(DIGITS_IMAGES * value)
+            raise ValueError(
+                f"test_fraction={value} would hold out {test} of the {DIGITS_IMAGES:,} "
+                f"images, leaving {DIGITS_IMAGES - test} to train on; set test_fraction "
+                f"between {MIN_TEST_FRACTION} and {MAX_TEST_FRACTION} (default 0.2) so "
+                "both the train and the test split hold at least one batch"
+            )
+        return value
 
 
 class CharLMConfig(_TaskConfig):
@@ -47,6 +74,21 @@ class CharLMConfig(_TaskConfig):
     corpus_bytes: int = Field(
         default=2_000_000, ge=10_000, le=500_000_000, description="Bytes of stdlib text to use."
     )
+
+    @model_validator(mode="after")
+    def _heads_divide_d_model(self) -> Self:
+        """Each attention head gets ``d_model / n_heads`` dimensions: it must divide."""
+        d, h = self.d_model, self.n_heads
+        if d % h:
+            heads = [n for n in range(1, min(d, 64) + 1) if d % n == 0]
+            lower, upper = d - d % h, d - d % h + h
+            models = " or ".join(str(m) for m in (lower, upper) if 8 <= m <= 4096)
+            raise ValueError(
+                f"d_model={d} must be divisible by n_heads={h} (each attention head gets "
+                f"d_model / n_heads dimensions): set n_heads to one of "
+                f"{', '.join(map(str, heads))}, or d_model to {models}"
+            )
+        return self
 
 
 BUILTIN_TASK_CONFIGS: dict[str, type[_TaskConfig]] = {

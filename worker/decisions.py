@@ -11,14 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.jobs import Transition
+from service.jobs import CANCEL_REQUESTED_REASON, Transition
 from service.states import TERMINAL_STATES, JobState
 from service.workers import HeldJob
 from worker.launchers.base import RunPhase, RunStatus
 
 REASON_LAUNCHED = "launched"
 REASON_SUCCEEDED = "succeeded"
-REASON_CANCELLED = "cancel requested"
+REASON_CANCELLED = CANCEL_REQUESTED_REASON
 REASON_WORKER_STOPPED = "worker stopped"
 REASON_ORPHANED = "held by this worker but not running here"
 SUMMARY_CHARS = 300

@@ -164,7 +164,7 @@ class WorkerLoop:
             with self.db.session() as s:
                 reaped = jobs.requeue_expired_jobs(s)
             for t in reaped:
-                log.warning("job_id=%d requeued: %s (was %s)", t.job_id, t.reason, t.expected)
+                log.warning("job_id=%d %s → %s: %s", t.job_id, t.expected, t.target, t.reason)
 
     def shutdown(self) -> None:
         """Stop claiming, stop every held job's processes, requeue them, mark us stopped.
@@ -372,20 +372,21 @@ class WorkerLoop:
         t = decision.transition
         try:
             with self.db.session() as s:
-                jobs.apply_transition(
+                job = jobs.apply_transition(
                     s,
                     t,
                     worker_id=self.worker_id,
                     error=decision.error,
                     values=dict(decision.values) or None,
                 )
+                applied = JobState(job.state)  # a requeue of a cancelled job ends cancelled
         except StaleStateError as exc:
             log.warning("job_id=%d: %s; the next heartbeat reconciles", t.job_id, exc)
             return False
-        log.info("job_id=%d %s → %s (%s)", t.job_id, t.expected, t.target, t.reason,
+        log.info("job_id=%d %s → %s (%s)", t.job_id, t.expected, applied, t.reason,
                  extra={"job_id": t.job_id})  # fmt: skip
         if run is not None:
-            run.state = t.target
+            run.state = applied
             if decision.releases:
                 self._forget(run)
         return True

@@ -42,7 +42,7 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_workers'))
     )
     op.create_table('jobs',
-    sa.Column('id', sa.Integer(), autoincrement=True, nullable=False),
+    sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
     sa.Column('name', sa.String(length=200), nullable=False),
     sa.Column('owner', sa.String(length=100), nullable=False),
     sa.Column('state', sa.String(length=16), nullable=False),
@@ -66,7 +66,8 @@ def upgrade() -> None:
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['worker_id'], ['workers.id'], name=op.f('fk_jobs_worker_id_workers'), ondelete='SET NULL'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_jobs')),
-    sa.UniqueConstraint('owner', 'idempotency_key', name=op.f('uq_jobs_owner_idempotency_key'))
+    sa.UniqueConstraint('owner', 'idempotency_key', name=op.f('uq_jobs_owner_idempotency_key')),
+    sqlite_autoincrement=True,
     )
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.create_index('ix_jobs_claim', ['state', 'launcher', 'priority', 'id'], unique=False)
@@ -74,8 +75,8 @@ def upgrade() -> None:
         batch_op.create_index('ix_jobs_worker_id', ['worker_id'], unique=False)
 
     op.create_table('checkpoints',
-    sa.Column('id', sa.Integer(), autoincrement=True, nullable=False),
-    sa.Column('job_id', sa.Integer(), nullable=False),
+    sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
+    sa.Column('job_id', sa.BigInteger(), nullable=False),
     sa.Column('attempt', sa.Integer(), nullable=False),
     sa.Column('step', sa.BigInteger(), nullable=False),
     sa.Column('epoch', sa.Integer(), nullable=False),
@@ -89,8 +90,8 @@ def upgrade() -> None:
     sa.UniqueConstraint('job_id', 'step', name=op.f('uq_checkpoints_job_id_step'))
     )
     op.create_table('job_events',
-    sa.Column('id', sa.Integer(), autoincrement=True, nullable=False),
-    sa.Column('job_id', sa.Integer(), nullable=False),
+    sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
+    sa.Column('job_id', sa.BigInteger(), nullable=False),
     sa.Column('attempt', sa.Integer(), nullable=False),
     sa.Column('from_state', sa.String(length=16), nullable=True),
     sa.Column('to_state', sa.String(length=16), nullable=False),
@@ -104,7 +105,7 @@ def upgrade() -> None:
         batch_op.create_index('ix_job_events_job_id_id', ['job_id', 'id'], unique=False)
 
     op.create_table('metrics',
-    sa.Column('job_id', sa.Integer(), nullable=False),
+    sa.Column('job_id', sa.BigInteger(), nullable=False),
     sa.Column('name', sa.String(length=100), nullable=False),
     sa.Column('step', sa.BigInteger(), nullable=False),
     sa.Column('attempt', sa.Integer(), nullable=False),

@@ -6,6 +6,7 @@ import math
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import delete, update
 
 from service import checkpoints, jobs, metrics, workers
 from service.db import Database
@@ -123,3 +124,97 @@ def test_heartbeat_renews_leases_and_lists_held_jobs(db: Database) -> None:
         assert job.lease_expires_at > utcnow() + timedelta(seconds=50)
         listed = workers.list_workers(s)
         assert [(w.id, held_ids) for w, held_ids in listed] == [("w", [job_id])]
+
+
+def test_requeue_of_a_cancel_requested_job_cancels_it(db: Database) -> None:
+    """A cancel accepted while a job runs survives a requeue (worker stopped, retry,
+    preemption): the job ends cancelled, it is never queued again with the flag dropped."""
+    job_id = _running_job(db)
+    with db.session() as s:
+        assert jobs.cancel_job(s, job_id).cancel_requested
+    with db.session() as s:
+        job = jobs.apply_transition(
+            s,
+            jobs.Transition(job_id, JobState.RUNNING, JobState.QUEUED, "worker stopped"),
+            values={"restarts": 1},
+        )
+        assert (job.state, job.attempt, job.restarts) == ("cancelled", 1, 0), (
+            "a requeue of a job whose cancel was requested must end it cancelled instead"
+        )
+        assert job.finished_at is not None and job.lease_expires_at is None
+    with db.session(write=False) as s:
+        last = jobs.list_events(s, job_id)[-1]
+        assert (last.from_state, last.to_state, last.reason, last.attempt) == (
+            "running",
+            "cancelled",
+            "cancel requested (instead of: worker stopped)",
+            1,
+        )
+    with db.session() as s:
+        assert (
+            jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
+            is None
+        )
+
+
+def test_requeue_without_cancel_still_requeues(db: Database) -> None:
+    job_id = _running_job(db)
+    with db.session() as s:
+        job = jobs.apply_transition(
+            s, jobs.Transition(job_id, JobState.RUNNING, JobState.QUEUED, "preempted")
+        )
+        assert (job.state, job.attempt, job.cancel_requested) == ("queued", 2, False)
+    with pytest.raises(StaleStateError, match="no longer running"), db.session() as s:
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.RUNNING, JobState.QUEUED))
+
+
+def test_claim_never_drops_a_cancel_request(db: Database) -> None:
+    """A queued job carrying the flag (written before the requeue rule existed) is
+    cancelled, not claimed with its flag reset."""
+    with db.session() as s:
+        flagged, _ = jobs.submit_job(s, SPEC, owner="o")
+        plain, _ = jobs.submit_job(s, SPEC, owner="o")
+        workers.register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
+    with db.session() as s:
+        s.execute(update(Job).where(Job.id == flagged.id).values(cancel_requested=True))
+    with db.session() as s:
+        claimed = jobs.claim_next_job(
+            s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
+        )
+        assert claimed is not None and claimed.id == plain.id, "the flagged job was claimed"
+    with db.session(write=False) as s:
+        job = jobs.get_job(s, flagged.id)
+        assert (job.state, job.cancel_requested) == ("cancelled", True)
+        assert jobs.list_events(s, flagged.id)[-1].reason == "cancel requested"
+
+
+def test_cancel_never_flags_a_queued_job(db: Database) -> None:
+    """Cancel flags only an active job: one requeued between cancel's read and its write
+    is cancelled at once instead (a queued job never carries the flag)."""
+    job_id = _running_job(db)
+    with db.session() as s:
+        seen = jobs.get_job(s, job_id)  # held: what cancel_job reads first is "running"
+        assert seen.state == "running"
+        s.execute(  # a reaper's requeue, behind this session's back
+            update(Job)
+            .where(Job.id == job_id)
+            .values(state="queued", attempt=2, worker_id=None)
+            .execution_options(synchronize_session=False)
+        )
+        job = jobs.cancel_job(s, job_id)
+        assert (job.state, job.cancel_requested) == ("cancelled", False)
+    with db.session(write=False) as s:
+        assert jobs.list_events(s, job_id)[-1].reason == "cancelled while queued"
+
+
+def test_job_ids_are_never_reused(db: Database) -> None:
+    """Deleting the newest job must not hand its id out again (SQLite AUTOINCREMENT): a
+    new job would meet the old one's artifacts under jobs/<id>/."""
+    with db.session() as s:
+        first, _ = jobs.submit_job(s, SPEC, owner="o")
+        newest, _ = jobs.submit_job(s, SPEC, owner="o")
+    with db.session() as s:
+        s.execute(delete(Job).where(Job.id == newest.id))
+    with db.session() as s:
+        again, _ = jobs.submit_job(s, SPEC, owner="o")
+    assert again.id > newest.id > first.id, f"job id {again.id} was reused"

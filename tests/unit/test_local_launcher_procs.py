@@ -2,7 +2,8 @@
 
 The stand-in (written to tmp) follows the rank contract — result.json on success,
 error-rank-N.json on failure, exit on SIGTERM — without importing torch, so each test costs
-one torchrun start-up (a few seconds on a small machine).
+one torchrun start-up (a few seconds on a small machine, far more on a loaded 2-core CI box:
+every wait below allows ``SLOW_BOX_S`` and only takes that long when something is wrong).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from service.spec import JobSpec
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.local import LocalLauncher
 
+SLOW_BOX_S = 180.0  # seconds any wait may take on a loaded machine before the test fails
 FAKE_RANK = textwrap.dedent(
     """
     import json, os, signal, sys, time
@@ -96,7 +98,7 @@ def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def _wait_end(launcher: LocalLauncher, handle: str, timeout_s: float = 60) -> RunStatus:
+def _wait_end(launcher: LocalLauncher, handle: str, timeout_s: float = SLOW_BOX_S) -> RunStatus:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = launcher.poll(handle)
@@ -193,14 +195,16 @@ def test_failure_without_error_file_reports_exit_code_and_log_tail(
 def test_cancel_stops_every_process_and_is_idempotent(
     make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
 ) -> None:
-    launcher, plan = make_plan("sleep")
+    launcher, plan = make_plan("sleep", grace_s=SLOW_BOX_S)
     handle = launcher.start(plan)
     log_dir = Path(plan.log_dir)
-    _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "both ranks to start")
+    _wait_for(
+        lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, SLOW_BOX_S, "both ranks to start"
+    )
     assert launcher.poll(handle).phase == RunPhase.RUNNING
     t0 = time.monotonic()
     launcher.cancel(handle)
-    assert time.monotonic() - t0 < 10, "ranks that obey SIGTERM should stop well within grace"
+    assert time.monotonic() - t0 < SLOW_BOX_S, "ranks that obey SIGTERM stop without SIGKILL"
     assert launcher.poll(handle).phase == RunPhase.CANCELLED
     assert _tagged(settings.resolved_artifact_dir) == []
     with pytest.raises(ProcessLookupError):
@@ -215,7 +219,9 @@ def test_cancel_escalates_to_sigkill_after_grace(
     launcher, plan = make_plan("ignore_term", grace_s=1.0)
     handle = launcher.start(plan)
     log_dir = Path(plan.log_dir)
-    _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "both ranks to start")
+    _wait_for(
+        lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, SLOW_BOX_S, "both ranks to start"
+    )
     launcher.cancel(handle)
     assert launcher.poll(handle).phase == RunPhase.CANCELLED
     assert _tagged(settings.resolved_artifact_dir) == []
@@ -279,12 +285,52 @@ def test_ranks_die_with_the_worker(
     try:
         assert worker.stdout is not None and worker.stdout.readline().strip() == b"started"
         log_dir = settings.resolved_artifact_dir / "jobs/5/attempt-1"
-        _wait_for(lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, 60, "ranks to start")
+        _wait_for(
+            lambda: len(list(log_dir.glob("port-rank-*.json"))) == 2, SLOW_BOX_S, "ranks to start"
+        )
         worker.kill()
         worker.wait()
         _wait_for(
-            lambda: not _tagged(settings.resolved_artifact_dir), 45, "ranks to die with the worker"
+            lambda: not _tagged(settings.resolved_artifact_dir),
+            SLOW_BOX_S,
+            "ranks to die with the worker",
         )
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_stale_attempt_dir_is_moved_aside(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    """A job id reused (database recreated, artifacts kept): the old attempt's result.json
+    must not make the new attempt succeed."""
+    launcher, plan = make_plan("exit3", nproc=1)
+    old = Path(plan.log_dir)
+    old.mkdir(parents=True)
+    (old / "result.json").write_text('{"status": "succeeded"}')
+    (old / "launcher.log").write_text("old life\n")
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.FAILED, f"a stale result.json decided the outcome: {status}"
+    stale = list(old.parent.glob(f"{old.name}.stale-*"))
+    assert len(stale) == 1, f"expected the old dir moved aside, found {stale}"
+    assert (stale[0] / "result.json").exists() and (stale[0] / "launcher.log").exists()
+    assert not (old / "result.json").exists()
+    assert "old life" not in (old / "launcher.log").read_text(), "logs of two lives were mixed"
+
+
+def test_result_older_than_the_attempt_is_not_trusted(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    launcher, plan = make_plan("sleep", nproc=1)
+    handle = launcher.start(plan)
+    log_dir = Path(plan.log_dir)
+    _wait_for(lambda: (log_dir / "port-rank-0.json").exists(), SLOW_BOX_S, "the rank to start")
+    result = log_dir / "result.json"
+    result.write_text('{"status": "succeeded"}')
+    an_hour_ago = time.time() - 3600
+    os.utime(result, (an_hour_ago, an_hour_ago))
+    assert launcher.poll(handle).phase == RunPhase.RUNNING
+    launcher.cancel(handle)
+    status = launcher.poll(handle)
+    assert status.phase == RunPhase.CANCELLED, f"an old result.json decided the outcome: {status}"

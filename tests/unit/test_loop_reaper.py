@@ -79,3 +79,31 @@ def test_submitted_slurm_jobs_are_left_for_a_slurm_worker_to_adopt(db: Database)
             "lost-slurm",
             "4242",
         ), "a submitted Slurm job must keep its attempt, holder and Slurm id for adoption"
+
+
+def test_lost_job_with_a_cancel_request_ends_cancelled(db: Database) -> None:
+    """The worker died after the API accepted a cancel: the reaper cancels the job instead of
+    requeueing it (a requeue would drop the request and run it again)."""
+    lost = _claimed(db, "lost", lease_s=0.01)
+    with db.session() as s:
+        jobs.apply_transition(s, Transition(lost, JobState.STARTING, JobState.RUNNING, "x"))
+        assert jobs.cancel_job(s, lost).cancel_requested
+    time.sleep(0.05)
+    reason = f"cancel requested (instead of: {WORKER_LOST_REASON})"
+    with db.session() as s:
+        reaped = jobs.requeue_expired_jobs(s)
+    assert reaped == [Transition(lost, JobState.RUNNING, JobState.CANCELLED, reason)]
+    with db.session(write=False) as s:
+        job = s.get(Job, lost)
+        assert job is not None
+        assert (job.state, job.attempt, job.finished_at is not None) == ("cancelled", 1, True)
+        last = jobs.list_events(s, lost)[-1]
+        assert (last.from_state, last.to_state, last.reason) == ("running", "cancelled", reason)
+    with db.session() as s:
+        register_worker(s, worker_id="new", host="h", pid=2, launcher="local", capacity={})
+        assert (
+            jobs.claim_next_job(
+                s, worker_id="new", launcher="local", max_gpus_per_node=0, lease_s=60
+            )
+            is None
+        ), "a cancelled job must not be claimed again"

@@ -272,3 +272,49 @@ def test_database_outage_is_survived(settings: Settings, db: Database) -> None:
         thread.join(30)
         down.dispose()
     assert not thread.is_alive()
+
+
+def test_cancel_just_before_shutdown_ends_cancelled(settings: Settings, db: Database) -> None:
+    """The API accepts a cancel after the worker's last heartbeat, then the worker stops: the
+    job ends cancelled, not requeued ("worker stopped") with the request dropped."""
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    with db.session() as s:
+        jobs.cancel_job(s, job_id)
+    assert not loop.runs[job_id].cancel_requested, "the loop must not have seen it yet"
+    loop.shutdown()
+    job = _job(db, job_id)
+    assert (job.state, job.attempt) == ("cancelled", 1)
+    assert _reasons(db, job_id)[-1] == (
+        "running",
+        "cancelled",
+        "cancel requested (instead of: worker stopped)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("phase", "instead_of"),
+    [
+        (RunPhase.FAILED, "retry 1/1: boom"),
+        (RunPhase.PREEMPTED, "preempted: boom"),
+    ],
+)
+def test_cancel_unseen_by_the_loop_beats_a_relaunch(
+    settings: Settings, db: Database, phase: RunPhase, instead_of: str
+) -> None:
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db, max_restarts=1)
+    loop.tick()
+    with db.session() as s:
+        jobs.cancel_job(s, job_id)
+    launcher.phases[f"{job_id}.1"] = RunStatus(phase, "boom")
+    loop._watch(loop.runs[job_id])  # before any heartbeat told the loop of the cancel
+    assert loop.runs == {}
+    job = _job(db, job_id)
+    assert (job.state, job.attempt, job.restarts) == ("cancelled", 1, 0)
+    assert _reasons(db, job_id)[-1][2] == f"cancel requested (instead of: {instead_of})"
+    loop.tick()
+    assert [p.attempt for p in launcher.started] == [1], "a cancelled job was launched again"

@@ -5,7 +5,13 @@ runs ``nproc_per_node`` rank processes of ``python -m worker.runtime``. torchrun
 rank in a session of its own, so signalling torchrun's process group does not reach the ranks
 directly; we find an attempt's processes by the tags every one of them carries in its
 environment (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``, ``DDPQ_ARTIFACT_DIR``) and signal their groups
-too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun stops its ranks.
+too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun stops its ranks
+(and each rank sets its own, ``worker.runtime.main.die_with_parent``, in case torchrun dies).
+
+Every attempt starts in an empty directory: one left over from an earlier life of the same
+job id and attempt (e.g. the database was recreated but the artifact dir kept) is moved aside
+to ``attempt-<n>.stale-<UTC time>``, and a ``result.json`` counts only if it was written after
+the attempt started (by the file system's clock).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -99,6 +106,26 @@ def find_tagged_processes(tags: frozenset[bytes]) -> list[int]:
     return pids
 
 
+def move_aside_stale_attempt(attempt_dir: Path) -> Path | None:
+    """Rename a non-empty ``attempt_dir`` to ``<name>.stale-<UTC time>`` so the attempt
+    starts empty (no earlier result.json, error files or logs can be mistaken for its own).
+
+    Returns:
+        Where it was moved, or None when there was nothing to move (absent or empty).
+    Raises:
+        OSError: the rename failed.
+    """
+    try:
+        if not any(attempt_dir.iterdir()):
+            return None
+    except FileNotFoundError:
+        return None
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = attempt_dir.with_name(f"{attempt_dir.name}.stale-{stamp}")
+    attempt_dir.rename(target)
+    return target
+
+
 def bind_gpus(plan: LaunchPlan, gpus: Sequence[int]) -> LaunchPlan:
     """The plan with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids the worker assigned."""
     return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
@@ -114,6 +141,7 @@ class _LocalRun:
     tags: frozenset[bytes]
     started_mono: float
     timeout_s: float | None
+    started_fs_ns: int  # launcher.log's creation mtime: the file system's clock at start
     cancelled: bool = False
     timed_out: bool = False
     result_seen_mono: float | None = None
@@ -197,8 +225,16 @@ class LocalLauncher:
             LaunchError: the process could not be started.
         """
         log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
+        try:
+            stale = move_aside_stale_attempt(log_path.parent)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
+            started_fs_ns = os.fstat(log_file.fileno()).st_mtime_ns
+        except OSError as exc:
+            raise LaunchError(f"could not prepare {log_path.parent}: {exc}") from exc
+        if stale is not None:
+            log.warning("job_id=%d attempt=%d: moved a stale attempt directory aside to %s",
+                        plan.job_id, plan.attempt, stale)  # fmt: skip
         try:
             popen = subprocess.Popen(
                 plan.argv,
@@ -222,6 +258,7 @@ class LocalLauncher:
             tags=attempt_tags(plan.job_id, plan.attempt, plan.env[envvars.ARTIFACT_DIR]),
             started_mono=time.monotonic(),
             timeout_s=float(timeout) if timeout else None,
+            started_fs_ns=started_fs_ns,
         )
         self._prune()
         return handle
@@ -240,7 +277,7 @@ class LocalLauncher:
             return run.final
         if run.popen.poll() is None:
             now = time.monotonic()
-            if self._result_file(run).exists():
+            if self._has_result(run):
                 run.result_seen_mono = run.result_seen_mono or now
                 if now - run.result_seen_mono < self.teardown_grace_s:
                     return RunStatus(RunPhase.RUNNING)
@@ -265,8 +302,14 @@ class LocalLauncher:
             run.cancelled = True
         self._terminate(run, grace_s=self.grace_s)
 
-    def _result_file(self, run: _LocalRun) -> Path:
-        return artifacts.result_path(self.artifact_dir, run.plan.job_id, run.plan.attempt)
+    def _has_result(self, run: _LocalRun) -> bool:
+        """Whether rank 0 wrote this attempt's result.json (one older than the attempt's
+        start is someone else's and does not count)."""
+        path = artifacts.result_path(self.artifact_dir, run.plan.job_id, run.plan.attempt)
+        try:
+            return path.stat().st_mtime_ns >= run.started_fs_ns
+        except OSError:
+            return False
 
     def _process_groups(self, run: _LocalRun) -> set[int]:
         groups = {run.popen.pid} if run.popen.returncode is None else set()
@@ -309,7 +352,7 @@ class LocalLauncher:
     def _finish(self, run: _LocalRun) -> RunStatus:
         rc = run.popen.wait()
         self._kill_leftovers(run)
-        if self._result_file(run).exists():
+        if self._has_result(run):
             status = RunStatus(RunPhase.SUCCEEDED, None, rc)
         elif run.cancelled:
             status = RunStatus(RunPhase.CANCELLED, "cancelled", rc)

@@ -2,14 +2,17 @@
 
 ``python -m worker.runtime`` (under torchrun) and the Slurm launcher's submitit function both
 call ``run_rank``; its return value is the rank's exit code (see ``worker.runtime.outcome``).
+Under torchrun a rank also dies with torchrun (``die_with_parent``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import random
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +28,7 @@ from service.errors import StaleAttemptError
 from service.jobs import get_job
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES
+from worker.runtime import envvars
 from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, make_checkpointer
 from worker.runtime.context import TrainContext, load_entrypoint
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
@@ -46,6 +50,55 @@ from worker.tasks.base import TaskSetup
 
 log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
+TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
+
+
+def die_with_parent(environ: Mapping[str, str], sig: signal.Signals = signal.SIGTERM) -> bool:
+    """Under torchrun on Linux, have the kernel send ``sig`` to this rank when torchrun exits.
+
+    torchrun starts every rank in a session of its own and only torchrun itself gets
+    ``PR_SET_PDEATHSIG`` (from the local launcher), so a SIGKILLed torchrun would leave its
+    ranks running. ``sig`` (SIGTERM) lets a training rank stop at a step boundary with a
+    checkpoint. Then the race: if torchrun died before the ``prctl`` (this process was
+    reparented, or its parent is no longer a process of this job's attempt, judged by the
+    ``DDPQ_JOB_ID``/``DDPQ_ATTEMPT`` entries of its environment), the rank sends ``sig`` to
+    itself at once.
+
+    A no-op elsewhere: off Linux, and outside torchrun (Slurm's task process, in-process
+    callers such as tests), where the parent's death says nothing about the rank.
+
+    Returns:
+        True when the parent-death signal is armed.
+    """
+    if not sys.platform.startswith("linux") or TORCHRUN_MARKER not in environ:
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    if os.getppid() != parent or not _runs_same_attempt(parent, environ):
+        sys.stderr.write(f"ddpq rank: parent {parent} (torchrun) is gone; stopping\n")
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def _runs_same_attempt(pid: int, environ: Mapping[str, str]) -> bool:
+    """Whether process ``pid`` carries this rank's job id and attempt in its environment
+    (torchrun does; init or a subreaper that adopted an orphaned rank does not)."""
+    tags = {
+        f"{name}={environ[name]}".encode()
+        for name in (envvars.JOB_ID, envvars.ATTEMPT)
+        if name in environ
+    }
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return tags <= set(f.read().split(b"\0"))
+    except OSError:
+        return False
+
 
 def run_rank(environ: Mapping[str, str] | None = None) -> int:
     """Run this process as one rank of a job and return its exit code.
@@ -65,6 +118,7 @@ def run_rank(environ: Mapping[str, str] | None = None) -> int:
         environ = os.environ
     elif environ is not os.environ:
         os.environ.update(environ)
+    die_with_parent(environ)
     try:
         env = RankEnv.from_environ(environ)
     except RankEnvironmentError as exc:
