@@ -256,14 +256,13 @@ def claim_next_job(
     locked rows; on SQLite the session's ``BEGIN IMMEDIATE`` serialises claimers and the
     ``state = 'queued'`` test is the compare-and-set.
 
-    A queued job with ``cancel_requested`` is never claimed (and the flag never dropped):
-    it is cancelled first (``cancel_flagged_queued_jobs``).
+    A queued job with ``cancel_requested`` is never claimed (and the flag never dropped);
+    the reaper cancels it (``cancel_flagged_queued_jobs``), off this hot path.
 
     Returns:
         The job, now ``starting`` and leased to ``worker_id`` until now + ``lease_s``
         seconds; None when nothing fits.
     """
-    cancel_flagged_queued_jobs(session)
     now = utcnow()
     candidate = (
         select(Job.id)
@@ -400,6 +399,8 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
     skipped: they keep running in Slurm without their worker, and a Slurm worker adopts them
     (``worker.launchers.slurm_attach``); requeueing would start a second copy as attempt + 1.
 
+    It also cancels queued jobs that carry ``cancel_requested`` (``cancel_flagged_queued_jobs``).
+
     Returns:
         The transitions applied (target ``queued``, or ``cancelled`` for a flagged job).
     """
@@ -422,5 +423,6 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
         except (StaleStateError, NotFoundError):
             continue  # renewed, moved or deleted since the select
         done.append(applied)
+    done += cancel_flagged_queued_jobs(session, limit=limit)
     session.flush()
     return done

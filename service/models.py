@@ -104,14 +104,17 @@ class Job(Base):
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),
-        # The claim: queued jobs of a launcher, best priority first, then oldest.
-        Index("ix_jobs_claim", "state", "launcher", "priority", "id"),
         Index("ix_jobs_owner_id", "owner", "id"),
         Index("ix_jobs_worker_id", "worker_id"),
         # AUTOINCREMENT: SQLite never hands out an id again, even after the newest job is
         # deleted, so a new job never meets an old job's artifacts (jobs/<id>/…).
         {"sqlite_autoincrement": True},
     )
+
+
+# The claim: queued jobs of a launcher, best priority first, then oldest. priority is DESC in
+# the index so ORDER BY priority DESC, id is an index scan, not a sort of the whole queue.
+Index("ix_jobs_claim", Job.state, Job.launcher, Job.priority.desc(), Job.id)
 
 
 class JobEvent(Base):

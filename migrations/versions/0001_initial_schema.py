@@ -70,7 +70,7 @@ def upgrade() -> None:
     sqlite_autoincrement=True,
     )
     with op.batch_alter_table('jobs', schema=None) as batch_op:
-        batch_op.create_index('ix_jobs_claim', ['state', 'launcher', 'priority', 'id'], unique=False)
+        batch_op.create_index('ix_jobs_claim', ['state', 'launcher', sa.text('priority DESC'), 'id'], unique=False)
         batch_op.create_index('ix_jobs_owner_id', ['owner', 'id'], unique=False)
         batch_op.create_index('ix_jobs_worker_id', ['worker_id'], unique=False)
 

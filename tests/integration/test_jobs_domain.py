@@ -170,7 +170,7 @@ def test_requeue_without_cancel_still_requeues(db: Database) -> None:
 
 def test_claim_never_drops_a_cancel_request(db: Database) -> None:
     """A queued job carrying the flag (written before the requeue rule existed) is
-    cancelled, not claimed with its flag reset."""
+    never claimed with its flag reset; the reaper cancels it."""
     with db.session() as s:
         flagged, _ = jobs.submit_job(s, SPEC, owner="o")
         plain, _ = jobs.submit_job(s, SPEC, owner="o")
@@ -182,6 +182,9 @@ def test_claim_never_drops_a_cancel_request(db: Database) -> None:
             s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == plain.id, "the flagged job was claimed"
+    with db.session() as s:
+        reaped = jobs.requeue_expired_jobs(s)
+        assert [(t.job_id, t.target) for t in reaped] == [(flagged.id, JobState.CANCELLED)]
     with db.session(write=False) as s:
         job = jobs.get_job(s, flagged.id)
         assert (job.state, job.cancel_requested) == ("cancelled", True)
