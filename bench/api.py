@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -19,9 +18,9 @@ from sqlalchemy import text
 from bench.common import (
     BenchResult,
     active_jobs,
+    cli_main,
     median,
     migrated,
-    parser,
     percentile,
     pg_schema,
     pick,
@@ -206,11 +205,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
 
 def main() -> None:
     """CLI: ``python -m bench.api --size tiny``."""
-    args = parser(__doc__ or "").parse_args()
-    text_ = json.dumps(run(args.size).as_dict(), indent=2)
-    if args.json:
-        args.json.write_text(text_)
-    sys.stdout.write(text_ + "\n")
+    cli_main(run, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import tempfile
 import threading
 import time
@@ -15,8 +13,8 @@ from sqlalchemy import func, select
 from bench.common import (
     BenchResult,
     add_worker,
+    cli_main,
     migrated,
-    parser,
     pg_schema,
     pick,
     queue_jobs,
@@ -127,11 +125,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
 
 def main() -> None:
     """CLI: ``python -m bench.claims --size tiny``."""
-    args = parser(__doc__ or "").parse_args()
-    text = json.dumps(run(args.size).as_dict(), indent=2)
-    if args.json:
-        args.json.write_text(text)
-    sys.stdout.write(text + "\n")
+    cli_main(run, __doc__ or "")
 
 
 if __name__ == "__main__":

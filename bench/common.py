@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
+import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,15 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--size", choices=SIZES, default="default")
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     return p
+
+
+def cli_main(run: Callable[[str], BenchResult], description: str) -> None:
+    """The CLI of one benchmark module: parse ``--size``/``--json``, run, print the JSON."""
+    args = parser(description).parse_args()
+    text_ = json.dumps(run(args.size).as_dict(), indent=2)
+    if args.json:
+        args.json.write_text(text_)
+    sys.stdout.write(text_ + "\n")
 
 
 def sqlite_url(directory: Path) -> str:

@@ -6,9 +6,7 @@ Single process (world_size 1, no process group); ``bench/gpu.sh`` runs it. The s
 
 from __future__ import annotations
 
-import json
 import sqlite3
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,9 +19,9 @@ from torch import nn
 from bench.common import (
     BenchResult,
     active_jobs,
+    cli_main,
     median,
     migrated,
-    parser,
     percentile,
     pick,
     ratio,
@@ -120,11 +118,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
 
 def main() -> None:
     """CLI: ``python -m bench.gpu_reporting --size default``."""
-    args = parser(__doc__ or "").parse_args()
-    text = json.dumps(run(args.size).as_dict(), indent=2)
-    if args.json:
-        args.json.write_text(text)
-    sys.stdout.write(text + "\n")
+    cli_main(run, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import sys
 import time
 from typing import Any
 
@@ -14,9 +12,9 @@ from bench.common import (
     PG_URL,
     BenchResult,
     active_jobs,
+    cli_main,
     median,
     migrated,
-    parser,
     pg_schema,
     pick,
     ratio,
@@ -116,11 +114,7 @@ def run(size: str) -> BenchResult:
 
 def main() -> None:
     """CLI: ``python -m bench.ingest --size tiny``."""
-    args = parser(__doc__ or "").parse_args()
-    text = json.dumps(run(args.size).as_dict(), indent=2)
-    if args.json:
-        args.json.write_text(text)
-    sys.stdout.write(text + "\n")
+    cli_main(run, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -14,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchResult, median, migrated, parser, pick, sqlite_url
+from bench.common import BenchResult, cli_main, median, migrated, pick, sqlite_url
 from service.config import Settings
 from worker.up import settings_env
 
@@ -157,11 +156,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
 
 def main() -> None:
     """CLI: ``python -m bench.launch --size tiny``."""
-    args = parser(__doc__ or "").parse_args()
-    text = json.dumps(run(args.size).as_dict(), indent=2)
-    if args.json:
-        args.json.write_text(text)
-    sys.stdout.write(text + "\n")
+    cli_main(run, __doc__ or "")
 
 
 if __name__ == "__main__":
