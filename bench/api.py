@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from bench.common import (
     BenchResult,
@@ -28,13 +28,15 @@ from bench.common import (
 )
 from bench.reporting import import_mlflow
 from service.config import Settings
+from service.db import Database
+from service.metrics import query_points
 from worker.up import settings_env
 
 GOAL_REQ_PER_S = 1500.0
 GOAL_POLL_P99_S = 0.020
 GOAL_VS_MLFLOW = 10.0
 POLL_POINTS = 1000
-LOAD_THREADS = 8
+LOAD_CONNECTIONS = 8
 
 
 def fill_metrics(db_url: str, rows: int, jobs: int, owner: str) -> tuple[int, int]:
@@ -62,33 +64,97 @@ def fill_metrics(db_url: str, rows: int, jobs: int, owner: str) -> tuple[int, in
     return ids[len(ids) // 2], per_job
 
 
+def explain_poll(db_url: str, job_id: int, after_step: int) -> dict[str, Any]:
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of the SQL ``query_points`` sends for one poll.
+
+    Returns:
+        ``{"scan": the plan's scan line, "heap_fetches": …, "execution_ms": …}``.
+    """
+    db = Database.from_url(db_url)
+    seen: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, sql: str, params: Any, *_: Any) -> None:
+        seen.append((sql, params))
+
+    try:
+        with db.session(write=False) as session:
+            event.listen(db.engine, "before_cursor_execute", capture)
+            query_points(session, job_id, "loss", after_step=after_step, limit=POLL_POINTS)
+            event.remove(db.engine, "before_cursor_execute", capture)
+        sql, params = seen[-1]
+        with db.engine.connect() as conn:
+            plan = [r[0] for r in conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)]
+    finally:
+        db.dispose()
+    scan = next((line.strip() for line in plan if "Scan" in line), "?")
+    fetches = next((line.split(":")[1].strip() for line in plan if "Heap Fetches" in line), None)
+    exec_ms = next((line.split(":")[1].strip() for line in plan if "Execution Time" in line), "?")
+    return {"scan": scan.split("  (")[0], "heap_fetches": fetches, "execution": exec_ms}
+
+
+async def _keep_alive_client(
+    host: str, port: int, path: str, stop: float, latencies: list[float]
+) -> None:
+    """One keep-alive HTTP/1.1 connection sending GET ``path`` until ``stop`` (perf_counter).
+
+    Raises:
+        RuntimeError: a response other than 200.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    try:
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+            await reader.readexactly(int(headers.get("content-length", "0")))
+            if lines[0].split(" ")[1] != "200":
+                raise RuntimeError(f"GET {path}: {lines[0]}")
+            latencies.append(time.perf_counter() - t0)
+    finally:
+        writer.close()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used; None where /proc is missing."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_get_job(base: str, job_id: int, duration_s: float) -> tuple[float, list[float]]:
-    """``LOAD_THREADS`` keep-alive clients GET the job for ``duration_s`` seconds.
+    """``LOAD_CONNECTIONS`` keep-alive connections GET the job for ``duration_s`` seconds.
+
+    The load generator is a bare asyncio HTTP/1.1 client (one thread): httpx spent ~0.6 ms
+    of CPU per request, which on a 2-core box was taken from the server being measured.
 
     Returns:
         ``(requests_per_s, latencies_s)``.
+    Raises:
+        RuntimeError: a response other than 200.
     """
+    url = httpx.URL(base)
+    host, port = url.host, int(url.port or 80)
+    path = f"{url.path.rstrip('/')}/jobs/{job_id}"
     latencies: list[float] = []
-    lock = threading.Lock()
-    stop = time.perf_counter() + duration_s
 
-    def client() -> None:
-        mine: list[float] = []
-        with httpx.Client(base_url=base, timeout=30) as http:
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                http.get(f"/jobs/{job_id}").raise_for_status()
-                mine.append(time.perf_counter() - t0)
-        with lock:
-            latencies.extend(mine)
+    async def run() -> float:
+        t0 = time.perf_counter()
+        stop = t0 + duration_s
+        await asyncio.gather(
+            *(
+                _keep_alive_client(host, port, path, stop, latencies)
+                for _ in range(LOAD_CONNECTIONS)
+            )
+        )
+        return time.perf_counter() - t0
 
-    threads = [threading.Thread(target=client) for _ in range(LOAD_THREADS)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return len(latencies) / (time.perf_counter() - t0), latencies
+    elapsed_s = asyncio.run(run())
+    return len(latencies) / elapsed_s, latencies
 
 
 def mlflow_store(tmp: Path, points: int) -> tuple[Any, str] | None:
@@ -120,6 +186,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     res = BenchResult("api", size)
     with pg_schema() as url:
         job_id, points = fill_metrics(url, rows, jobs, Settings().default_owner)
+        plan = explain_poll(url, job_id, points - POLL_POINTS)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
@@ -146,18 +213,24 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
                     raise TimeoutError("the API did not answer /readyz within 90 s")
                 time.sleep(0.2)
             load_get_job(base, job_id, 0.5)  # warm-up
+            cpu0 = process_cpu_s(api.pid)
             rps, lat = load_get_job(base, job_id, duration_s)
+            cpu1 = process_cpu_s(api.pid)
+            api_cpu_us = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / len(lat) * 1e6
             ml = mlflow_store(tmp, points)
             poll_s: list[float] = []
             ml_s: list[float] = []
             after = points - POLL_POINTS
             with httpx.Client(base_url=base, timeout=30) as http:
+                params: dict[str, str | int] = {
+                    "name": "loss",
+                    "after_step": after,
+                    "limit": POLL_POINTS,
+                }
+                http.get(f"/jobs/{job_id}/metrics", params=params).raise_for_status()  # warm-up
                 for _ in range(polls):
                     t0 = time.perf_counter()
-                    got = http.get(
-                        f"/jobs/{job_id}/metrics",
-                        params={"name": "loss", "after_step": after, "limit": POLL_POINTS},
-                    )
+                    got = http.get(f"/jobs/{job_id}/metrics", params=params)
                     got.raise_for_status()
                     poll_s.append(time.perf_counter() - t0)
                     assert len(got.json()["points"]) == POLL_POINTS
@@ -178,9 +251,11 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "get_job_p99_ms": round(percentile(lat, 99) * 1000, 2),
         "poll_p50_ms": round(median(poll_s) * 1000, 2),
         "poll_p99_ms": round(poll_p99 * 1000, 2),
+        "poll_plan": plan,
         "mlflow_history_p50_ms": round(median(ml_s) * 1000, 2) if ml_s else None,
         "mlflow_history_p99_ms": round(percentile(ml_s, 99) * 1000, 2) if ml_s else None,
-        "load_threads": LOAD_THREADS,
+        "get_job_server_cpu_us_per_req": None if api_cpu_us is None else round(api_cpu_us),
+        "load_connections": LOAD_CONNECTIONS,
         "duration_s": duration_s,
     }
     speedup = ratio(median(ml_s), median(poll_s)) if ml_s else None
@@ -196,8 +271,10 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     if rows < 10_000_000:
         res.notes.append(f"metrics table of {jobs * points:,} rows, not 10M (use --size full)")
     res.notes.append(
-        "one uvicorn process (default CLI flags) on PostgreSQL; load generator = 8 httpx "
-        "threads in the bench process; MLflow = get_metric_history on a local SQLite store "
+        "one uvicorn process (default CLI flags) on PostgreSQL; load generator = 8 keep-alive "
+        "connections of a bare asyncio HTTP/1.1 client in the bench process; "
+        "server_cpu_us_per_req = the uvicorn process's CPU time ÷ requests (1e6 ÷ it = the "
+        "req/s one core could serve); MLflow = get_metric_history on a local SQLite store "
         "(it has no after_step: the whole run history is read)"
     )
     return res

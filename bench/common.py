@@ -18,8 +18,8 @@ from urllib.parse import quote
 from sqlalchemy import create_engine, insert, text
 
 from service import migrate
+from service.claims import claim_next_job
 from service.db import Database
-from service.jobs import claim_next_job
 from service.models import Job
 from service.spec import JobSpec
 from service.workers import register_worker

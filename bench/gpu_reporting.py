@@ -38,21 +38,27 @@ def build_transformer(device: torch.device) -> nn.Module:
     )
 
 
-def run(size: str, *, workdir: Path | None = None) -> BenchResult:
-    """Steps/s per mode (median of interleaved reps) and report() p99 (µs) on ``cuda``."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(size: str, *, workdir: Path | None = None, device: str = "cuda") -> BenchResult:
+    """Steps/s per mode (median of interleaved reps) and report() p99 (µs) on ``device``
+    (``cuda``; ``cpu`` only to smoke-test this code on a machine without a GPU)."""
     from service.db import Database
     from worker.runtime.distributed import DistContext
     from worker.runtime.sink import make_sink
 
-    device = torch.device("cuda")
+    dev = torch.device(device)
     steps, reps = pick(size, 20, 200), pick(size, 2, 7)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))
     url = sqlite_url(tmp)
     job_id = active_jobs(migrated(url), 1)[0]
-    model = build_transformer(device)
+    model = build_transformer(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(16, 128, 512, device=device, dtype=torch.bfloat16)
-    ctx = DistContext(0, 0, 1, device, "ddp", None)
+    x = torch.randn(16, 128, 512, device=dev, dtype=torch.bfloat16)
+    ctx = DistContext(0, 0, 1, dev, "ddp", None)
     sink = make_sink(0, ctx, Database.from_url(url), job_id, 1)
     naive = sqlite3.connect(tmp / "naive.db")
     naive.execute("CREATE TABLE m (name TEXT, step INT, value REAL)")
@@ -87,13 +93,13 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     rates: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(reps):
         for name, fn in modes.items():
-            torch.cuda.synchronize()
+            _sync(dev)
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             if name == "ddpq" and sink.pending:
                 sink.flush()
-            torch.cuda.synchronize()
+            _sync(dev)
             rates[name].append(steps / (time.perf_counter() - t0))
     sink.close()
     med = {k: median(v) for k, v in rates.items()}
@@ -101,7 +107,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     p99_us = percentile(report_ns, 99) / 1000
     res = BenchResult("gpu_reporting", size)
     res.figures = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (cpu)",
         "steps_per_s_median": {k: round(v, 1) for k, v in med.items()},
         "report_call_p99_us": round(p99_us, 2),
     }

@@ -151,8 +151,10 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
     Args:
         mlflow: include the MLflow anchors (None: when mlflow imports).
     """
-    steps = pick(size, 20, 300)
-    reps = pick(size, 2, 7)
+    # 1,500 steps a repetition: several count-rule flushes (FLUSH_EVERY_POINTS) per segment,
+    # as in training, not just the segment's tail flush.
+    steps = pick(size, 20, 1500)
+    reps = pick(size, 2, 5)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))
     url = sqlite_url(tmp)
     db = migrated(url)

@@ -4,6 +4,7 @@ Layout::
 
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only)
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
 """
@@ -40,15 +41,30 @@ def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
     return checkpoint_dir(artifact_dir, job_id) / f"step-{int(step)}.pt"
 
 
-def confine(artifact_dir: Path, path: str | Path) -> Path:
+def confine(artifact_dir: Path, path: str | Path, *, must_exist: bool = True) -> Path:
     """Resolve ``path`` (symlinks followed) and require it to lie inside ``artifact_dir``.
 
+    Whatever a job's ranks left there (a ``rank-0.log`` symlinked to ``/etc/passwd``, a
+    ``jobs/<id>`` directory linked elsewhere) or a database row names, the resolved path is
+    what gets read. Open the returned path, not ``path``.
+
+    Args:
+        must_exist: also require an existing regular file; False lets a file that is not
+            written yet (a rank's log) pass, as long as it would lie inside.
     Raises:
-        NotFoundError: the path escapes the artifact directory or does not exist as a file.
+        NotFoundError: the path escapes the artifact directory, cannot be resolved (a
+            symlink loop), is something other than a regular file (a directory, a FIFO),
+            or (``must_exist``) does not exist.
     """
     root = artifact_dir.resolve()
-    resolved = Path(path).resolve()
-    if not resolved.is_relative_to(root) or not resolved.is_file():
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        raise NotFoundError("file not found") from None
+    if not resolved.is_relative_to(root):
+        raise NotFoundError("file not found")
+    # Not a regular file: a directory, or a FIFO whose open() would block a server thread.
+    if (must_exist or resolved.exists()) and not resolved.is_file():
         raise NotFoundError("file not found")
     return resolved
 
@@ -90,3 +106,10 @@ def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) ->
     """Written by a rank that raised: ``…/attempt-<n>/error-rank-<r>.json``
     (``{"rank", "exc_type", "message", "traceback", "time"}``)."""
     return attempt_dir(artifact_dir, job_id, attempt) / f"error-rank-{int(rank)}.json"
+
+
+def metrics_spill_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """Where rank 0 spills metric points it could not write yet (database down or slow), one
+    JSON object per line, oldest first: ``…/attempt-<n>/metrics-spill.jsonl``. Removed once
+    replayed; left behind (with every unsent point) only if the database never came back."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "metrics-spill.jsonl"

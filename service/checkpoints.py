@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import NotFoundError
 from service.metrics import check_attempt
-from service.models import Checkpoint, utcnow
+from service.models import Checkpoint, JobEvent, utcnow
 
 
 def record_checkpoint(
@@ -42,6 +42,27 @@ def record_checkpoint(
     )
     session.flush()
     return ckpt
+
+
+def record_checkpoint_failure(
+    session: Session, job_id: int, attempt: int, *, step: int, reason: str
+) -> None:
+    """Note a checkpoint that could not be written as a job event (the state does not change:
+    from_state = to_state), so ``ddpq show`` and the API's events list show it.
+
+    Raises:
+        StaleAttemptError / NotFoundError: the attempt is fenced off (see ``check_attempt``).
+    """
+    job = check_attempt(session, job_id, attempt)
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            attempt=attempt,
+            from_state=job.state,
+            to_state=job.state,
+            reason=f"checkpoint at step {step} not written: {reason}"[:2000],
+        )
+    )
 
 
 def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:

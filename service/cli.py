@@ -1,4 +1,5 @@
-"""The `ddpq` command: db, serve, worker, up (`worker` imported lazily); job commands: cli_jobs."""
+"""The `ddpq` command: db, serve, worker, up (`worker` imported lazily); job commands: cli_jobs;
+token commands: cli_tokens."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Annotated
 
 import typer
 
-from service import cli_jobs
+from service import cli_jobs, cli_tokens
 from service.cli_common import app, db_app, fail, friendly_errors, load_settings, out
 from service.config import Settings
 from service.errors import DatabaseUnavailableError
 
-# Importing cli_jobs registers the job commands (submit, ls, show, …) on ``app``.
-__all__ = ["app", "cli_jobs", "main", "parse_gpus", "server_settings"]
+# Importing cli_jobs and cli_tokens registers the job commands (submit, ls, show, …) and
+# `ddpq token …` on ``app``.
+__all__ = ["app", "cli_jobs", "cli_tokens", "main", "parse_gpus", "server_settings"]
 
 
 class LauncherChoice(StrEnum):
@@ -135,7 +137,21 @@ def serve(
         finally:
             db.dispose()
     out.print(f"ddpq API and dashboard on {settings.resolved_api_url}")
+    out.print(auth_note(settings))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+def auth_note(settings: Settings) -> str:
+    """One line saying whether the API demands tokens, and how to get one."""
+    if settings.auth_enabled:
+        return (
+            f"auth on (DDPQ_AUTH={settings.auth}, bind {settings.host}): every call but /healthz "
+            "needs a token; make one with `ddpq token create --owner NAME`"
+        )
+    return (
+        f"auth off (DDPQ_AUTH={settings.auth}, bind {settings.host}): anyone who can reach the "
+        "port can submit and cancel jobs"
+    )
 
 
 def parse_gpus(value: str | None) -> list[int] | None:
@@ -184,6 +200,8 @@ def up(
     """The embedded default in one command: migrate, serve the API and run one local worker."""
     settings = server_settings(host, port)
     from worker.up import run_up
+
+    out.print(auth_note(settings))
 
     with friendly_errors():
         run_up(settings)

@@ -81,6 +81,7 @@ class DdpqClient:
             if token is None and settings.token is not None:
                 token = settings.token.get_secret_value()
         self.base_url = base_url.rstrip("/")
+        token = (token or "").strip()  # a token read from a file keeps its newline
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)

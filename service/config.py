@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -76,6 +78,13 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(
         default=None, description="API token the CLI and DdpqClient send (Authorization: Bearer)."
     )
+    auth: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Require API tokens: 'on', 'off', or 'auto' (on unless `host` is loopback).",
+    )
+    submissions_per_minute: int = Field(
+        default=60, ge=1, description="Jobs one owner may submit in any 60 s (HTTP 429 beyond)."
+    )
 
     @property
     def resolved_database_url(self) -> str:
@@ -99,9 +108,29 @@ class Settings(BaseSettings):
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
+    @property
+    def auth_enabled(self) -> bool:
+        """Whether the API demands a bearer token: ``auth`` "on", or "auto" with a bind
+        ``host`` that is not loopback (e.g. ``ddpq serve --host 0.0.0.0``). An app started
+        some other way (plain uvicorn) knows its bind address only through DDPQ_HOST."""
+        if self.auth != "auto":
+            return self.auth == "on"
+        return not is_loopback_host(self.host)
+
     def entrypoint_allowed(self, entrypoint: str) -> bool:
         """True when ``entrypoint`` matches one of ``allowed_entrypoints`` (fnmatch patterns)."""
         return any(fnmatch.fnmatchcase(entrypoint, pat) for pat in self.allowed_entrypoints)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for anything
+    else, wildcard binds (0.0.0.0, ::) and host names included."""
+    if host.strip().lower() in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @lru_cache(maxsize=1)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 # Seconds a SQLite writer waits for the write lock before giving up.
 SQLITE_BUSY_TIMEOUT_S = 30.0
+# Connections a PostgreSQL engine keeps open (and may open again beyond that, briefly).
+PG_POOL_SIZE = 16
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -67,6 +69,11 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         _install_sqlite_hooks(engine)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    # Enough pooled connections for the API's threadpool under load: with the default 5 (+10
+    # overflow, closed on return) a burst of concurrent requests opened and closed a server
+    # backend per request. Connections are opened only when needed.
+    kwargs.setdefault("pool_size", PG_POOL_SIZE)
+    kwargs.setdefault("max_overflow", PG_POOL_SIZE)
     return create_engine(url, **kwargs)
 
 
@@ -91,9 +98,14 @@ class Database:
         """Create the engine for ``url`` and the session factories bound to it."""
         engine = make_engine(url, **engine_kwargs)
         write_engine = engine.execution_options(ddpq_write=True)
+        read_engine = engine
+        if engine.dialect.name == "postgresql":
+            # Reads run in autocommit: no BEGIN/COMMIT round trips. Under READ COMMITTED each
+            # statement had its own snapshot anyway, so a read scope sees the same data.
+            read_engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         return cls(
             engine=engine,
-            _read=sessionmaker(bind=engine, expire_on_commit=False),
+            _read=sessionmaker(bind=read_engine, expire_on_commit=False),
             _write=sessionmaker(bind=write_engine, expire_on_commit=False),
         )
 
@@ -107,8 +119,10 @@ class Database:
         """A session in one transaction: commit on success, roll back on error.
 
         ``write=True`` takes SQLite's write lock at BEGIN so read-then-write transactions
-        (claims, transitions) wait for the lock instead of failing. Driver errors are turned
-        into ddpq errors here and nowhere else.
+        (claims, transitions) wait for the lock instead of failing. ``write=False`` is for
+        reads only: on PostgreSQL it runs in autocommit (each statement its own snapshot, as
+        under READ COMMITTED), so a write there would not be rolled back on error. Driver
+        errors are turned into ddpq errors here and nowhere else.
 
         Raises:
             DatabaseUnavailableError: connection or operational failure (HTTP 503).

@@ -1,4 +1,4 @@
-"""Job operations: submit, get, list, claim, transition, cancel. Each runs inside a session.
+"""Job operations: submit, get, list, transition, cancel, reap (the claim is in service/claims.py).
 
 Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``) plus a
 ``job_events`` row in the same transaction (procrastinate's pattern).
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, or_, select, update
@@ -45,7 +44,7 @@ def submit_job(
         submission of the same owner, whose job is returned instead of a new one.
     """
     if idempotency_key is not None:
-        existing = _by_idempotency_key(session, owner, idempotency_key)
+        existing = find_job_by_idempotency_key(session, owner, idempotency_key)
         if existing is not None:
             return existing, False
     job = Job(
@@ -65,7 +64,7 @@ def submit_job(
             session.flush()
     except sa_exc.IntegrityError:
         # Another request with the same key won the race; return its job.
-        existing = _by_idempotency_key(session, owner, idempotency_key or "")
+        existing = find_job_by_idempotency_key(session, owner, idempotency_key or "")
         if existing is None:
             raise
         return existing, False
@@ -73,7 +72,8 @@ def submit_job(
     return job, True
 
 
-def _by_idempotency_key(session: Session, owner: str, key: str) -> Job | None:
+def find_job_by_idempotency_key(session: Session, owner: str, key: str) -> Job | None:
+    """The job ``owner`` submitted with Idempotency-Key ``key``, if any."""
     return session.scalars(
         select(Job).where(Job.owner == owner, Job.idempotency_key == key)
     ).one_or_none()
@@ -115,6 +115,14 @@ def list_jobs(
     if len(jobs) > limit:
         return jobs[:limit], jobs[limit - 1].id
     return jobs, None
+
+
+def owned_job_ids(session: Session, job_ids: Sequence[int], owner: str) -> set[int]:
+    """The ids among ``job_ids`` whose job belongs to ``owner``."""
+    if not job_ids:
+        return set()
+    rows = session.scalars(select(Job.id).where(Job.id.in_(set(job_ids)), Job.owner == owner))
+    return set(rows)
 
 
 def list_events(session: Session, job_id: int) -> list[JobEvent]:
@@ -239,74 +247,6 @@ def _compare_and_set(
     job = session.get(Job, t.job_id, populate_existing=True)
     assert job is not None
     return job
-
-
-def claim_next_job(
-    session: Session,
-    *,
-    worker_id: str,
-    launcher: str,
-    max_gpus_per_node: int,
-    lease_s: float,
-) -> Job | None:
-    """Claim the best queued job that fits: highest priority, then oldest.
-
-    One statement: ``UPDATE jobs … WHERE id = (SELECT id … FOR UPDATE SKIP LOCKED LIMIT 1)
-    AND state = 'queued' RETURNING …``. On PostgreSQL concurrent claimers skip each other's
-    locked rows; on SQLite the session's ``BEGIN IMMEDIATE`` serialises claimers and the
-    ``state = 'queued'`` test is the compare-and-set.
-
-    A queued job with ``cancel_requested`` is never claimed (and the flag never dropped);
-    the reaper cancels it (``cancel_flagged_queued_jobs``), off this hot path.
-
-    Returns:
-        The job, now ``starting`` and leased to ``worker_id`` until now + ``lease_s``
-        seconds; None when nothing fits.
-    """
-    now = utcnow()
-    candidate = (
-        select(Job.id)
-        .where(
-            Job.state == JobState.QUEUED.value,
-            Job.cancel_requested.is_(False),
-            Job.launcher == launcher,
-            Job.gpus_per_node <= max_gpus_per_node,
-        )
-        .order_by(Job.priority.desc(), Job.id)
-        .limit(1)
-        .with_for_update(skip_locked=True)
-        .scalar_subquery()
-    )
-    row = session.execute(
-        update(Job)
-        .where(
-            Job.id == candidate,
-            Job.state == JobState.QUEUED.value,
-            Job.cancel_requested.is_(False),
-        )
-        .values(
-            state=JobState.STARTING.value,
-            worker_id=worker_id,
-            lease_expires_at=now + timedelta(seconds=lease_s),
-            updated_at=now,
-        )
-        .returning(Job.id, Job.attempt)
-        .execution_options(synchronize_session=False)
-    ).one_or_none()
-    if row is None:
-        return None
-    session.add(
-        JobEvent(
-            job_id=row.id,
-            attempt=row.attempt,
-            from_state=JobState.QUEUED.value,
-            to_state=JobState.STARTING.value,
-            reason="claimed",
-            worker_id=worker_id,
-        )
-    )
-    session.flush()
-    return session.get(Job, row.id, populate_existing=True)
 
 
 def cancel_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:

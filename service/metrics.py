@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias, cast
 
-from sqlalchemy import and_, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import CursorResult, Row, and_, func, select, text, update
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.errors import NotFoundError, StaleAttemptError
@@ -16,6 +17,7 @@ from service.models import Job, Metric, utcnow
 from service.states import ACTIVE_STATES
 
 JsonNumber = float | str | None
+_ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,59 @@ def json_safe(value: float | None) -> JsonNumber:
     return float(value)
 
 
-def _insert(session: Session) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert
-    return sqlite.insert
+# PostgreSQL: a whole ``record_metrics`` in one statement. The CTE ``job`` takes the row lock
+# that ``check_attempt`` takes; the insert and the job update happen only while the attempt is
+# current and active (``ok``), and the caller gets the fence columns back to raise the same
+# errors as ``check_attempt``. The batch travels as 5 array parameters of one fixed text
+# (psycopg prepares it after a few runs) instead of a 7-parameters-per-row VALUES list that
+# SQLAlchemy would compile anew for every batch. ``latest_metrics`` is merged as in
+# ``_merge_latest``: a name's entry is replaced unless the stored one has a later step.
+_PG_RECORD = text(
+    "WITH job AS (SELECT attempt, state, latest_metrics FROM jobs WHERE id = :job_id FOR UPDATE), "
+    "ok AS (SELECT FROM job WHERE job.attempt = :attempt "
+    "AND job.state = ANY(CAST(:active AS varchar[]))), "
+    "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time) "
+    "SELECT :job_id, u.name, u.step, :attempt, u.epoch, u.value, u.time FROM unnest("
+    "CAST(:names AS varchar[]), CAST(:steps AS bigint[]), CAST(:epochs AS integer[]), "
+    "CAST(:values AS double precision[]), CAST(:times AS timestamptz[])"
+    ") AS u(name, step, epoch, value, time) WHERE EXISTS (SELECT FROM ok) "
+    "ON CONFLICT DO NOTHING RETURNING 1), "
+    "upd AS (UPDATE jobs SET updated_at = :now, "
+    "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
+    "latest_metrics = (SELECT json_object_agg(COALESCE(n.key, o.key), CASE "
+    "WHEN n.key IS NULL THEN o.value WHEN o.key IS NULL THEN n.value "
+    "WHEN COALESCE((o.value->>'step')::bigint, -1) <= (n.value->>'step')::bigint THEN n.value "
+    "ELSE o.value END) "
+    "FROM jsonb_each(CASE WHEN json_typeof(jobs.latest_metrics) = 'object' "
+    "THEN jobs.latest_metrics::jsonb ELSE '{}'::jsonb END) AS o "
+    "FULL JOIN jsonb_each(CAST(:newest AS jsonb)) AS n ON o.key = n.key) "
+    "WHERE jobs.id = :job_id AND EXISTS (SELECT FROM ok)) "
+    "SELECT job.attempt, job.state, (SELECT count(*) FROM ins) AS inserted FROM job"
+)
+# SQLite: one cached INSERT OR IGNORE run as executemany (sqlite3 sums rowcount over rows).
+_SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
+
+
+def _fence(job_id: int, attempt: int, row: Row[Any] | None) -> Row[Any]:
+    """``row`` (the job's attempt, state, …) if it passes the fence, else the error."""
+    if row is None:
+        raise NotFoundError(f"job {job_id} not found")
+    if row.attempt != attempt or row.state not in _ACTIVE:
+        raise StaleAttemptError(
+            f"job {job_id} attempt {attempt} is stale (job is {row.state}, attempt {row.attempt})"
+        )
+    return row
+
+
+def _locked_job(session: Session, job_id: int, attempt: int) -> Row[Any]:
+    """The fence of ``check_attempt`` on the few columns a write needs (no ORM entity):
+    ``(attempt, state, latest_metrics)``, row-locked on PostgreSQL.
+
+    Raises:
+        NotFoundError / StaleAttemptError: see ``check_attempt``.
+    """
+    stmt = select(Job.attempt, Job.state, Job.latest_metrics).where(Job.id == job_id)
+    return _fence(job_id, attempt, session.execute(stmt.with_for_update()).one_or_none())
 
 
 def check_attempt(session: Session, job_id: int, attempt: int) -> Job:
@@ -53,14 +104,83 @@ def check_attempt(session: Session, job_id: int, attempt: int) -> Job:
         NotFoundError: no such job.
         StaleAttemptError: ``attempt`` is not current, or the job is not starting/running.
     """
-    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
-    if job is None:
-        raise NotFoundError(f"job {job_id} not found")
-    if job.attempt != attempt or job.state not in {s.value for s in ACTIVE_STATES}:
-        raise StaleAttemptError(
-            f"job {job_id} attempt {attempt} is stale (job is {job.state}, attempt {job.attempt})"
-        )
+    _locked_job(session, job_id, attempt)
+    job = session.get(Job, job_id)
+    assert job is not None  # locked above
     return job
+
+
+def _utc(value: datetime) -> datetime:
+    # models.UTCDateTime's rule, checked before any row is written (the PostgreSQL statement
+    # bypasses that type) so both databases raise the same ValueError.
+    if value.tzinfo is None:
+        raise ValueError("naive datetime given to a UTC column")
+    return value
+
+
+def _points_params(points: list[MetricPoint]) -> dict[str, list[Any]]:
+    """The batch as columns: ``names``, ``steps``, ``epochs``, ``values`` (None for NaN) and
+    ``times`` (a point without one gets now).
+
+    Raises:
+        ValueError: a naive ``time``.
+    """
+    now = utcnow()
+    return {
+        "names": [p.name for p in points],
+        "steps": [int(p.step) for p in points],
+        "epochs": [p.epoch for p in points],
+        "values": [None if math.isnan(p.value) else float(p.value) for p in points],
+        "times": [_utc(p.time) if p.time else now for p in points],
+    }
+
+
+def _insert_points_sqlite(
+    session: Session, job_id: int, attempt: int, points: list[MetricPoint]
+) -> tuple[Row[Any], int]:
+    """Fence the attempt, then insert ``points`` (duplicates ignored) as one executemany.
+
+    Returns:
+        ``(job, inserted)``: the job's fence columns (see ``_locked_job``) and the number of
+        rows inserted.
+    Raises:
+        NotFoundError / StaleAttemptError: see ``check_attempt`` (nothing is inserted).
+        ValueError: a naive point ``time``.
+    """
+    cols = _points_params(points)
+    job = _locked_job(session, job_id, attempt)
+    rows = [
+        {"job_id": job_id, "attempt": attempt, "name": n, "step": s, "epoch": e}
+        | {"value": v, "time": t}
+        for n, s, e, v, t in zip(*cols.values(), strict=True)
+    ]
+    result = session.connection().execute(_SQLITE_INSERT_POINTS, rows)
+    return job, int(cast(CursorResult[Any], result).rowcount)
+
+
+def _newest(points: list[MetricPoint]) -> dict[str, dict[str, Any]]:
+    """Each name's newest point of the batch as a ``latest_metrics`` entry."""
+    newest: dict[str, MetricPoint] = {}
+    for p in points:
+        if p.name not in newest or p.step >= newest[p.name].step:
+            newest[p.name] = p
+    return {n: {"step": int(p.step), "value": json_safe(p.value)} for n, p in newest.items()}
+
+
+def _merge_latest(stored: Any, newest: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``stored`` latest_metrics with ``newest`` merged in: a name's entry is replaced unless
+    the stored one has a later step (the SQL of ``_PG_RECORD`` does the same)."""
+    latest = dict(stored) if isinstance(stored, dict) else {}
+    for name, entry in newest.items():
+        prev = latest.get(name)
+        if not isinstance(prev, dict) or int(prev.get("step", -1)) <= entry["step"]:
+            latest[name] = entry
+    return latest
+
+
+def _json_progress(progress: dict[str, Any]) -> dict[str, Any]:
+    # NaN/inf (e.g. samples_per_s at a zero interval) is not valid JSON on PostgreSQL.
+    return {k: json_safe(v) if isinstance(v, float) else v for k, v in progress.items()}
 
 
 def record_metrics(
@@ -74,56 +194,39 @@ def record_metrics(
     """Insert ``points`` for the current attempt; duplicates of (job, name, step) are ignored.
 
     Also merges each name's newest value into ``jobs.latest_metrics`` and, when given,
-    replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``).
+    replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``). The
+    fence, the insert and the job update run in the caller's transaction: one statement on
+    PostgreSQL, three on SQLite.
 
     Returns:
         The number of rows actually inserted.
     Raises:
         StaleAttemptError / NotFoundError: see ``check_attempt``.
+        ValueError: a point's ``time`` is a naive datetime.
     """
-    job = check_attempt(session, job_id, attempt)
-    inserted = 0
+    newest = _newest(points)
+    if points and session.get_bind().dialect.name == "postgresql":
+        params = {
+            "job_id": job_id,
+            "attempt": attempt,
+            "active": sorted(_ACTIVE),
+            **_points_params(points),
+            "now": utcnow(),
+            "set_progress": progress is not None,
+            "progress": json.dumps(_json_progress(progress)) if progress is not None else None,
+            "newest": json.dumps(newest),
+        }
+        row = _fence(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
+        return int(row.inserted)
     if points:
-        now = utcnow()
-        rows = [
-            {
-                "job_id": job_id,
-                "name": p.name,
-                "step": int(p.step),
-                "attempt": attempt,
-                "epoch": p.epoch,
-                "value": None if math.isnan(p.value) else float(p.value),
-                "time": p.time or now,
-            }
-            for p in points
-        ]
-        # Keep batches under SQLite's bound-parameter limit (7 columns per row).
-        for i in range(0, len(rows), 1000):
-            chunk = rows[i : i + 1000]
-            stmt = (
-                _insert(session)(Metric)
-                .values(chunk)
-                .on_conflict_do_nothing()
-                .returning(Metric.step)
-            )
-            inserted += len(session.execute(stmt).all())
-    latest = dict(job.latest_metrics or {})
-    newest: dict[str, MetricPoint] = {}
-    for p in points:
-        if p.name not in newest or p.step >= newest[p.name].step:
-            newest[p.name] = p
-    for name, p in newest.items():
-        prev = latest.get(name)
-        if prev is None or int(prev.get("step", -1)) <= p.step:
-            latest[name] = {"step": int(p.step), "value": json_safe(p.value)}
+        job, inserted = _insert_points_sqlite(session, job_id, attempt, points)
+    else:
+        job, inserted = _locked_job(session, job_id, attempt), 0
     values: dict[str, Any] = {"updated_at": utcnow()}
     if newest:
-        values["latest_metrics"] = latest
+        values["latest_metrics"] = _merge_latest(job.latest_metrics, newest)
     if progress is not None:
-        # NaN/inf (e.g. samples_per_s at a zero interval) is not valid JSON on PostgreSQL.
-        values["progress"] = {
-            k: json_safe(v) if isinstance(v, float) else v for k, v in progress.items()
-        }
+        values["progress"] = _json_progress(progress)
     if len(values) > 1:
         session.execute(update(Job).where(Job.id == job_id).values(**values))
     return inserted
@@ -138,18 +241,27 @@ def metric_names(session: Session, job_id: int) -> list[str]:
     )
 
 
+# What a reader of points gets: rows with ``.step``, ``.epoch``, ``.value`` (None for NaN) and
+# ``.time``, not ORM objects (loading 1,000 ORM entities cost 5× the plain rows per poll).
+# A string: ``Row[int, …]`` is SQLAlchemy 2.1's variadic form (2.0 would refuse it at import).
+PointRow: TypeAlias = "Row[int, int | None, float | None, datetime]"
+_POINT_COLUMNS = (Metric.step, Metric.epoch, Metric.value, Metric.time)
+
+
 def query_points(
     session: Session, job_id: int, name: str, *, after_step: int = 0, limit: int = 1000
-) -> tuple[list[Metric], int]:
+) -> tuple[list[PointRow], int]:
     """Points of ``name`` with ``step > after_step``, ascending, at most ``limit``.
+
+    On PostgreSQL an index-only scan of the metrics primary key (it includes every column).
 
     Returns:
         ``(points, next_after_step)``: pass ``next_after_step`` back to continue; it equals
         ``after_step`` when nothing new has arrived.
     """
-    rows = list(
-        session.scalars(
-            select(Metric)
+    rows: list[PointRow] = list(
+        session.execute(
+            select(*_POINT_COLUMNS)
             .where(Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
             .order_by(Metric.step)
             .limit(limit)
@@ -158,7 +270,9 @@ def query_points(
     return rows, (rows[-1].step if rows else after_step)
 
 
-def downsample_points(session: Session, job_id: int, name: str, *, max_points: int) -> list[Metric]:
+def downsample_points(
+    session: Session, job_id: int, name: str, *, max_points: int
+) -> list[PointRow]:
     """The whole history of ``name`` in at most ``max_points`` points, ascending by step.
 
     Steps are cut into ``max_points // 2`` equal-width buckets; each bucket keeps the points
@@ -195,8 +309,8 @@ def downsample_points(session: Session, job_id: int, name: str, *, max_points: i
     # right after a bulk ingest) may re-run the window query per row: minutes for 100k points.
     steps = list(session.scalars(keep))
     return list(
-        session.scalars(
-            select(Metric)
+        session.execute(
+            select(*_POINT_COLUMNS)
             .where(and_(Metric.job_id == job_id, Metric.name == name, Metric.step.in_(steps)))
             .order_by(Metric.step)
         )

@@ -25,6 +25,11 @@ LauncherName = Literal["local", "slurm"]
 BackendName = Literal["auto", "nccl", "gloo"]
 # Most errors one SpecValidationError reports.
 MAX_REPORTED_ERRORS = 100
+# training.stall_timeout_s: 30 min suits hours-long jobs whose steps, evals and checkpoints
+# take minutes; below 10 s a busy host's scheduling jitter alone would look like a stall.
+DEFAULT_STALL_TIMEOUT_S = 1800
+MIN_STALL_TIMEOUT_S = 10
+MAX_STALL_TIMEOUT_S = 7 * 24 * 3600
 
 
 class _Part(BaseModel):
@@ -36,7 +41,8 @@ class Resources(_Part):
 
     nnodes: int = Field(default=1, ge=1)
     nproc_per_node: int = Field(default=1, ge=1)
-    gpus_per_node: int = Field(default=0, ge=0)
+    # le: the jobs table keeps it in a 32-bit INTEGER column (whatever DDPQ_MAX_GPUS_PER_NODE).
+    gpus_per_node: int = Field(default=0, ge=0, le=2**31 - 1)
     cpus_per_task: int = Field(default=1, ge=1)
     mem_gb: float | None = Field(default=None, gt=0)
     timeout_min: int = Field(default=60, ge=1, description="Wall-clock limit in minutes.")
@@ -61,6 +67,23 @@ class Training(_Part):
     checkpoint_every_epochs: int | None = Field(default=None, ge=1)
     keep_checkpoints: int = Field(default=3, ge=1, le=1000)
     amp: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU).")
+    stall_timeout_s: int = Field(
+        default=DEFAULT_STALL_TIMEOUT_S,
+        ge=MIN_STALL_TIMEOUT_S,
+        le=MAX_STALL_TIMEOUT_S,
+        description=(
+            "Seconds without a finished step before the job fails with reason 'stalled' "
+            "(each rank's Python stacks go to its log). The first step gets as long."
+        ),
+    )
+    nonfinite_loss: Literal["fail", "skip_step"] = Field(
+        default="fail",
+        description=(
+            "A NaN/inf loss or gradient on any rank: 'fail' the job (reason "
+            "'nonfinite_loss'), or 'skip_step' (no optimizer step on any rank; counted in "
+            "the metric 'skipped_steps')."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_checkpoint_cadence(self) -> Training:

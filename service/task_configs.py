@@ -33,6 +33,9 @@ class RegressionConfig(_TaskConfig):
     hang_rank: int | None = Field(default=None, ge=0, description="Rank that stops stepping.")
     hang_at_step: int | None = Field(default=None, ge=1)
     nan_at_step: int | None = Field(default=None, ge=1, description="Step whose loss is NaN.")
+    nan_rank: int | None = Field(
+        default=None, ge=0, description="The one rank whose loss is NaN (default: every rank)."
+    )
     sleep_per_step_ms: float = Field(default=0.0, ge=0, le=60_000)
 
 
@@ -53,7 +56,9 @@ class DigitsConfig(_TaskConfig):
     def _both_splits_hold_a_batch(cls, value: Any) -> Any:
         """Explain the bounds (pydantic's own message would not say why, or what to use)."""
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if number and not MIN_TEST_FRACTION <= value <= MAX_TEST_FRACTION:
+        # Only a fraction (0–1) is explained: NaN, ±inf or 1e308 would break the image count
+        # (OverflowError, a 500); the Field bounds refuse those.
+        if number and 0 <= value <= 1 and not MIN_TEST_FRACTION <= value <= MAX_TEST_FRACTION:
             test = round(DIGITS_IMAGES * value)
             raise ValueError(
                 f"test_fraction={value} would hold out {test} of the {DIGITS_IMAGES:,} "

@@ -119,7 +119,7 @@ def queue_reason(
     priority: int,
     heartbeat_interval_s: float,
 ) -> str:
-    """Why a queued job is still waiting, for people (three small queries; call it for one
+    """Why a queued job is still waiting, for people (two small queries; call it for one
     job, not for lists).
 
     Considers the live workers of the job's launcher (not stopped, heartbeat younger than
@@ -132,9 +132,19 @@ def queue_reason(
         ``"waiting for a worker to claim it (2 queued jobs ahead)"``.
     """
     cutoff = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * heartbeat_interval_s)
+    # Each live worker with what it holds, in one query (correlated counts, served by
+    # ix_jobs_worker_id): this runs on every GET of a queued job.
+    held_by_worker = [Job.worker_id == Worker.id, Job.state.in_([s.value for s in ACTIVE_STATES])]
     live = list(
         session.execute(
-            select(Worker.id, Worker.capacity).where(
+            select(
+                Worker.id,
+                Worker.capacity,
+                select(func.count()).where(*held_by_worker).scalar_subquery(),
+                select(func.coalesce(func.sum(Job.gpus_per_node), 0))
+                .where(*held_by_worker)
+                .scalar_subquery(),
+            ).where(
                 Worker.launcher == launcher,
                 Worker.stopped_at.is_(None),
                 Worker.heartbeat_at > cutoff,
@@ -144,24 +154,12 @@ def queue_reason(
     if not live:
         hint = f"`ddpq worker --launcher {launcher}`"
         return f"no live worker for launcher {launcher} (start one: {hint})"
-    held = {
-        str(wid): (int(n), int(gpus or 0))
-        for wid, n, gpus in session.execute(
-            select(Job.worker_id, func.count(), func.sum(Job.gpus_per_node))
-            .where(
-                Job.worker_id.in_([w.id for w in live]),
-                Job.state.in_([s.value for s in ACTIVE_STATES]),
-            )
-            .group_by(Job.worker_id)
-        )
-    }
     wants_gpus = gpus_per_node if launcher in HOST_GPU_LAUNCHERS else 0
     free_slots, free_gpus, total_gpus = [], [], []
-    for w in live:
-        jobs_held, gpus_held = held.get(w.id, (0, 0))
-        total = _capacity_int(w.capacity, "gpus", 0)
-        free_slots.append(_capacity_int(w.capacity, "slots", 1) - jobs_held)
-        free_gpus.append(total - gpus_held)
+    for _wid, capacity, jobs_held, gpus_held in live:
+        total = _capacity_int(capacity, "gpus", 0)
+        free_slots.append(_capacity_int(capacity, "slots", 1) - int(jobs_held))
+        free_gpus.append(total - int(gpus_held))
         total_gpus.append(total)
     if wants_gpus and max(total_gpus) < wants_gpus:
         return (

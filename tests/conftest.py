@@ -35,7 +35,8 @@ def pg_schema_url() -> Iterator[str]:
     if SKIP_PG:
         pytest.skip("DDPQ_TEST_SKIP_PG=1")
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    # pre-ping: a test may restart the server meanwhile (tests/e2e/test_db_outage.py)
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
         with admin.connect() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))

@@ -15,6 +15,7 @@ from service.jobs import CANCEL_REQUESTED_REASON, Transition
 from service.states import TERMINAL_STATES, JobState
 from service.workers import HeldJob
 from worker.launchers.base import RunPhase, RunStatus
+from worker.runtime.outcome import REASON_NONFINITE_LOSS, failure_reason
 
 REASON_LAUNCHED = "launched"
 REASON_SUCCEEDED = "succeeded"
@@ -22,6 +23,10 @@ REASON_CANCELLED = CANCEL_REQUESTED_REASON
 REASON_WORKER_STOPPED = "worker stopped"
 REASON_ORPHANED = "held by this worker but not running here"
 SUMMARY_CHARS = 300
+# Failure reasons (the job error's first word, see worker.runtime.outcome) never retried: a
+# resume replays the same data, seed and weights into the same non-finite loss. A "stalled"
+# attempt is retried like any other failure after its first step.
+NOT_RETRIED_REASONS = frozenset({REASON_NONFINITE_LOSS})
 
 
 @dataclass
@@ -95,7 +100,7 @@ def _on_failed(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.cancel_requested:
         return _to(run, JobState.CANCELLED, REASON_CANCELLED)
     error = status.reason or "failed"
-    if run.restarts < run.max_restarts:
+    if run.restarts < run.max_restarts and failure_reason(error) not in NOT_RETRIED_REASONS:
         n = run.restarts + 1
         reason = f"retry {n}/{run.max_restarts}: {summarize(error)}"
         return _to(run, JobState.QUEUED, reason, values={"restarts": n})

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from service import jobs, workers
+from service import claims, jobs, workers
 from service.config import Settings
 from service.db import Database, redact_url
 from service.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
@@ -42,6 +42,9 @@ from worker.runtime import envvars
 log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
+# With a free slot, look for queued work this often between ticks (seconds): a job starts
+# within ~0.2 s of its submission, not a whole tick later (issue 7 #3, launch latency).
+CLAIM_POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
 SLURM = "slurm"  # the launcher whose jobs a worker adopts (worker.launchers.slurm_attach)
 
@@ -108,6 +111,12 @@ class WorkerLoop:
         """Seconds between ticks: the heartbeat interval, at most ``MAX_TICK_S``."""
         return min(self.settings.heartbeat_interval_s, MAX_TICK_S)
 
+    @property
+    def max_backoff_s(self) -> float:
+        """Longest wait between failing ticks (seconds): at most a quarter of the lease, so
+        after a short outage the leases are renewed before anyone requeues the jobs."""
+        return max(self.tick_s, min(MAX_BACKOFF_S, self.settings.lease_s / 4))
+
     def register(self) -> None:
         """Insert (or revive) this worker's row."""
         with self.db.session() as s:
@@ -124,23 +133,64 @@ class WorkerLoop:
                  self.worker_id, self.launcher.name, self.slots, self.gpu_ids)  # fmt: skip
 
     def run(self, stop: threading.Event) -> None:
-        """Tick until ``stop`` is set, then shut down cleanly (also when a tick raises).
+        """Tick until ``stop`` is set, then shut down cleanly.
 
-        A database outage is logged and retried with exponential backoff (up to
-        ``MAX_BACKOFF_S`` seconds); running jobs are left alone meanwhile.
+        A failing tick (database outage, or any error: logged with its traceback) never ends
+        the worker: it is retried with exponential backoff up to ``max_backoff_s`` seconds,
+        running jobs left alone. The first tick that succeeds reconciles: its heartbeat renews
+        the leases still held and stops the ranks of jobs requeued or ended elsewhere.
         """
-        backoff = self.tick_s
+        backoff, failing_since = self.tick_s, 0.0
         try:
             while not stop.is_set():
                 try:
                     self.tick()
-                    backoff, wait = self.tick_s, self.tick_s
-                except DatabaseUnavailableError as exc:
-                    log.warning("database unavailable (%s); retrying in %.1f s", exc, backoff)
-                    wait, backoff = backoff, min(backoff * 2, MAX_BACKOFF_S)
+                    if failing_since:
+                        log.info("ticks succeed again after %.1f s; holding jobs %s",
+                                 time.monotonic() - failing_since, sorted(self.runs))  # fmt: skip
+                    backoff, failing_since = self.tick_s, 0.0
+                    self._pause(stop, self.tick_s)
+                    continue
+                except Exception as exc:
+                    failing_since = failing_since or time.monotonic()
+                    if isinstance(exc, DatabaseUnavailableError):
+                        log.warning("database unavailable (%s); retrying in %.1f s", exc, backoff)
+                    else:
+                        log.exception("worker tick failed; retrying in %.1f s", backoff)
+                    wait, backoff = backoff, min(backoff * 2, self.max_backoff_s)
                 stop.wait(wait)
         finally:
             self.shutdown()
+
+    def _pause(self, stop: threading.Event, wait_s: float) -> None:
+        """Wait ``wait_s`` seconds for the next tick. While a slot is free, look for a
+        claimable job every ``CLAIM_POLL_S`` seconds (one indexed read, no write lock) and
+        claim it at once. An error here ends the pause early; the tick reports it."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.stopping or len(self.runs) >= self.slots:
+                stop.wait(left)
+                return
+            if stop.wait(min(CLAIM_POLL_S, left)):
+                return
+            try:
+                if self._claimable():
+                    self._claim_and_launch()
+            except Exception as exc:
+                log.debug("claim poll failed (%s); the next tick retries", exc)
+                return
+
+    @property
+    def _max_gpus(self) -> int:
+        """GPUs per node a job may ask for now: the free ones here, or (Slurm, no host GPUs)
+        the deployment's cap."""
+        return self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
+
+    def _claimable(self) -> bool:
+        with self.db.session(write=False) as s:
+            return claims.has_claimable_job(
+                s, launcher=self.launcher.name, max_gpus_per_node=self._max_gpus
+            )
 
     def tick(self) -> None:
         """One round: heartbeat, reconcile, adopt (Slurm), watch every held job, claim, reap
@@ -323,13 +373,12 @@ class WorkerLoop:
 
     def _claim_and_launch(self) -> None:
         while len(self.runs) < self.slots:
-            max_gpus = self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
             with self.db.session() as s:
-                job = jobs.claim_next_job(
+                job = claims.claim_next_job(
                     s,
                     worker_id=self.worker_id,
                     launcher=self.launcher.name,
-                    max_gpus_per_node=max_gpus,
+                    max_gpus_per_node=self._max_gpus,
                     lease_s=self.settings.lease_s,
                 )
                 if job is None:

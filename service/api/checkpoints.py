@@ -8,14 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from fastapi.responses import FileResponse
 
-from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
 from service.artifacts import confine
 from service.checkpoints import get_checkpoint, list_checkpoints
 from service.jobs import get_job
 
-router = APIRouter(tags=["checkpoints"])
+router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
 
 @router.get(

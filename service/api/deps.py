@@ -2,35 +2,95 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from service.config import Settings
 from service.db import Database
+from service.tokens import Caller, find_caller
+
+# auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
+# default answer; the scheme also puts "Authorize" in the OpenAPI docs.
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    description="An API token from `ddpq token create` (needed when the server's auth is on).",
+)
+
+# Documented on every route that needs a token (OpenAPI `responses`).
+UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"description": "Missing, unknown or revoked API token (auth on)"}
+}
 
 
-def get_db(request: Request) -> Database:
+# The dependencies are ``async def`` although they do no I/O there: FastAPI runs a plain
+# ``def`` dependency in the threadpool, and those hops (one per dependency per request) cost
+# more CPU than the whole GET /jobs/{id} query did.
+async def get_db(request: Request) -> Database:
     """The Database that ``create_app`` built for this app."""
     db: Database = request.app.state.db
     return db
 
 
-def get_app_settings(request: Request) -> Settings:
+async def get_app_settings(request: Request) -> Settings:
     """The Settings that ``create_app`` was given."""
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_owner(request: Request, settings: Annotated[Settings, Depends(get_app_settings)]) -> str:
-    """The owner of the caller's jobs.
+def _find_caller(db: Database, token: str) -> Caller | None:
+    with db.session(write=False) as session:
+        return find_caller(session, token)
 
-    Every caller is ``settings.default_owner`` for now; API tokens (the ``Authorization:
-    Bearer`` header, ``api_tokens`` table) will be looked up here, and nowhere else.
+
+def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
+    # RFC 6750 §3: a bearer challenge; error="invalid_token" when one was sent but refused.
+    challenge = "Bearer" if error is None else f'Bearer error="{error}"'
+    return HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
+
+
+async def get_caller(
+    db: Annotated[Database, Depends(get_db)],
+    settings: Annotated[Settings, Depends(get_app_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+) -> Caller:
+    """Who is calling: the one place where API tokens are checked.
+
+    With auth off (``settings.auth_enabled`` False) everyone is ``settings.default_owner``
+    and sees every job. With auth on, the ``Authorization: Bearer <token>`` header must hold
+    a live token; it is looked up on every request (one indexed query, no cache), so a
+    revoked token stops working at once.
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing, unknown or
+            revoked token.
+        DatabaseUnavailableError: the token could not be looked up (503).
     """
-    return settings.default_owner
+    if not settings.auth_enabled:
+        return Caller(owner=settings.default_owner, admin=True)
+    if credentials is None:
+        raise _unauthorized(
+            "missing API token: send `Authorization: Bearer <token>` (set DDPQ_TOKEN for the "
+            "CLI; an operator creates one with `ddpq token create --owner NAME`)"
+        )
+    caller = await run_in_threadpool(_find_caller, db, credentials.credentials)
+    if caller is None:
+        raise _unauthorized("invalid or revoked API token", "invalid_token")
+    return caller
+
+
+async def get_owner(caller: Annotated[Caller, Depends(get_caller)]) -> str | None:
+    """The owner whose jobs the caller may read and change; None means every job (an admin,
+    or anyone when auth is off). Someone else's job is then "not found" (404), not 403, so
+    its existence does not leak."""
+    return caller.owner_filter
 
 
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
-OwnerDep = Annotated[str, Depends(get_owner)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+OwnerDep = Annotated[str | None, Depends(get_owner)]
+# For routers and routes whose handlers need no caller but must not run without one.
+REQUIRE_CALLER = Depends(get_caller)

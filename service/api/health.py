@@ -11,7 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from service import migrate
-from service.api.deps import DbDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep
 from service.api.schemas import HealthOut
 from service.db import Database
 from service.errors import DatabaseUnavailableError, DdpqError
@@ -56,7 +56,11 @@ def healthz() -> HealthOut:
     "/readyz",
     response_model=HealthOut,
     summary="Readiness: database reachable and schema at head",
-    responses={503: {"description": "Not ready; `detail` says why and how to fix it"}},
+    responses={
+        503: {"description": "Not ready; `detail` says why and how to fix it"},
+        **UNAUTHORIZED,
+    },
+    dependencies=[REQUIRE_CALLER],  # its detail names the schema revision: callers only
 )
 def readyz(db: DbDep) -> HealthOut | JSONResponse:
     """200 when the database answers and is migrated to head; 503 with the reason otherwise

@@ -6,11 +6,11 @@ import hashlib
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, CallerDep, DbDep, OwnerDep, SettingsDep
 from service.api.schemas import (
     EventListOut,
     JobListOut,
@@ -22,13 +22,21 @@ from service.api.schemas import (
 from service.config import Settings
 from service.db import Database
 from service.errors import SpecValidationError
-from service.jobs import cancel_job, get_job, list_events, list_jobs, submit_job
+from service.jobs import (
+    cancel_job,
+    find_job_by_idempotency_key,
+    get_job,
+    list_events,
+    list_jobs,
+    submit_job,
+)
+from service.rate_limits import RateLimitedError, check_submission_rate
 from service.spec import JobSpec, validate_spec
 from service.spec_text import display_text
 from service.states import JobState
 from service.workers import queue_reason
 
-router = APIRouter(tags=["jobs"])
+router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
 # Largest id/step/offset a query may name (SQLite's INTEGER is 64-bit signed).
 MAX_INT64 = 2**63 - 1
@@ -84,14 +92,25 @@ def etag_response(request: Request, model: BaseModel) -> Response:
 
 
 def _store(
-    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None
+    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None, per_minute: int
 ) -> tuple[JobOut, bool]:
-    """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec.
+    """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec. A new
+    job counts against the owner's ``per_minute`` submissions (a replay does not).
 
     Raises:
         SpecValidationError: the key was used before for a different spec (422).
+        HTTPException: 429 with ``Retry-After`` (seconds): over the owner's rate limit.
     """
     with db.session() as session:
+        if (
+            idempotency_key is None
+            or find_job_by_idempotency_key(session, owner, idempotency_key) is None
+        ):
+            try:
+                check_submission_rate(session, owner, per_minute=per_minute)
+            except RateLimitedError as exc:
+                headers = {"Retry-After": str(exc.retry_after_s)}
+                raise HTTPException(429, exc.detail, headers=headers) from None
         job, created = submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)
         if not created and job.spec != spec.model_dump(mode="json"):
             raise SpecValidationError(
@@ -126,13 +145,14 @@ def _json_response(
         200: {"model": JobOut, "description": "Replay of an earlier Idempotency-Key"},
         413: {"description": "Body larger than DDPQ_MAX_BODY_BYTES"},
         422: ERRORS[422],
+        429: {"description": "Over DDPQ_SUBMISSIONS_PER_MINUTE; `Retry-After` in seconds"},
     },
 )
 async def submit(
     request: Request,
     db: DbDep,
     settings: SettingsDep,
-    owner: OwnerDep,
+    caller: CallerDep,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -147,7 +167,9 @@ async def submit(
     or 200 with the earlier job when ``Idempotency-Key`` was used before for this spec
     (422 when it was used for another)."""
     spec = await run_in_threadpool(_validated, await request.body(), settings)
-    job, created = await run_in_threadpool(_store, db, spec, owner, idempotency_key)
+    job, created = await run_in_threadpool(
+        _store, db, spec, caller.owner, idempotency_key, settings.submissions_per_minute
+    )
     location = f"{request.url.path.rstrip('/')}/{job.id}"
     return _json_response(job, 201 if created else 200, {"Location": location})
 

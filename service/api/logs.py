@@ -9,15 +9,15 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import ValidationError
 
-from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import LogsOut
-from service.artifacts import rank_log_path
+from service.artifacts import confine, rank_log_path
 from service.errors import NotFoundError
 from service.jobs import get_job
 from service.spec import JobSpec
 
-router = APIRouter(tags=["logs"])
+router = APIRouter(tags=["logs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
 # Most bytes one call returns.
 MAX_LOG_CHUNK_BYTES = 256 * 1024
@@ -91,6 +91,7 @@ def logs_route(
     if world_size is not None and rank >= world_size:
         ranks = "only rank 0" if world_size == 1 else f"ranks 0–{world_size - 1}"
         raise NotFoundError(f"job {job_id} has {ranks}; there is no rank {rank}")
-    path = rank_log_path(settings.resolved_artifact_dir, job_id, attempt, rank)
+    root = settings.resolved_artifact_dir
+    path = confine(root, rank_log_path(root, job_id, attempt, rank), must_exist=False)
     text, next_offset, eof = read_log_chunk(path, offset)
     return LogsOut(text=text, next_offset=next_offset, rank=rank, attempt=attempt, eof=eof)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
-from service.api.deps import DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
-from service.api.schemas import MetricNamesOut, MetricsOut, point_out
+from service.api.schemas import MetricNamesOut, MetricsOut, dump_json, metrics_out
 from service.jobs import get_job
 from service.metrics import downsample_points, metric_names, query_points
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
 
 @router.get(
@@ -45,7 +45,7 @@ def metrics_route(
             "(min/max per bucket; ignores after_step and limit).",
         ),
     ] = None,
-) -> MetricsOut:
+) -> Response:
     """Steps after ``after_step`` in ascending order (poll on with ``next_after_step``), or,
     with ``max_points``, the whole history min/max-decimated so spikes and extremes survive."""
     cap = settings.max_metric_points
@@ -58,9 +58,9 @@ def metrics_route(
             rows, next_after = query_points(
                 session, job_id, name, after_step=after_step, limit=min(limit, cap)
             )
-        return MetricsOut(
-            name=name, points=[point_out(r) for r in rows], next_after_step=next_after
-        )
+        out = metrics_out(name, rows, next_after)
+    # Serialised here, once: returning the model made FastAPI validate all points again.
+    return Response(dump_json(out), media_type="application/json")
 
 
 @router.get(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticSerializationError
 
 from service.artifacts import artifact_relative_path
-from service.metrics import JsonNumber, json_safe
-from service.models import Checkpoint, Job, JobEvent, Metric, Worker, utcnow
+from service.metrics import JsonNumber, PointRow, json_safe
+from service.models import Checkpoint, Job, JobEvent, Worker, utcnow
 from service.spec import JobSpec
 from service.spec_text import display_text
 
@@ -265,10 +266,18 @@ def event_out(event: JobEvent) -> EventOut:
     )
 
 
-def point_out(metric: Metric) -> MetricPointOut:
-    """A metrics row as a JSON-safe point."""
-    return MetricPointOut(
-        step=metric.step, epoch=metric.epoch, value=json_safe(metric.value), time=metric.time
+def metrics_out(name: str, rows: Sequence[PointRow], next_after_step: int) -> MetricsOut:
+    """Points rows (``service.metrics.query_points``) as the API's JSON-safe points.
+
+    Validated as one list of dicts (one pydantic-core call): building 1,000 ``MetricPointOut``
+    one by one cost more than the database query of a poll.
+    """
+    points = [
+        {"step": step, "epoch": epoch, "value": json_safe(value), "time": time}
+        for step, epoch, value, time in rows  # unpacking: 3x faster than Row attributes
+    ]
+    return MetricsOut.model_validate(
+        {"name": name, "points": points, "next_after_step": next_after_step}
     )
 
 

@@ -1,8 +1,10 @@
 """Dashboard pages (Jinja2 shells that JavaScript fills from the REST API) and spec parsing.
 
 The pages hold no job data: each carries only ids in ``data-*`` attributes and its script
-polls ``/api/v1``. Every page is sent with a Content-Security-Policy that allows scripts from
-``/static`` only, so data that slipped into markup could still not run.
+polls ``/api/v1``. So the pages load without a token even when auth is on (a browser sends
+no Authorization header on navigation); their scripts send the token on every API call.
+Every page is sent with a Content-Security-Policy that allows scripts from ``/static`` only,
+so data that slipped into markup could still not run.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi.templating import Jinja2Templates
 from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import DbDep, OwnerDep
+from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
 from service.errors import NotFoundError
 from service.jobs import get_job
 from service.spec_text import SpecTextError, display_text, parse_spec_text
@@ -152,12 +154,16 @@ def jobs_page(request: Request) -> HTMLResponse:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: int, db: DbDep, owner: OwnerDep) -> HTMLResponse:
+def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) -> HTMLResponse:
     """One job: spec, timeline, curves, progress, logs, checkpoints, error, cancel.
-    A job that does not exist (or is not the caller's) gets a small 404 page."""
+    With auth off, a job that does not exist gets a small 404 page. With auth on the page
+    cannot know the caller, so it says nothing about the job: its script shows "not found"
+    when the API answers 404."""
+    if settings.auth_enabled:
+        return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id, **_state_lists())
     try:
         with db.session(write=False) as session:
-            get_job(session, job_id, owner=owner)
+            get_job(session, job_id)
     except NotFoundError:
         page = _page(
             request, "not_found.html", title="Job not found", message=f"Job {job_id} was not found."
@@ -191,7 +197,7 @@ def _spec_text_error(msg: str, type_: str = "value_error") -> JSONResponse:
     )
 
 
-@router.post("/submit/parse-spec")
+@router.post("/submit/parse-spec", dependencies=[REQUIRE_CALLER])
 async def parse_spec(request: Request) -> Response:
     """Turn pasted YAML or JSON (``{"text": str}``) into ``{"spec": object}`` for the API.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from service import jobs
+from service import claims, jobs
 from service.config import Settings
 from service.db import Database
 from service.metrics import query_points
@@ -51,7 +51,7 @@ def _running_job(db: Database, spec: JobSpec) -> tuple[int, int]:
         register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
         jobs.submit_job(s, spec, owner="o")
     with db.session() as s:
-        job = jobs.claim_next_job(
+        job = claims.claim_next_job(
             s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=3600
         )
         assert job is not None

@@ -19,9 +19,10 @@ from sqlalchemy import select, update
 
 from service import artifacts
 from service.checkpoints import list_checkpoints
+from service.claims import claim_next_job
 from service.config import Settings
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job, get_job, submit_job
+from service.jobs import Transition, apply_transition, get_job, submit_job
 from service.metrics import query_points
 from service.models import Job, Metric
 from service.spec import JobSpec

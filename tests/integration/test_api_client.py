@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from service import artifacts, checkpoints, jobs, metrics, workers
+from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.config import Settings
@@ -63,7 +63,7 @@ def test_client_round_trip(
     with db.session() as s:
         workers.register_worker(s, worker_id="w", host="h", pid=7, launcher="local", capacity={})
     with db.session() as s:
-        jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
+        claims.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
         jobs.apply_transition(s, jobs.Transition(job["id"], JobState.STARTING, JobState.RUNNING))
         metrics.record_metrics(s, job["id"], 1, [MetricPoint("loss", i, 2.0 / i) for i in (1, 2)])
     payload = b"ckpt" * 256

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, update
 
-from service import artifacts, checkpoints, jobs, metrics, workers
+from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
@@ -42,7 +42,7 @@ def running_job(db: Database, **spec: Any) -> int:
         job, _ = jobs.submit_job(s, JobSpec.model_validate(fields), owner="local")
         workers.register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
     with db.session() as s:
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == job.id

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text, update
 
-from service import jobs, workers
+from service import claims, jobs, workers
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
@@ -52,7 +52,7 @@ def claim(db: Database, worker_id: str = "w1") -> int:
             s, worker_id=worker_id, host="h", pid=1, launcher="local", capacity={"slots": 4}
         )
     with db.session() as s:
-        job = jobs.claim_next_job(
+        job = claims.claim_next_job(
             s, worker_id=worker_id, launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert job is not None, "a queued job should have been claimable"
@@ -299,7 +299,7 @@ def test_queue_reason_says_why_a_job_waits(
     later = submit(api, name="later")["id"]
     assert _reason(api, later) == "waiting for a worker to claim it (1 queued job ahead)"
     with db.session() as s:
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id="cpu-only", launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == cpu_job
@@ -307,7 +307,7 @@ def test_queue_reason_says_why_a_job_waits(
     assert _reason(api, cpu_job) is None, "only queued jobs have a reason"
     _worker(db, "gpu-box", slots=2, gpus=[0])
     with db.session() as s:
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id="gpu-box", launcher="local", max_gpus_per_node=1, lease_s=30
         )
         assert claimed is not None and claimed.id == gpu_job

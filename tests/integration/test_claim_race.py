@@ -7,7 +7,7 @@ from collections import Counter
 
 from sqlalchemy import func, insert, select
 
-from service import jobs
+from service import claims
 from service.db import Database
 from service.models import Job, JobEvent
 from service.spec import JobSpec
@@ -54,7 +54,7 @@ def test_every_job_claimed_exactly_once(db: Database) -> None:
         try:
             while True:
                 with db.session() as s:
-                    job = jobs.claim_next_job(
+                    job = claims.claim_next_job(
                         s, worker_id=worker_id, launcher="local", max_gpus_per_node=0, lease_s=60
                     )
                     if job is None:
@@ -94,7 +94,7 @@ def test_claim_order_and_fit(db: Database) -> None:
     order = []
     with db.session() as s:
         while (
-            j := jobs.claim_next_job(
+            j := claims.claim_next_job(
                 s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=5
             )
         ) is not None:
@@ -102,7 +102,7 @@ def test_claim_order_and_fit(db: Database) -> None:
     assert [p for p, _, _ in order] == [5, 0, 0]
     assert order[1][2] < order[2][2], "equal priority → oldest first"
     with db.session() as s:
-        gpu_job = jobs.claim_next_job(
+        gpu_job = claims.claim_next_job(
             s, worker_id="w", launcher="local", max_gpus_per_node=2, lease_s=5
         )
     assert gpu_job is not None and gpu_job.gpus_per_node == 2

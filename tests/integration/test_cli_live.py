@@ -24,7 +24,7 @@ import uvicorn
 import yaml
 from typer.testing import CliRunner
 
-from service import artifacts, checkpoints, jobs, metrics, workers
+from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
 from service.cli import app
 from service.config import Settings
@@ -111,7 +111,7 @@ def test_submit_ls_show_metrics_logs_cancel(
     with db.session() as s:
         workers.register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
     with db.session() as s:
-        jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
+        claims.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
         jobs.apply_transition(s, jobs.Transition(job_id, JobState.STARTING, JobState.RUNNING))
         progress = {"step": 3, "total_steps": 400, "epoch": 1, "samples_per_s": 123.4, "eta_s": 80}
         metrics.record_metrics(
@@ -210,7 +210,7 @@ def _drive_job(db: Database, settings: Settings, outcome: JobState) -> int:
     job = None
     while job is None and time.monotonic() < deadline:
         with db.session() as s:
-            job = jobs.claim_next_job(
+            job = claims.claim_next_job(
                 s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
             )
             job_id = job.id if job else 0

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import delete, update
 
-from service import checkpoints, jobs, metrics, workers
+from service import checkpoints, claims, jobs, metrics, workers
 from service.db import Database
 from service.errors import ConflictError, StaleAttemptError, StaleStateError
 from service.metrics import MetricPoint
@@ -24,7 +24,7 @@ def _running_job(db: Database) -> int:
         job, _ = jobs.submit_job(s, SPEC, owner="o")
         workers.register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
     with db.session() as s:
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == job.id
@@ -152,7 +152,9 @@ def test_requeue_of_a_cancel_requested_job_cancels_it(db: Database) -> None:
         )
     with db.session() as s:
         assert (
-            jobs.claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30)
+            claims.claim_next_job(
+                s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
+            )
             is None
         )
 
@@ -178,7 +180,7 @@ def test_claim_never_drops_a_cancel_request(db: Database) -> None:
     with db.session() as s:
         s.execute(update(Job).where(Job.id == flagged.id).values(cancel_requested=True))
     with db.session() as s:
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == plain.id, "the flagged job was claimed"

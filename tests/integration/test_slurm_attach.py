@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from service import jobs
+from service import claims, jobs
 from service.config import Settings
 from service.db import Database
 from service.models import Job, utcnow
@@ -39,7 +39,7 @@ def _started_job(
     )
     with db.session() as s:
         job, _ = jobs.submit_job(s, spec, owner="t")
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id=worker_id, launcher=launcher, max_gpus_per_node=0, lease_s=30
         )
         assert claimed is not None and claimed.id == job.id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from service import jobs
+from service import claims, jobs
 from service.db import Database
 from service.jobs import WORKER_LOST_REASON, Transition
 from service.models import Job
@@ -22,7 +22,7 @@ def _claimed(db: Database, worker_id: str, lease_s: float, launcher: str = "loca
         register_worker(
             s, worker_id=worker_id, host="h", pid=1, launcher=launcher, capacity={"slots": 1}
         )
-        claimed = jobs.claim_next_job(
+        claimed = claims.claim_next_job(
             s, worker_id=worker_id, launcher=launcher, max_gpus_per_node=0, lease_s=lease_s
         )
         assert claimed is not None and claimed.id == job_id
@@ -102,7 +102,7 @@ def test_lost_job_with_a_cancel_request_ends_cancelled(db: Database) -> None:
     with db.session() as s:
         register_worker(s, worker_id="new", host="h", pid=2, launcher="local", capacity={})
         assert (
-            jobs.claim_next_job(
+            claims.claim_next_job(
                 s, worker_id="new", launcher="local", max_gpus_per_node=0, lease_s=60
             )
             is None

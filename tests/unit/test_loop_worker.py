@@ -10,21 +10,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
-from service import jobs
+from service import claims, jobs
 from service.config import Settings
 from service.db import Database
 from service.errors import DatabaseUnavailableError
 from service.jobs import Transition
-from service.models import Job, Worker
+from service.models import Job, Worker, utcnow
 from service.spec import JobSpec
 from service.states import JobState
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
+
+UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 
 
 @dataclass
@@ -237,7 +242,7 @@ def test_orphaned_held_job_is_requeued(settings: Settings, db: Database) -> None
     loop.register()
     job_id = _submit(db)
     with db.session() as s:  # held in the database, but this loop never launched it
-        jobs.claim_next_job(
+        claims.claim_next_job(
             s, worker_id="w-test", launcher="local", max_gpus_per_node=0, lease_s=60
         )
     loop.tick()
@@ -251,7 +256,7 @@ def test_database_outage_is_survived(settings: Settings, db: Database) -> None:
     loop = _loop(settings, db, launcher)
     job_id = _submit(db)
     loop.tick()
-    down = Database.from_url("postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1")
+    down = Database.from_url(UNREACHABLE_URL)
     loop.db = down
     with pytest.raises(DatabaseUnavailableError):
         loop.tick()
@@ -318,3 +323,142 @@ def test_cancel_unseen_by_the_loop_beats_a_relaunch(
     assert _reasons(db, job_id)[-1][2] == f"cancel requested (instead of: {instead_of})"
     loop.tick()
     assert [p.attempt for p in launcher.started] == [1], "a cancelled job was launched again"
+
+
+def _run_in_thread(loop: WorkerLoop) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def _wait(cond: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_requeued_during_an_outage_stops_the_stale_attempt(
+    settings: Settings, db: Database
+) -> None:
+    """Another worker's reaper requeued the job while this worker could not reach the
+    database: once it can, this worker stops attempt 1's processes (and may run attempt 2)."""
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    down = Database.from_url(UNREACHABLE_URL)
+    loop.db = down
+    stop, thread = _run_in_thread(loop)
+    try:
+        time.sleep(0.5)
+        with db.session() as s:  # the lease ran out meanwhile; a reaper elsewhere requeues it
+            s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow()))
+        with db.session() as s:
+            assert [t.job_id for t in jobs.requeue_expired_jobs(s)] == [job_id]
+        assert launcher.cancelled == [], "nothing may be stopped while the database is down"
+        loop.db = db
+        _wait(lambda: f"{job_id}.1" in launcher.cancelled, 30, "attempt 1 to be stopped")
+        _wait(lambda: len(launcher.started) == 2, 30, "attempt 2 to be launched")
+        assert [(p.job_id, p.attempt) for p in launcher.started] == [(job_id, 1), (job_id, 2)]
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+        down.dispose()
+
+
+def test_outage_shorter_than_the_lease_keeps_the_job(db: Database, tmp_path: Path) -> None:
+    """Backoff never exceeds a quarter of the lease: after an outage of ~3/4 of the lease the
+    worker renews its leases before they run out, so no reaper requeues its job."""
+    settings = Settings(
+        home=tmp_path, database_url="sqlite://", heartbeat_interval_s=0.2, lease_s=8
+    )
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    loop.tick()
+    down = Database.from_url(UNREACHABLE_URL)
+    loop.db = down
+    stop, thread = _run_in_thread(loop)
+    try:
+        time.sleep(6.5)  # unbounded doubling would sleep past the lease from here (6.2 → 12.6)
+        loop.db = db
+        deadline = time.monotonic() + 3.0  # past the lease of the last heartbeat before
+        while time.monotonic() < deadline:
+            with db.session() as s:  # another worker's reaper, every 0.1 s
+                assert jobs.requeue_expired_jobs(s) == [], "the lease ran out: job requeued"
+            time.sleep(0.1)
+        job = _job(db, job_id)
+        assert (job.state, job.attempt) == ("running", 1)
+        assert launcher.cancelled == []
+    finally:
+        stop.set()
+        thread.join(30)
+        down.dispose()
+
+
+def test_a_tick_that_raises_does_not_end_the_worker(
+    settings: Settings, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    launcher = BrokenOnceLauncher()
+    loop = _loop(settings, db, launcher)
+    job_id = _submit(db)
+    with caplog.at_level(logging.ERROR, logger="worker.loop"):
+        stop, thread = _run_in_thread(loop)
+        try:
+            _wait(lambda: launcher.broke, 30, "a poll to raise")
+            launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.SUCCEEDED)
+            _wait(lambda: _job(db, job_id).state == "succeeded", 30, "the job to succeed")
+            assert thread.is_alive()
+        finally:
+            stop.set()
+            thread.join(30)
+    assert "worker tick failed" in caplog.text
+
+
+@dataclass
+class BrokenOnceLauncher(ScriptedLauncher):
+    """Its first poll raises (a launcher bug, a full /proc, ...)."""
+
+    broke: bool = False
+
+    def poll(self, handle: str) -> RunStatus:
+        if not self.broke:
+            self.broke = True
+            raise RuntimeError("poll broke")
+        return super().poll(handle)
+
+
+def test_idle_pause_claims_a_job_submitted_meanwhile(settings: Settings, db: Database) -> None:
+    """A job submitted between ticks starts during the pause (claim poll), not at the next
+    tick; a job that does not fit (another launcher, too many GPUs) is not even tried."""
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher, slots=2)
+    loop.tick()
+    stop = threading.Event()
+    pause = threading.Thread(target=loop._pause, args=(stop, 120.0), daemon=True)
+    pause.start()
+    misfit = _submit(db, launcher="slurm")
+    job_id = _submit(db)
+    deadline = time.monotonic() + 30
+    while _job(db, job_id).state != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pause.is_alive(), "the job must start inside the 120 s pause, before any tick"
+    assert _job(db, job_id).state == "running"
+    assert [p.job_id for p in launcher.started] == [job_id]
+    assert _job(db, misfit).state == "queued"
+    stop.set()
+    pause.join(5)
+    assert not pause.is_alive(), "stop must end the pause at once"
+
+
+def test_has_claimable_job_matches_the_claim(settings: Settings, db: Database) -> None:
+    with db.session(write=False) as s:
+        assert not claims.has_claimable_job(s, launcher="local", max_gpus_per_node=0)
+    _submit(db, resources={"gpus_per_node": 2})
+    with db.session(write=False) as s:
+        assert not claims.has_claimable_job(s, launcher="local", max_gpus_per_node=1)
+        assert claims.has_claimable_job(s, launcher="local", max_gpus_per_node=2)
+        assert not claims.has_claimable_job(s, launcher="slurm", max_gpus_per_node=8)

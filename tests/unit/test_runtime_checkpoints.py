@@ -1,8 +1,12 @@
 """Checkpoints on real SQLite and PostgreSQL: atomic write, sha256, rotation, strict load into
-the bare model, snapshot isolation, corrupt newest skipped on resume, fencing."""
+the bare model, snapshot isolation, corrupt newest skipped on resume, fencing, and a full disk
+(a real tmpfs of 2 MiB: ENOSPC from the kernel)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,15 +15,17 @@ from torch import nn
 
 from service import artifacts
 from service.checkpoints import list_checkpoints
+from service.claims import claim_next_job
 from service.config import Settings
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job, submit_job
+from service.jobs import Transition, apply_transition, list_events, submit_job
 from service.models import Checkpoint
 from service.spec import JobSpec
 from service.states import JobState
 from service.workers import register_worker
 from worker.runtime.checkpointing import (
     Checkpointer,
+    CheckpointWriteError,
     NullCheckpointer,
     file_sha256,
     find_resume_checkpoint,
@@ -171,3 +177,96 @@ def test_stale_attempt_is_fenced_off(
     assert live(db, job_id) == []
     ckpt_dir = artifacts.checkpoint_dir(artifact_dir, job_id)
     assert not any(ckpt_dir.iterdir()), "a fenced-off attempt must leave no file behind"
+
+
+# -- full disk ---------------------------------------------------------------------------------
+SMALL_DISK_BYTES = 2 << 20
+# nn.Linear(400, 400) in float32: ~628 KiB of weights per checkpoint file.
+DISK_MODEL_WIDTH = 400
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (mounting needs root: CI and the dev VM run tests as root)."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 2 MiB tmpfs needs root (CI runs the suite as root)")
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mnt)]
+    done = subprocess.run(mount, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_disk(disk: Path, leave_bytes: int) -> Path:
+    """Write a filler file until only about ``leave_bytes`` bytes are free on ``disk``."""
+    stat = os.statvfs(disk)
+    free = stat.f_bavail * stat.f_frsize
+    filler = disk / "filler"
+    with open(filler, "wb") as fh:
+        fh.write(b"\0" * max(free - leave_bytes, 0))
+    return filler
+
+
+def disk_state(model: nn.Module, step: int) -> dict[str, object]:
+    return {"model": model.state_dict(), "step": step}
+
+
+def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
+    db: Database, job: tuple[int, int], small_disk: Path
+) -> None:
+    job_id, attempt = job
+    torch.manual_seed(0)
+    model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
+    ckpt = Checkpointer(db, small_disk, job_id, attempt, keep=1)
+    ckpt.save(1, 0, lambda: disk_state(model, 1))
+    ckpt.wait()
+    first = artifacts.checkpoint_path(small_disk, job_id, 1)
+    first_bytes = first.read_bytes()
+    filler = fill_disk(small_disk, leave_bytes=len(first_bytes) // 3)
+
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt.save(2, 0, lambda: disk_state(model, 2))  # runs out of space half-way
+    ckpt.wait()
+
+    assert ckpt.failed and ckpt.failed[-1][0] == 2, "the failed write must be noted"
+    assert "No space left on device" in ckpt.failed[-1][1], ckpt.failed
+    assert not ckpt.should_stop(), "a failed periodic checkpoint must not stop training"
+    assert first.read_bytes() == first_bytes, "the previous checkpoint must stay intact"
+    [record] = live(db, job_id)
+    assert (record.step, record.sha256) == (1, file_sha256(first))
+    assert sorted(p.name for p in first.parent.iterdir()) == ["step-1.pt"], (
+        "no half-written checkpoint may be published and no temp file may be left"
+    )
+    assert find_resume_checkpoint(db, artifact_dir=small_disk, job_id=job_id) == 1
+    with db.session(write=False) as s:
+        reasons = [e.reason or "" for e in list_events(s, job_id)]
+    assert any("step 2" in r and "No space left on device" in r for r in reasons), reasons
+
+    filler.unlink()  # space comes back: the next checkpoint is written as usual
+    ckpt.save(3, 0, lambda: disk_state(model, 3))
+    ckpt.close()  # the newest checkpoint was written: no error
+    assert [c.step for c in live(db, job_id)] == [3]
+    state = load_checkpoint_file(
+        artifacts.checkpoint_path(small_disk, job_id, 3), torch.device("cpu")
+    )
+    assert torch.equal(state["model"]["weight"], model.weight)
+
+
+def test_a_final_checkpoint_on_a_full_disk_is_reported_by_close(
+    db: Database, job: tuple[int, int], small_disk: Path
+) -> None:
+    job_id, attempt = job
+    model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
+    fill_disk(small_disk, leave_bytes=64 << 10)
+    ckpt = Checkpointer(db, small_disk, job_id, attempt, keep=1)
+    ckpt.save(5, 0, lambda: disk_state(model, 5))
+    with pytest.raises(CheckpointWriteError, match=r"step 5 .*No space left on device"):
+        ckpt.close()
+    assert live(db, job_id) == []
+    assert not any(artifacts.checkpoint_dir(small_disk, job_id).iterdir())

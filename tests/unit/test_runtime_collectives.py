@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from service.claims import claim_next_job
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job, submit_job
+from service.jobs import Transition, apply_transition, submit_job
 from service.metrics import query_points
 from service.spec import JobSpec
 from service.states import JobState

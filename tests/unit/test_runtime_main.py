@@ -14,9 +14,10 @@ import pytest
 
 from service import artifacts
 from service.checkpoints import list_checkpoints
+from service.claims import claim_next_job
 from service.config import Settings
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job, submit_job
+from service.jobs import Transition, apply_transition, submit_job
 from service.metrics import query_points
 from service.spec import JobSpec
 from service.states import JobState

@@ -1,24 +1,28 @@
 """The metrics sink on real SQLite and PostgreSQL: cheap reports, batched writes, duplicates
-ignored, overflow merged when the writer is blocked, fencing on a stale attempt."""
+ignored, a backlog (then a spill file) while the writer is blocked, fencing on a stale attempt.
+Database outages: test_runtime_sink_outage.py."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from sqlalchemy import select
 
+from service.artifacts import metrics_spill_path
+from service.claims import claim_next_job
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job, get_job, submit_job
+from service.jobs import Transition, apply_transition, get_job, submit_job
 from service.metrics import query_points
 from service.models import Job
 from service.spec import JobSpec
 from service.states import JobState
 from service.workers import register_worker
-from worker.runtime.sink import DatabaseSink, NullSink, Progress, make_sink
+from worker.runtime.backlog import decode_point
+from worker.runtime.sink import FLUSH_EVERY_POINTS, DatabaseSink, NullSink, Progress, make_sink
 
 
 def running_job(db: Database) -> tuple[int, int]:
@@ -53,12 +57,13 @@ def loss_values(db: Database, job_id: int, name: str = "loss") -> dict[int, floa
         return {p.step: p.value for p in points}
 
 
-def test_make_sink_picks_by_rank(db: Database, job: tuple[int, int]) -> None:
-    chief = make_sink(0, None, db, *job)
-    other = make_sink(1, None, db, *job)
+def test_make_sink_picks_by_rank(db: Database, job: tuple[int, int], tmp_path: Path) -> None:
+    chief = make_sink(0, None, db, *job, artifact_dir=tmp_path)
+    other = make_sink(1, None, db, *job, artifact_dir=tmp_path)
     try:
         assert isinstance(chief, DatabaseSink)
         assert isinstance(other, NullSink)
+        assert chief.spill_path == metrics_spill_path(tmp_path, *job)
     finally:
         chief.close()
 
@@ -74,6 +79,20 @@ def test_report_is_cheap_and_writes_nothing_until_flush(
     # Measured ~2 µs; a generous bound that still catches a per-call commit or host sync.
     assert per_call_s < 100e-6, f"report() took {per_call_s * 1e6:.1f} µs per call"
     assert loss_values(db, job[0]) == {}, "report() must not write before a flush"
+    assert sink.flush_due()
+
+
+def test_first_report_is_due_at_once_then_every_batch(sink: DatabaseSink) -> None:
+    """The first loss is flushed at its own step (launch latency, issue 7 #3); after that
+    only every FLUSH_EVERY_POINTS reports (or the time vote) make a flush due."""
+    assert not sink.flush_due(), "nothing buffered: nothing due"
+    sink.report(1, 0, torch.tensor(1.0))
+    assert sink.flush_due()
+    sink.flush()
+    for step in range(2, FLUSH_EVERY_POINTS + 1):
+        sink.report(step, 0, torch.tensor(1.0))
+        assert not sink.flush_due(), f"step {step}: due before a full batch"
+    sink.report(FLUSH_EVERY_POINTS + 1, 0, torch.tensor(1.0))
     assert sink.flush_due()
 
 
@@ -131,20 +150,18 @@ def _hold_job_row(db: Database, job_id: int) -> object:
     return scope
 
 
-def test_overflow_merges_into_next_batch_without_blocking(
-    db: Database, job: tuple[int, int]
-) -> None:
+def test_flush_never_waits_for_a_blocked_writer(db: Database, job: tuple[int, int]) -> None:
     job_id, _ = job
-    sink = DatabaseSink(None, db, *job, queue_batches=1)
+    sink = DatabaseSink(None, db, *job)
     lock = _hold_job_row(db, job_id)
     try:
-        for batch in range(4):  # writer busy on one, queue holds one, the rest overflow
+        for batch in range(4):  # the writer is stuck on its first batch meanwhile
             for step in range(batch * 10 + 1, batch * 10 + 11):
                 sink.report(step, 0, torch.tensor(float(step)))
             start = time.perf_counter()
             sink.flush(Progress(batch * 10 + 10, 40, 0, None, None))
             assert time.perf_counter() - start < 1.0, "flush must not wait for the writer"
-        assert sink.held_back >= 10, "a full queue must keep points in the overflow list"
+        assert sink.held_back == 40, "points the writer has not committed must be held back"
     finally:
         lock.__exit__(None, None, None)  # type: ignore[attr-defined]
     sink.close()
@@ -153,26 +170,30 @@ def test_overflow_merges_into_next_batch_without_blocking(
         assert get_job(s, job_id).progress["step"] == 40  # type: ignore[index]
 
 
-def test_overflow_cap_drops_oldest_with_a_warning(
-    db: Database, job: tuple[int, int], caplog: pytest.LogCaptureFixture
+def test_backlog_past_the_cap_spills_to_a_file_then_drains_in_order(
+    db: Database, job: tuple[int, int], tmp_path: Path
 ) -> None:
     job_id, _ = job
-    sink = DatabaseSink(None, db, *job, queue_batches=1, overflow_cap=15)
+    spill = tmp_path / "attempt-1" / "metrics-spill.jsonl"
+    sink = DatabaseSink(None, db, *job, spill_path=spill, memory_cap=15)
     lock = _hold_job_row(db, job_id)
     try:
-        with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
-            for batch in range(4):
-                for step in range(batch * 10 + 1, batch * 10 + 11):
-                    sink.report(step, 0, torch.tensor(float(step)))
-                sink.flush()
+        for batch in range(4):
+            for step in range(batch * 10 + 1, batch * 10 + 11):
+                sink.report(step, 0, torch.tensor(float(step)))
+            sink.flush()
+        lines = spill.read_bytes().splitlines()
+        assert [decode_point(line).step for line in lines] == list(range(16, 41)), (
+            "points past the 15 in memory must go to the spill file, oldest first"
+        )
     finally:
         lock.__exit__(None, None, None)  # type: ignore[attr-defined]
     sink.close()
-    assert sink.dropped > 0
-    assert "dropping the" in caplog.text
-    written = sorted(loss_values(db, job_id))
-    assert written[-1] == 40, "the newest points must survive the cap"
-    assert len(written) == 40 - sink.dropped
+    values = loss_values(db, job_id)
+    assert sorted(values) == list(range(1, 41)), "every point must arrive, none dropped"
+    assert all(values[step] == float(step) for step in values)
+    assert sink.spilled_total == 25
+    assert not spill.exists(), "a drained spill file is removed"
 
 
 def test_stale_attempt_stops_writing_and_asks_to_stop(

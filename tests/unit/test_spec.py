@@ -255,3 +255,29 @@ def test_cpus_and_memory_are_capped() -> None:
     ]
     [mem] = _errors({**OK, "resources": {"mem_gb": 8.5}}, small)
     assert mem["loc"] == ["body", "resources", "mem_gb"] and "cap of 8" in mem["msg"]
+
+
+def test_stall_timeout_and_nonfinite_policy_have_safe_defaults() -> None:
+    spec = validate_spec(OK, Settings())
+    assert spec.training.stall_timeout_s == 1800, "30 min: sane for hours-long jobs"
+    assert spec.training.nonfinite_loss == "fail"
+    custom = {**OK, "training": {"stall_timeout_s": 10, "nonfinite_loss": "skip_step"}}
+    training = validate_spec(custom, Settings()).training
+    assert training.stall_timeout_s == 10 and training.nonfinite_loss == "skip_step"
+
+
+@pytest.mark.parametrize(
+    ("training", "needle"),
+    [
+        ({"stall_timeout_s": 9}, "greater than or equal to 10"),
+        ({"stall_timeout_s": 7 * 24 * 3600 + 1}, "less than or equal to 604800"),
+        ({"stall_timeout_s": "soon"}, "valid integer"),
+        ({"nonfinite_loss": "ignore"}, "'fail' or 'skip_step'"),
+    ],
+)
+def test_bad_stall_timeout_or_nonfinite_policy_names_the_field(
+    training: dict[str, Any], needle: str
+) -> None:
+    [error] = _errors({**OK, "training": training})
+    field = next(iter(training))
+    assert error["loc"] == ["body", "training", field] and needle in error["msg"], error

@@ -23,9 +23,10 @@ import uvicorn
 from service import migrate
 from service.artifacts import checkpoint_path, rank_log_path
 from service.checkpoints import record_checkpoint
+from service.claims import claim_next_job
 from service.config import Settings
 from service.db import Database
-from service.jobs import Transition, apply_transition, claim_next_job
+from service.jobs import Transition, apply_transition
 from service.metrics import MetricPoint, record_metrics
 from service.states import JobState
 from service.workers import register_worker

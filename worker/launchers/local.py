@@ -38,6 +38,7 @@ from service.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.runtime import envvars
+from worker.runtime.outcome import error_headline
 
 log = logging.getLogger(__name__)
 
@@ -434,6 +435,6 @@ def earliest_rank_error(attempt_dir: Path) -> str | None:
     if not errors:
         return None
     e = errors[0]
-    head = f"rank {e.get('rank', '?')} failed: {e.get('exc_type', 'Error')}: {e.get('message', '')}"
+    head = error_headline(e)  # "rank 1 failed: …", or "stalled: …" / "nonfinite_loss: …"
     tb = str(e.get("traceback") or "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
     return "\n".join([head, *tb]) if tb else head

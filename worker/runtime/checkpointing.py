@@ -1,15 +1,22 @@
 """Checkpoints inside the ranks: snapshot, atomic write, sha256, record, rotation; and resume.
 
-Only rank 0 writes (``make_checkpointer``). The training thread snapshots tensors to CPU copies;
-one background thread writes a temp file in the checkpoint directory, fsyncs it, records it
-with ``service.checkpoints.record_checkpoint`` (fenced by attempt) and renames it into place
-inside that transaction, then rotates old checkpoints away.
+Only rank 0 writes (``make_checkpointer``). The training thread copies the state's tensors
+into reused host buffers (``worker.runtime.snapshot``); one background thread writes a temp
+file in the checkpoint directory, fsyncs it, records it with
+``service.checkpoints.record_checkpoint`` (fenced by attempt) and renames it into place inside
+that transaction, then rotates old checkpoints away.
+
+A write that fails (full disk, I/O error) publishes nothing and leaves the previous checkpoint
+as it was: the temp file is removed, the failure is logged and recorded as a job event, and
+training goes on; the next save tries again (what torchx/Determined users expect). Only when
+the newest requested checkpoint (normally the final one) could not be written does ``close``
+raise ``CheckpointWriteError``, so the end of training is not reported as a success without its
+checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import logging
 import os
@@ -23,10 +30,16 @@ from typing import Any
 import torch
 
 from service import artifacts
-from service.checkpoints import list_checkpoints, mark_checkpoints_deleted, record_checkpoint
+from service.checkpoints import (
+    list_checkpoints,
+    mark_checkpoints_deleted,
+    record_checkpoint,
+    record_checkpoint_failure,
+)
 from service.db import Database
-from service.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
+from service.errors import DatabaseUnavailableError, DdpqError, NotFoundError, StaleAttemptError
 from worker.runtime.distributed import DistContext, broadcast_int
+from worker.runtime.snapshot import Snapshot, SnapshotPool
 
 log = logging.getLogger(__name__)
 _READ_CHUNK_BYTES = 1 << 20
@@ -41,20 +54,6 @@ class SavedCheckpoint:
     path: Path
     size_bytes: int
     sha256: str
-
-
-def snapshot_to_cpu(obj: Any) -> Any:
-    """A deep copy of ``obj`` with every tensor copied to CPU (detached), so training can go
-    on mutating its parameters while the copy is written."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def file_sha256(path: Path) -> str:
@@ -74,19 +73,47 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointWriteError(DdpqError):
+    """A checkpoint file could not be written (full disk, I/O error, unpicklable state)."""
+
+    status_code = 500
+    code = "checkpoint_write_failed"
+
+
+def describe_write_error(exc: BaseException) -> str:
+    """A one-line reason for a failed write, naming the OS error when there is one.
+
+    ``torch.save`` reports a failed ``write`` as a bare RuntimeError ("unexpected pos …") with
+    the real ``OSError`` (e.g. ENOSPC) only as its ``__context__``; this digs it out.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"{type(seen).__name__}: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
 def write_temp_checkpoint(state: dict[str, Any], final_path: Path) -> tuple[Path, int, str]:
     """``torch.save`` ``state`` to a temp file next to ``final_path`` and fsync it.
 
     Returns:
         ``(temp_path, size_bytes, sha256)``; rename it to ``final_path`` to publish it.
+    Raises:
+        CheckpointWriteError: the write failed (e.g. ``ENOSPC``); no temp file is left.
     """
-    final_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return tmp, tmp.stat().st_size, file_sha256(tmp)
+    try:
+        final_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp, tmp.stat().st_size, file_sha256(tmp)
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise CheckpointWriteError(describe_write_error(exc)) from exc
 
 
 def publish_checkpoint(tmp: Path, final_path: Path) -> None:
@@ -107,12 +134,18 @@ class NullCheckpointer:
         """True when writes were fenced off (the attempt is stale)."""
         return False
 
+    def wait(self) -> None:
+        """Block until the write in flight is done (nothing to wait for here)."""
+
     def close(self) -> None:
         """Wait for the write in flight."""
 
 
 class Checkpointer(NullCheckpointer):
-    """Rank 0's checkpoint writer: one background write at a time, newest ``keep`` kept."""
+    """Rank 0's checkpoint writer: one background write at a time, newest ``keep`` kept.
+
+    Host memory: one copy of the state's tensors (the snapshot buffers), kept until ``close``.
+    """
 
     def __init__(
         self, db: Database, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
@@ -122,34 +155,56 @@ class Checkpointer(NullCheckpointer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt")
         self._future: Future[None] | None = None
         self._stale = threading.Event()
+        self._pool = SnapshotPool()
         self.last_step: int | None = None
         self.last_saved = None
+        # Steps whose file could not be written, with the reason (newest last).
+        self.failed: list[tuple[int, str]] = []
 
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
-        """Snapshot now (training thread), write in the background. Waits only if the previous
-        write is still running. A second save of the same step is ignored."""
+        """Copy the state into the snapshot buffers now (training thread), write it in the
+        background. Waits first if the previous write still reads those buffers. A second
+        save of the same step is ignored."""
         if self._stale.is_set() or step == self.last_step:
             return
-        state = snapshot_to_cpu(build_state())
-        self._wait()
+        self.wait()  # the writer must be done with the buffers before they are refilled
+        snapshot = self._pool.snapshot(build_state())
         self.last_step = step
-        self._future = self._executor.submit(self._write, step, epoch, state)
+        self._future = self._executor.submit(self._write, step, epoch, snapshot)
 
     def should_stop(self) -> bool:
         return self._stale.is_set()
 
     def close(self) -> None:
-        self._wait()
-        self._executor.shutdown(wait=True)
+        """Wait for the write in flight and free the snapshot buffers.
 
-    def _wait(self) -> None:
+        Raises:
+            CheckpointWriteError: the newest checkpoint asked for (normally the final one)
+                could not be written; earlier failures were only warnings.
+        """
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._pool.release()
+        if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
+            step, reason = self.failed[-1]
+            raise CheckpointWriteError(f"checkpoint at step {step} could not be written: {reason}")
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is durable and recorded, or has failed."""
         if self._future is not None:
             self._future.result()
             self._future = None
 
-    def _write(self, step: int, epoch: int, state: dict[str, Any]) -> None:
+    def _write(self, step: int, epoch: int, snapshot: Snapshot) -> None:
         path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
-        tmp, size_bytes, sha256 = write_temp_checkpoint(state, path)
+        snapshot.wait()
+        try:
+            tmp, size_bytes, sha256 = write_temp_checkpoint(snapshot.state, path)
+        except CheckpointWriteError as exc:
+            self._report_failure(step, str(exc))
+            return
         try:
             with self._db.session() as session:
                 record_checkpoint(
@@ -171,12 +226,35 @@ class Checkpointer(NullCheckpointer):
         except DatabaseUnavailableError as exc:
             log.error("checkpoint at step %d not recorded: %s", step, exc)
             return
+        except OSError as exc:  # the rename or the directory fsync
+            self._report_failure(step, describe_write_error(exc))
+            return
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         self.last_saved = SavedCheckpoint(step, epoch, path, size_bytes, sha256)
         log.info("checkpoint step=%d written (%d bytes) to %s", step, size_bytes, path)
         self._rotate()
+
+    def _report_failure(self, step: int, reason: str) -> None:
+        """Log it, note it as a job event, keep training (the next save tries again)."""
+        self.failed.append((step, reason))
+        log.error(
+            "checkpoint at step %d could not be written; the previous one is intact and the "
+            "next save retries: %s",
+            step,
+            reason,
+        )
+        try:
+            with self._db.session() as session:
+                record_checkpoint_failure(
+                    session, self.job_id, self.attempt, step=step, reason=reason
+                )
+        except (StaleAttemptError, NotFoundError) as exc:
+            log.warning("checkpoint failure at step %d not recorded, stopping: %s", step, exc)
+            self._stale.set()
+        except DatabaseUnavailableError as exc:
+            log.warning("checkpoint failure at step %d not recorded: %s", step, exc)
 
     def _rotate(self) -> None:
         try:

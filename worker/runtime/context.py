@@ -28,6 +28,7 @@ from worker.runtime.distributed import (
 )
 from worker.runtime.signals import StopFlag
 from worker.runtime.sink import MetricsSink, Progress
+from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 
 Entrypoint = Callable[["TrainContext"], Any]
 
@@ -82,6 +83,12 @@ class TrainContext:
     Rank-0 discipline is built in: call ``report`` and ``save_checkpoint`` on every rank (or
     on rank 0 alone); only rank 0's calls are recorded. ``should_stop`` and
     ``load_checkpoint`` are collectives: call them on every rank at the same point.
+
+    Stall detection (``training.stall_timeout_s``): ``report``, ``should_stop`` and
+    ``save_checkpoint`` tell the rank's watchdog that a step finished; the first such call
+    starts its clock. A rank that calls none of them for ``stall_timeout_s`` seconds is
+    stalled: call one of them every step on every rank (``should_stop`` is meant to be).
+    ``training.nonfinite_loss`` is not applied to your loop: ddpq does not run your steps.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class TrainContext:
         artifact_dir: Path,
         job_id: int,
         attempt: int,
+        watchdog: StallWatchdog | None = None,
     ) -> None:
         self.spec, self.config = spec, dict(spec.config)
         self.rank, self.local_rank, self.world_size = dist.rank, dist.local_rank, dist.world_size
@@ -109,6 +117,7 @@ class TrainContext:
         self.total_steps: int | None = spec.training.max_steps
         self.stopped = False
         self._started = (time.monotonic(), 0)
+        self._watchdog = watchdog if watchdog is not None else NullWatchdog()
 
     def report(self, step: int, epoch: int | None = None, **metrics: float | torch.Tensor) -> None:
         """Record metrics at global ``step`` (1-based): ``ctx.report(step, loss=loss)``.
@@ -124,6 +133,7 @@ class TrainContext:
                 self._sink.report_values(step, epoch, {name: float(value)})
         self.last_step = max(self.last_step, step)
         self.last_epoch = epoch if epoch is not None else self.last_epoch
+        self._watchdog.start(self.last_step)  # a step finished (the first call starts it)
         if self._sink.flush_due() or self._sink.time_due():
             self.flush()
 
@@ -141,8 +151,10 @@ class TrainContext:
     def save_checkpoint(self, state: dict[str, Any], step: int, epoch: int = 0) -> None:
         """Checkpoint ``state`` (e.g. model/optimizer state dicts) at ``step``: tensors are
         copied to CPU now, the file is written in the background (rank 0 only)."""
-        self._checkpointer.save(step, epoch, lambda: state)
+        with self._watchdog.pause():  # a slow disk is not a stall
+            self._checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)
+        self._watchdog.start(self.last_step)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
@@ -158,6 +170,7 @@ class TrainContext:
         """True when the job must stop (cancel, preemption, or this attempt was fenced off);
         every rank gets the same answer at the same call. Call once per step on every rank,
         then save a checkpoint and return."""
+        self._watchdog.start(self.last_step)
         local = self._stop.is_set() or self._sink.should_stop() or self._checkpointer.should_stop()
         if self._vote.poll(local, False).stop:
             self.stopped = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import random
@@ -45,6 +46,7 @@ from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
 from worker.runtime.sink import MetricsSink, make_sink
 from worker.runtime.topology import RankEnv, RankEnvironmentError
 from worker.runtime.trainer import Trainer
+from worker.runtime.watchdog import StallWatchdog, dump_on_expiry, exit_on_stall
 from worker.tasks import TASKS
 from worker.tasks.base import TaskSetup
 
@@ -209,17 +211,28 @@ def _train(
     stop: StopFlag,
 ) -> int:
     seed_everything(spec.training.seed)
-    sink = make_sink(env.rank, ctx, db, env.job_id, env.attempt)
+    sink = make_sink(env.rank, ctx, db, env.job_id, env.attempt, artifact_dir=artifact_dir)
     checkpointer = make_checkpointer(
         env.rank, db, artifact_dir, env.job_id, env.attempt, keep=spec.training.keep_checkpoints
     )
     extra: dict[str, Any] = {}
+    on_stall = functools.partial(
+        exit_on_stall,
+        artifact_dir=artifact_dir,
+        job_id=env.job_id,
+        attempt=env.attempt,
+        rank=env.rank,
+    )
+    # Started by the first step (built-in tasks) or the first ctx call (entrypoints); stopped
+    # before the final close, which waits on the database and the checkpoint writer.
+    watchdog = StallWatchdog(spec.training.stall_timeout_s, on_stall, on_expired=dump_on_expiry)
     try:
         if spec.task in TASKS:
             resume_path = agree_on_resume(ctx, db, artifact_dir, env.job_id)
             setup = TaskSetup(spec.config, spec.training.seed, ctx.rank, ctx.world_size, stop)
             parts = TASKS[spec.task](setup)
-            result = Trainer(parts, spec, ctx, sink, checkpointer, stop, resume_path).run()
+            trainer = Trainer(parts, spec, ctx, sink, checkpointer, stop, resume_path, watchdog)
+            result = trainer.run()
             step, stopped = result.step, result.stopped
         else:
             entrypoint = load_entrypoint(spec.task, settings)
@@ -233,6 +246,7 @@ def _train(
                 artifact_dir=artifact_dir,
                 job_id=env.job_id,
                 attempt=env.attempt,
+                watchdog=watchdog,
             )
             returned = entrypoint(train_ctx)
             train_ctx.close()
@@ -240,8 +254,10 @@ def _train(
                 extra = {str(k): v for k, v in returned.items() if _json_scalar(v)}
             step, stopped = train_ctx.last_step, train_ctx.stopped
     except BaseException:
+        watchdog.stop()
         _close_quietly(sink, checkpointer)
         raise
+    watchdog.stop()
     sink.close()
     checkpointer.close()
     if stopped or stop.is_set() or sink.should_stop() or checkpointer.should_stop():

@@ -6,6 +6,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,13 @@ EXIT_FAILED = 1
 EXIT_STALE = 75
 # A rank that stops on a signal exits 128 + signum (SIGTERM → 143), like a shell would report.
 SIGNAL_EXIT_BASE = 128
+
+# Why a rank failed: the ``reason`` of its error file. A job's error text starts with
+# ``"<reason>: "`` for every reason but ``error`` (``error_headline``), e.g. ``"stalled: …"``.
+REASON_ERROR = "error"  # an exception in the rank (the default)
+REASON_STALLED = "stalled"  # no step finished for training.stall_timeout_s (watchdog.py)
+REASON_NONFINITE_LOSS = "nonfinite_loss"  # training.nonfinite_loss=fail (nonfinite.py)
+FAILURE_REASONS = (REASON_ERROR, REASON_STALLED, REASON_NONFINITE_LOSS)
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -59,25 +67,56 @@ def write_result(
 
 
 def write_rank_error(
-    artifact_dir: Path, job_id: int, attempt: int, rank: int, exc: BaseException, at_s: float
+    artifact_dir: Path,
+    job_id: int,
+    attempt: int,
+    rank: int,
+    exc: BaseException,
+    at_s: float,
+    *,
+    traceback_text: str | None = None,
 ) -> Path:
-    """Record why ``rank`` failed: ``{rank, exc_type, message, traceback, time}``.
+    """Record why ``rank`` failed: ``{rank, reason, exc_type, message, traceback, time}``.
 
     ``at_s`` is when the exception was caught (epoch seconds), so the worker can name the
-    earliest failing rank; collateral failures of other ranks come later.
+    earliest failing rank; collateral failures of other ranks come later. ``reason`` is the
+    exception's ``reason`` attribute when it has one of ``FAILURE_REASONS``, else
+    ``"error"``. ``traceback_text`` replaces the exception's own traceback (the watchdog
+    passes the stalled thread's stack: its exception was never raised).
     """
+    reason = getattr(exc, "reason", REASON_ERROR)
     path = artifacts.rank_error_path(artifact_dir, job_id, attempt, rank)
     write_json_atomic(
         path,
         {
             "rank": rank,
+            "reason": reason if reason in FAILURE_REASONS else REASON_ERROR,
             "exc_type": type(exc).__name__,
             "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
+            "traceback": traceback_text or "".join(traceback.format_exception(exc)),
             "time": at_s,
         },
     )
     return path
+
+
+def error_headline(error: Mapping[str, Any]) -> str:
+    """The first line of a job's error, from a rank's error file (as ``write_rank_error``
+    wrote it): ``"rank 1 failed: RuntimeError: boom"``, or for another reason than
+    ``error`` the reason first: ``"stalled: rank 1 finished no step for …"`` (the message
+    of those names the rank itself)."""
+    reason = error.get("reason", REASON_ERROR)
+    message = error.get("message", "")
+    if reason in FAILURE_REASONS and reason != REASON_ERROR:
+        return f"{reason}: {message}"
+    return f"rank {error.get('rank', '?')} failed: {error.get('exc_type', 'Error')}: {message}"
+
+
+def failure_reason(error: str | None) -> str:
+    """The reason a job's error text starts with (see ``error_headline``); ``"error"`` for
+    any other text."""
+    head, sep, _ = (error or "").partition(": ")
+    return head if sep and head in FAILURE_REASONS else REASON_ERROR
 
 
 def now_s() -> float:

@@ -3,14 +3,18 @@
 Every rank holds a sink (``make_sink``): rank 0 a ``DatabaseSink``, the others a ``NullSink``.
 ``report`` only appends the detached loss tensor (no ``.item()``, no host sync). ``flush`` is
 collective in the trainer: all ranks average the stacked buffer with one all_reduce, then rank
-0 copies it to the host once and hands the batch to a background thread that writes it with
-``service.metrics.record_metrics`` (one transaction per batch, duplicates ignored).
+0 copies it to the host once and appends the points to its backlog
+(``worker.runtime.backlog``), which a background thread writes with
+``service.metrics.record_metrics`` (one transaction per batch, duplicates ignored). While the
+database is down the backlog grows (in memory, then in a spill file) and the thread retries
+with backoff; training goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -20,23 +24,31 @@ from typing import Any
 
 import torch
 
+from service.artifacts import metrics_spill_path
 from service.db import Database
 from service.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
 from service.metrics import MetricPoint, json_safe, record_metrics
 from service.models import utcnow
+from worker.runtime.backlog import MetricBacklog
 from worker.runtime.distributed import DistContext, all_reduce_sum_
 from worker.runtime.outcome import write_result
 
 log = logging.getLogger(__name__)
 
 # Flush after this many buffered points, or when FLUSH_INTERVAL_S passed (whichever first).
-FLUSH_EVERY_POINTS = 50
+FLUSH_EVERY_POINTS = 500
 FLUSH_INTERVAL_S = 2.0
-# Batches waiting for the writer thread; beyond this the training loop keeps an overflow list.
-QUEUE_BATCHES = 8
-# Hard cap on points held back (overflow + failed writes); the oldest beyond it are dropped
-# with a warning.
-OVERFLOW_CAP_POINTS = 200_000
+# Points the writer puts in one transaction (an outage's backlog is replayed in such chunks).
+WRITE_BATCH_POINTS = 1000
+# Points held in memory while the writer is behind; newer ones spill to a file.
+MEMORY_CAP_POINTS = 200_000
+# Backoff between writes while the database is unavailable (seconds): doubles up to the max.
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 5.0
+# How long close() keeps retrying what is left before keeping it in the spill file (seconds).
+CLOSE_TIMEOUT_S = 120.0
+# While the database stays down, repeat the warning at most this often (seconds).
+OUTAGE_LOG_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class MetricsSink:
         self._tensors: list[torch.Tensor] = []
         self._host: list[MetricPoint] = []
         self._last_flush_s = time.monotonic()
+        self._flushed_once = False
         self.latest: dict[str, float] = {}
 
     # -- called on the training thread, every step -------------------------------------------
@@ -85,8 +98,12 @@ class MetricsSink:
         return len(self._keys) + len(self._host)
 
     def flush_due(self) -> bool:
-        """True when ``FLUSH_EVERY_POINTS`` tensors are buffered. Counts only ``report`` calls,
-        which every rank makes alike, so every rank reaches the same answer at the same step."""
+        """True when ``FLUSH_EVERY_POINTS`` tensors are buffered, or at the first ``report``
+        (so the first loss shows on the dashboard one step after launch, not seconds later).
+        Counts only ``report`` calls, which every rank makes alike, so every rank reaches the
+        same answer at the same step."""
+        if not self._flushed_once and self._keys:
+            return True
         return len(self._keys) >= FLUSH_EVERY_POINTS
 
     def time_due(self) -> bool:
@@ -97,16 +114,30 @@ class MetricsSink:
     def flush(self, progress: Progress | None = None, *, average: bool = True) -> None:
         """Hand the buffer to ``_publish``. With ``average`` (the trainer), a collective: every
         rank must call it at the same point with the same buffered keys; tensor values are
-        averaged over ranks with one all_reduce. Without, rank 0's own values are kept."""
+        averaged over ranks with one all_reduce. Without, rank 0's own values are kept.
+
+        Raises:
+            Exception: the all_reduce failed (a peer died, e.g. while the job was stopping).
+                The batch is handed over first, with this rank's own values unaveraged: a
+                broken collective must not cost the steps it covers.
+        """
         keys, tensors, host = self._keys, self._tensors, self._host
         self._keys, self._tensors, self._host = [], [], []
+        self._flushed_once = self._flushed_once or bool(keys)
         self._last_flush_s = time.monotonic()
         stacked: torch.Tensor | None = None
         if tensors:
             device = tensors[0].device
             stacked = torch.stack([t.reshape(()).to(device, torch.float32) for t in tensors])
             if average and self._ctx is not None and self._ctx.world_size > 1:
-                all_reduce_sum_(stacked, self._ctx)
+                local = stacked.clone()  # a few floats; all_reduce works in place
+                try:
+                    all_reduce_sum_(stacked, self._ctx)
+                except Exception:
+                    log.warning("metrics all_reduce failed: keeping %d points unaveraged",
+                                len(keys))  # fmt: skip
+                    self._publish(keys, local, host, progress)
+                    raise
                 stacked /= self._ctx.world_size
         self._publish(keys, stacked, host, progress)
 
@@ -146,11 +177,22 @@ class NullSink(MetricsSink):
         return None
 
 
-_CLOSE = object()
-
-
 class DatabaseSink(MetricsSink):
-    """Rank 0: one host copy per flush; a background thread writes batches, fenced by attempt."""
+    """Rank 0: one host copy per flush; a background thread writes the backlog, fenced by
+    attempt, and keeps it (memory, then a spill file) across database outages.
+
+    The writer retries with exponential backoff (``RETRY_FIRST_S`` doubling to
+    ``RETRY_MAX_S`` seconds) for as long as the attempt runs; training never waits for it.
+    Every point is written exactly once by its (job, name, step) key: a batch whose commit
+    outcome was lost with the connection is simply written again (duplicates are ignored).
+
+    Args:
+        spill_path: where points past ``memory_cap`` go (default: a file in the temp dir;
+            ``make_sink`` passes the attempt's ``metrics_spill_path``).
+        memory_cap: points held in memory before spilling.
+        close_timeout_s: how long ``close`` keeps retrying what is left (seconds); after that
+            the unsent points stay in the spill file and an error is logged.
+    """
 
     def __init__(
         self,
@@ -159,20 +201,26 @@ class DatabaseSink(MetricsSink):
         job_id: int,
         attempt: int,
         *,
-        queue_batches: int = QUEUE_BATCHES,
-        overflow_cap: int = OVERFLOW_CAP_POINTS,
+        spill_path: Path | None = None,
+        memory_cap: int = MEMORY_CAP_POINTS,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         super().__init__(ctx)
-        self._db, self.job_id, self.attempt = db, job_id, attempt
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches)
-        self._overflow: list[MetricPoint] = []
-        self._overflow_progress: Progress | None = None
-        self._overflow_cap = overflow_cap
-        self._failed: list[MetricPoint] = []
-        self._failed_lock = threading.Lock()
+        self.db, self.job_id, self.attempt = db, job_id, attempt
+        if spill_path is None:
+            name = f"ddpq-metrics-{job_id}-{attempt}-{os.getpid()}.jsonl"
+            spill_path = Path(tempfile.gettempdir()) / name
+        self._backlog = MetricBacklog(spill_path, memory_cap)
+        self._progress: Progress | None = None  # the newest one not written yet
+        self._progress_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._close_timeout_s = close_timeout_s
         self._stale = threading.Event()
-        self.dropped = 0
+        self._outage_since: float | None = None
+        self._outage_logged_s = 0.0
         self.written = 0
+        self.discarded = 0
         self._thread = threading.Thread(target=self._run, name="ddpq-metrics", daemon=True)
         self._thread.start()
 
@@ -181,8 +229,18 @@ class DatabaseSink(MetricsSink):
 
     @property
     def held_back(self) -> int:
-        """Points kept in the overflow list because the writer's queue was full."""
-        return len(self._overflow)
+        """Points handed over but not written yet (in memory or in the spill file)."""
+        return len(self._backlog)
+
+    @property
+    def spill_path(self) -> Path:
+        """The spill file (exists only while points wait in it)."""
+        return self._backlog.spill_path
+
+    @property
+    def spilled_total(self) -> int:
+        """Points that went through the spill file so far."""
+        return self._backlog.spilled_total
 
     def _publish(
         self,
@@ -204,31 +262,12 @@ class DatabaseSink(MetricsSink):
             self.latest[p.name] = p.value
         if self._stale.is_set():
             return
-        with self._failed_lock:
-            failed, self._failed = self._failed, []
-        batch = self._cap(failed + self._overflow + points)
-        progress = progress or self._overflow_progress
-        self._overflow, self._overflow_progress = [], None
-        if not batch and progress is None:
-            return
-        try:
-            self._queue.put_nowait((batch, progress))
-        except queue.Full:  # never block training: keep it for the next flush
-            self._overflow, self._overflow_progress = batch, progress
-
-    def _cap(self, batch: list[MetricPoint]) -> list[MetricPoint]:
-        excess = len(batch) - self._overflow_cap
-        if excess <= 0:
-            return batch
-        self.dropped += excess
-        log.warning(
-            "metrics writer is behind: dropping the %d oldest of %d held-back points "
-            "(%d dropped so far)",
-            excess,
-            len(batch),
-            self.dropped,
-        )
-        return batch[excess:]
+        self._backlog.append(points)
+        if progress is not None:
+            with self._progress_lock:
+                self._progress = progress
+        if points or progress is not None:
+            self._wake.set()
 
     def write_result(
         self, artifact_dir: Path, *, step: int, checkpoint: str | None, extra: Mapping[str, Any]
@@ -247,30 +286,55 @@ class DatabaseSink(MetricsSink):
         log.info("result written to %s", path)
 
     def close(self) -> None:
-        if self._overflow or self._overflow_progress is not None or self._failed:
-            with self._failed_lock:
-                failed, self._failed = self._failed, []
-            self._queue.put((failed + self._overflow, self._overflow_progress))
-            self._overflow, self._overflow_progress = [], None
-        self._queue.put(_CLOSE)
+        """Write everything handed over so far, then stop the writer. While the database is
+        down it keeps retrying for up to ``close_timeout_s`` seconds; what is still unsent
+        then is kept in the spill file (logged as an error). Idempotent."""
+        self._closing.set()
+        self._wake.set()
         self._thread.join()
-        if self._failed:
-            log.error("%d metric points could not be written", len(self._failed))
+        left = len(self._backlog)
+        if left:
+            try:
+                kept = self._backlog.persist()
+                log.error(
+                    "%d metric points could not be written (database unavailable); kept in %s",
+                    kept,
+                    self.spill_path,
+                )
+            except OSError as exc:
+                log.error("%d metric points could not be written nor kept: %s", left, exc)
+        self._backlog.close()
 
     # -- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        failures = 0
+        next_try_s = 0.0
+        deadline_s: float | None = None
         while True:
-            item = self._queue.get()
-            if item is _CLOSE:
+            self._wake.wait(None if failures == 0 else max(0.0, next_try_s - time.monotonic()))
+            self._wake.clear()
+            closing = self._closing.is_set()  # read before writing: nothing newer can follow
+            if closing and deadline_s is None:
+                deadline_s = time.monotonic() + self._close_timeout_s
+            elif failures and time.monotonic() < next_try_s:
+                continue  # woken by a flush while backing off: the backlog just grows
+            failures = 0 if self._write_backlog() else failures + 1
+            now = time.monotonic()
+            if closing and (failures == 0 or now >= (deadline_s or 0.0)):
                 return
-            batch, progress = item
-            if not self._stale.is_set():
-                self._write(batch, progress, retry_now=self._queue.empty())
+            next_try_s = now + retry_delay_s(max(failures, 1))
 
-    def _write(self, batch: list[MetricPoint], progress: Progress | None, retry_now: bool) -> None:
-        for attempt_no in range(3 if retry_now else 1):
+    def _write_backlog(self) -> bool:
+        """Write the backlog oldest first, ``WRITE_BATCH_POINTS`` per transaction, with the
+        newest progress. False when the database is unavailable (the rest stays queued)."""
+        while not self._stale.is_set():
+            batch = self._backlog.peek(WRITE_BATCH_POINTS)
+            with self._progress_lock:
+                progress = self._progress
+            if not batch and progress is None:
+                return True
             try:
-                with self._db.session() as session:
+                with self.db.session() as session:
                     record_metrics(
                         session,
                         self.job_id,
@@ -278,23 +342,69 @@ class DatabaseSink(MetricsSink):
                         batch,
                         progress=progress.as_dict() if progress is not None else None,
                     )
-                self.written += len(batch)
-                return
             except (StaleAttemptError, NotFoundError) as exc:
-                log.warning("metrics fenced off, stopping: %s", exc)
                 self._stale.set()
-                return
+                self.discarded += self._backlog.discard()
+                log.warning("metrics fenced off, stopping (%d points discarded): %s",
+                            self.discarded, exc)  # fmt: skip
+                return True
             except DatabaseUnavailableError as exc:
-                log.warning("metrics write failed (try %d): %s", attempt_no + 1, exc)
-                time.sleep(0.5 * (attempt_no + 1))
-        with self._failed_lock:  # merged into the next batch by the training thread
-            self._failed = batch + self._failed
+                self._note_outage(exc)
+                return False
+            except Exception:  # the thread must outlive any bad batch: keep it, retry later
+                log.exception("metrics write failed; %d points kept", len(self._backlog))
+                return False
+            self._backlog.drop_oldest(len(batch))
+            with self._progress_lock:
+                if self._progress is progress:
+                    self._progress = None
+            self.written += len(batch)
+            self._note_recovery()
+        self.discarded += self._backlog.discard()
+        return True
+
+    def _note_outage(self, exc: DatabaseUnavailableError) -> None:
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+        elif now - self._outage_logged_s < OUTAGE_LOG_EVERY_S:
+            return
+        self._outage_logged_s = now
+        log.warning(
+            "metrics writer: %s; holding %d points (%d in %s), retrying",
+            exc,
+            len(self._backlog),
+            self._backlog.in_file,
+            self.spill_path,
+        )
+
+    def _note_recovery(self) -> None:
+        if self._outage_since is not None:
+            log.info("metrics writer: database back after %.1f s; %d points still to replay",
+                     time.monotonic() - self._outage_since, len(self._backlog))  # fmt: skip
+            self._outage_since = None
+
+
+def retry_delay_s(failures: int) -> float:
+    """Seconds to wait after ``failures`` consecutive failed writes (≥ 1): exponential from
+    ``RETRY_FIRST_S``, capped at ``RETRY_MAX_S``."""
+    return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(failures - 1, 16)))
 
 
 def make_sink(
-    rank: int, ctx: DistContext | None, db: Database, job_id: int, attempt: int
+    rank: int,
+    ctx: DistContext | None,
+    db: Database,
+    job_id: int,
+    attempt: int,
+    *,
+    artifact_dir: Path | None = None,
 ) -> MetricsSink:
-    """The one place that decides who writes metrics: a DatabaseSink on rank 0, else a NullSink."""
+    """The one place that decides who writes metrics: a DatabaseSink on rank 0, else a NullSink.
+
+    With ``artifact_dir``, rank 0 spills to the attempt's ``metrics_spill_path`` there.
+    """
     if rank == 0:
-        return DatabaseSink(ctx, db, job_id, attempt)
+        spill = metrics_spill_path(artifact_dir, job_id, attempt) if artifact_dir else None
+        return DatabaseSink(ctx, db, job_id, attempt, spill_path=spill)
     return NullSink(ctx)

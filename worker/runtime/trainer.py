@@ -27,8 +27,10 @@ from worker.runtime.distributed import (
     unwrap_model,
     wrap_model,
 )
+from worker.runtime.nonfinite import NonFinitePolicy, poison_gradients
 from worker.runtime.signals import StopFlag
 from worker.runtime.sink import MetricsSink, Progress
+from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 from worker.tasks.base import TaskParts
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,15 @@ class Trainer:
         checkpointer: NullCheckpointer,
         stop: StopFlag,
         resume_path: Path | None = None,
+        watchdog: StallWatchdog | None = None,
     ) -> None:
         self.parts, self.spec, self.ctx = parts, spec, ctx
         self.sink, self.checkpointer, self.stop = sink, checkpointer, stop
         self.resume_path = resume_path
         t = spec.training
+        # Stall detection (started with the first step, petted per step) and the NaN policy.
+        self.watchdog = watchdog if watchdog is not None else NullWatchdog()
+        self.nonfinite = NonFinitePolicy(t.nonfinite_loss, ctx.rank)
         self.model = wrap_model(parts.model, ctx)
         self.bare = unwrap_model(self.model)
         self.optimizer = build_optimizer(t, self.model.parameters())
@@ -125,6 +131,7 @@ class Trainer:
         stopped = False
         evaluated_at: int | None = None
         self.model.train()
+        self.watchdog.start(self.step)
         while self.epoch < t.epochs and self.step < self.total_steps and not stopped:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start_index = self.batch_idx * t.batch_size
@@ -132,6 +139,7 @@ class Trainer:
                 self.step += 1
                 self.batch_idx += 1
                 loss = self._train_step(inputs, targets)
+                self.watchdog.pet(self.step)
                 if self.step % t.log_every_steps == 0:
                     self.sink.report(self.step, self.epoch, loss)
                 if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
@@ -178,8 +186,12 @@ class Trainer:
         if self.parts.adjust_loss is not None:
             loss = self.parts.adjust_loss(self.step, loss)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        poison_gradients(loss).backward()  # a non-finite loss on any rank → NaN grads on all
+        if self.nonfinite.allows_step(self.step, loss, self.model.parameters()):
+            self.optimizer.step()
+        else:
+            skipped = float(self.nonfinite.skipped)
+            self.sink.report_values(self.step, self.epoch, {"skipped_steps": skipped})
         return loss
 
     def _local_stop(self) -> bool:
@@ -228,6 +240,7 @@ class Trainer:
                 if self.parts.classification:
                     sums[1] += (output.argmax(dim=-1) == targets).sum()
                 sums[2] += n
+                self.watchdog.pet()  # a long evaluation is progress, not a stall
         self.bare.train()
         loss_sum, correct, count = all_reduce_sum_(sums, self.ctx).tolist()
         values = {"eval_loss": loss_sum / max(count, 1.0)}
@@ -251,9 +264,11 @@ class Trainer:
                 "sampler_epoch": epoch,
                 "world_size": self.ctx.world_size,
                 "rng": rng_state(),
+                "skipped_steps": self.nonfinite.skipped,
             }
 
-        self.checkpointer.save(step, epoch, build_state)
+        with self.watchdog.pause():  # a slow disk is not a stall
+            self.checkpointer.save(step, epoch, build_state)
 
     def _resume(self) -> int:
         assert self.resume_path is not None
@@ -262,6 +277,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.epoch, self.step, self.batch_idx = state["epoch"], state["step"], state["batch_idx"]
+        self.nonfinite.skipped = int(state.get("skipped_steps", 0))
         if state.get("world_size") != self.ctx.world_size:
             log.warning(
                 "resuming a checkpoint of world_size %s with %d ranks: the position within "

@@ -64,10 +64,16 @@ class FaultInjector:
             raise StopRequested(f"stopped while hanging at step {step}")
 
     def adjust_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """At ``nan_at_step`` the loss value becomes NaN on every rank. Its gradient stays the
-        real one (``loss + (nan - loss.detach())``), so the model is not poisoned and later
-        steps report finite losses again."""
-        if self.cfg.nan_at_step is not None and step == self.cfg.nan_at_step:
+        """At ``nan_at_step`` the loss value becomes NaN on rank ``nan_rank`` (every rank when
+        unset; a ``nan_rank`` alone fires at step 1). Its gradient stays the real one
+        (``loss + (nan - loss.detach())``), so the model is not poisoned and later steps
+        report finite losses again."""
+        cfg = self.cfg
+        if cfg.nan_rank is not None:
+            nan_now = self._hits(self.rank, step, cfg.nan_rank, cfg.nan_at_step)
+        else:
+            nan_now = cfg.nan_at_step is not None and step == cfg.nan_at_step
+        if nan_now:
             return loss + (torch.full_like(loss, math.nan) - loss.detach())
         return loss
 

@@ -15,14 +15,79 @@
     }
   }
 
-  function authHeaders() {
-    let token = null;
+  /* The API token lives in sessionStorage only: this tab, gone when it closes, never a
+   * cookie (which the browser would attach to other sites' requests to us). */
+  const TOKEN_KEY = "ddpq.token";
+
+  function storedToken() {
     try {
-      token = window.localStorage.getItem("ddpq.token");
+      return window.sessionStorage.getItem(TOKEN_KEY);
     } catch (_e) {
-      token = null;
+      return null;
     }
+  }
+
+  function storeToken(token) {
+    try {
+      if (token) window.sessionStorage.setItem(TOKEN_KEY, token);
+      else window.sessionStorage.removeItem(TOKEN_KEY);
+    } catch (_e) {
+      /* storage disabled: the token lasts until the page reloads */
+    }
+  }
+
+  function authHeaders() {
+    const token = storedToken();
     return token ? { Authorization: "Bearer " + token } : {};
+  }
+
+  /* Show the token form (after a 401); a refused stored token is dropped first. */
+  function askForToken(detail) {
+    const panel = document.getElementById("auth-panel");
+    if (!panel) return;
+    if (storedToken()) {
+      storeToken(null);
+      const why = detail || "revoked?";
+      setText("auth-reason", "The server refused the stored API token (" + why + "); enter another.");
+    }
+    if (panel.hidden) {
+      panel.hidden = false;
+      const input = document.getElementById("auth-token");
+      if (input) input.focus();
+    }
+    updateForget();
+  }
+
+  function updateForget() {
+    const forget = document.getElementById("auth-forget");
+    if (forget) forget.hidden = !storedToken();
+  }
+
+  function setupAuth() {
+    // Earlier versions kept the token in localStorage (shared by every tab, kept forever).
+    try {
+      window.localStorage.removeItem(TOKEN_KEY);
+    } catch (_e) {
+      /* no storage */
+    }
+    const form = document.getElementById("auth-form");
+    if (form) {
+      form.addEventListener("submit", (event) => {
+        event.preventDefault();
+        const token = document.getElementById("auth-token").value.trim();
+        if (!token) return;
+        storeToken(token);
+        window.location.reload(); // every page script starts over, now with the token
+      });
+    }
+    const forget = document.getElementById("auth-forget");
+    if (forget) {
+      forget.addEventListener("click", () => {
+        storeToken(null);
+        window.location.reload();
+      });
+    }
+    updateForget();
   }
 
   /* Call the API. Returns {status, body, etag}; 304 gives body null. Raises ApiError for
@@ -57,6 +122,7 @@
     }
     if (!response.ok) {
       const detail = body && typeof body === "object" && "detail" in body ? body.detail : body;
+      if (response.status === 401) askForToken(typeof detail === "string" ? detail : "");
       throw new ApiError(response.status, detail || response.statusText);
     }
     return { status: response.status, body: body, etag: etag };
@@ -250,7 +316,8 @@
         showBanner(null);
         this.delay = live ? this.fastMs : Math.min(this.slowMs, this.fast ? this.fastMs : this.delay * 2);
       } catch (err) {
-        showBanner(err.status === 0 ? err.message + "; retrying…" : "Error: " + err.message, "error");
+        if (err.status === 401) showBanner(null); // the token form says it
+        else showBanner(err.status === 0 ? err.message + "; retrying…" : "Error: " + err.message, "error");
         this.delay = Math.min(this.slowMs, this.delay * 2);
       } finally {
         this.running = false;
@@ -270,6 +337,9 @@
   function clear(node) {
     while (node.firstChild) node.removeChild(node.firstChild);
   }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", setupAuth);
+  else setupAuth();
 
   window.ddpq = {
     API: API,

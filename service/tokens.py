@@ -1,0 +1,129 @@
+"""API tokens: create (the secret shown once, only its sha256 stored), look up, list, revoke.
+
+A token is ``ddpq_`` plus 32 random bytes from ``secrets.token_urlsafe`` (256 bits). The
+table keeps ``sha256(token)`` and nothing from which the token could be rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.errors import DdpqError, NotFoundError
+from service.models import ApiToken, utcnow
+
+TOKEN_PREFIX = "ddpq_"  # lets secret scanners and people recognise a leaked token
+TOKEN_BYTES = 32
+MAX_TOKEN_CHARS = 200  # longer Authorization values are refused without a database lookup
+OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$")
+
+
+class InvalidOwnerError(DdpqError):
+    """An owner name outside the allowed characters or length."""
+
+    status_code = 422
+    code = "invalid_owner"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling the API: the owner their jobs get, and whether they see everyone's."""
+
+    owner: str
+    admin: bool
+
+    @property
+    def owner_filter(self) -> str | None:
+        """The owner whose jobs this caller may touch; None for an admin (every job)."""
+        return None if self.admin else self.owner
+
+
+def hash_token(token: str) -> str:
+    """The hex sha256 of ``token`` (64 characters), as stored in ``api_tokens.token_hash``.
+
+    No salt and no slow hash (bcrypt, argon2): those defend guessable secrets such as
+    passwords against offline guessing. A token carries 256 random bits, so guessing it from
+    its hash is as hopeless as guessing it outright, and one fast hash keeps the per-request
+    lookup a single index probe. The lookup by hash also compares no secret bytes in Python,
+    so there is no timing side channel on the token itself.
+    """
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh random token (``ddpq_`` + 43 URL-safe characters)."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def check_owner(owner: str) -> str:
+    """``owner`` if it is a valid owner name (1–100 characters: letters, digits, ``._@+-``,
+    starting with a letter or digit).
+
+    Raises:
+        InvalidOwnerError: otherwise; the message says what is allowed.
+    """
+    if not OWNER_PATTERN.fullmatch(owner):
+        raise InvalidOwnerError(
+            f"invalid owner {owner[:120]!r}: use 1–100 letters, digits or . _ @ + -, "
+            "starting with a letter or digit (e.g. alice or team-vision)"
+        )
+    return owner
+
+
+def create_token(session: Session, *, owner: str, admin: bool = False) -> tuple[ApiToken, str]:
+    """Store a new token for ``owner`` (only its hash).
+
+    Returns:
+        ``(row, token)``: the stored row and the token itself, which exists nowhere else
+        afterwards; show it once.
+
+    Raises:
+        InvalidOwnerError: ``owner`` is not a valid owner name.
+    """
+    token = new_token()
+    row = ApiToken(owner=check_owner(owner), token_hash=hash_token(token), admin=admin)
+    session.add(row)
+    session.flush()
+    return row, token
+
+
+def find_caller(session: Session, token: str) -> Caller | None:
+    """The caller that ``token`` identifies, or None for an unknown, revoked or malformed
+    token. One indexed lookup by hash, no cache: a revocation takes effect on the next
+    request."""
+    if not token or len(token) > MAX_TOKEN_CHARS:
+        return None
+    row = session.execute(
+        select(ApiToken.owner, ApiToken.admin).where(
+            ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None)
+        )
+    ).one_or_none()
+    return None if row is None else Caller(owner=row.owner, admin=bool(row.admin))
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    """Every token row (hashes only), oldest first, revoked ones included."""
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(session: Session, token_id: int) -> ApiToken:
+    """Revoke token ``token_id`` from now on; revoking it again changes nothing.
+
+    Raises:
+        NotFoundError: no token has that id.
+    """
+    session.execute(
+        update(ApiToken)
+        .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    row = session.get(ApiToken, token_id, populate_existing=True)
+    if row is None:
+        raise NotFoundError(f"no token with id {token_id} (list them with `ddpq token ls`)")
+    return row

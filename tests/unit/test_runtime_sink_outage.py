@@ -1,0 +1,201 @@
+"""The rank-0 sink through a database outage, on real SQLite and PostgreSQL.
+
+The outage is real: the sink first writes to a PostgreSQL URL on a closed port (every
+connection is refused), then is pointed at the test's database. Also: a flush whose
+all_reduce breaks (the peer rank died) still hands rank 0's points over (two gloo processes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from sqlalchemy import func, select
+
+from service.claims import claim_next_job
+from service.db import Database
+from service.jobs import Transition, apply_transition, get_job, submit_job
+from service.metrics import MetricPoint, query_points, record_metrics
+from service.models import Metric
+from service.spec import JobSpec
+from service.states import JobState
+from service.workers import register_worker
+from worker.runtime.backlog import decode_point
+from worker.runtime.distributed import DistContext
+from worker.runtime.sink import DatabaseSink, Progress, make_sink
+
+UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
+
+
+@pytest.fixture
+def down() -> Iterator[Database]:
+    """A database nobody answers for (connection refused)."""
+    database = Database.from_url(UNREACHABLE_URL)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def job(db: Database) -> tuple[int, int]:
+    """A job claimed by a worker and running: ``(job_id, attempt)``."""
+    with db.session() as s:
+        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
+        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
+    with db.session() as s:
+        claimed = claim_next_job(
+            s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600
+        )
+        assert claimed is not None
+        job_id, attempt = claimed.id, claimed.attempt
+    with db.session() as s:
+        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
+    return job_id, attempt
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def report_steps(sink: DatabaseSink, first: int, last: int, total: int) -> None:
+    """Report ``loss = step`` for each step, flushing every 10 steps with progress."""
+    for step in range(first, last + 1):
+        sink.report(step, 0, torch.tensor(float(step)))
+        if step % 10 == 0 or step == last:
+            sink.flush(Progress(step, total, 0, None, None))
+
+
+def stored_losses(db: Database, job_id: int) -> tuple[dict[int, float | None], int]:
+    """``({step: value}, row count)`` of the job's ``loss`` rows."""
+    with db.session(write=False) as s:
+        points, _ = query_points(s, job_id, "loss", limit=100_000)
+        rows = s.scalar(select(func.count()).where(Metric.job_id == job_id, Metric.name == "loss"))
+    return {p.step: p.value for p in points}, int(rows or 0)
+
+
+def test_outage_spills_then_replays_every_point_exactly_once(
+    db: Database, down: Database, job: tuple[int, int], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    job_id, attempt = job
+    spill = tmp_path / "metrics-spill.jsonl"
+    sink = DatabaseSink(
+        None, down, job_id, attempt, spill_path=spill, memory_cap=20, close_timeout_s=5
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
+            start = time.perf_counter()
+            report_steps(sink, 1, 100, total=100)
+            assert time.perf_counter() - start < 5.0, "training must not wait for the database"
+            wait_until(lambda: "metrics writer" in caplog.text, 30, "a failed write")
+        assert sink.held_back == 100
+        spilled = [decode_point(line).step for line in spill.read_bytes().splitlines()]
+        assert spilled == list(range(21, 101)), "points past the cap must go to the file"
+        # A batch whose commit went through just before the connection died, unacknowledged:
+        # replaying it must not store it twice.
+        with db.session() as s:
+            record_metrics(s, job_id, attempt, [MetricPoint("loss", 5, 5.0, 0)])
+
+        sink.db = db  # the database is back
+        wait_until(lambda: sink.held_back == 0, 60, "the backlog to drain")
+    finally:
+        sink.close()
+    values, rows = stored_losses(db, job_id)
+    assert rows == 100 and sorted(values) == list(range(1, 101)), "each step exactly once"
+    assert all(values[step] == float(step) for step in values)
+    with db.session(write=False) as s:
+        assert get_job(s, job_id).progress["step"] == 100  # type: ignore[index]
+    assert not spill.exists(), "the spill file is removed once replayed"
+
+
+def test_close_waits_for_the_database_to_come_back(
+    db: Database, down: Database, job: tuple[int, int], tmp_path: Path
+) -> None:
+    """The stop path: the final batch is handed over while the database fails; close() must
+    keep it until it is written, not drop it after one failed try."""
+    job_id, attempt = job
+    sink = DatabaseSink(
+        None, down, job_id, attempt, spill_path=tmp_path / "spill.jsonl", close_timeout_s=30
+    )
+    report_steps(sink, 1, 30, total=30)
+    closer = threading.Thread(target=sink.close)
+    closer.start()
+    time.sleep(1.0)  # a few refused writes
+    assert closer.is_alive(), "close() must not give up while it has points to write"
+    sink.db = db
+    closer.join(60)
+    assert not closer.is_alive()
+    values, rows = stored_losses(db, job_id)
+    assert rows == 30 and sorted(values) == list(range(1, 31))
+
+
+def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
+    down: Database, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spill = tmp_path / "attempt-1" / "metrics-spill.jsonl"
+    sink = DatabaseSink(None, down, 1, 1, spill_path=spill, memory_cap=5, close_timeout_s=0.5)
+    report_steps(sink, 1, 12, total=12)
+    with caplog.at_level(logging.ERROR, logger="worker.runtime.sink"):
+        sink.close()
+    assert "12 metric points could not be written" in caplog.text
+    kept = [decode_point(line) for line in spill.read_bytes().splitlines()]
+    assert [p.step for p in kept] == list(range(1, 13)), "nothing may be lost, oldest first"
+    assert [p.value for p in kept] == [float(s) for s in range(1, 13)]
+
+
+def _broken_flush_rank(rank: int, store_path: str, db_url: str, job_id: int, out: str) -> None:
+    """Rank 1 leaves after one all_reduce; rank 0 then flushes 5 reported steps."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    dist.all_reduce(torch.zeros(1))
+    if rank == 1:
+        os._exit(0)  # dies without a word, as a killed peer would
+    ctx = DistContext(0, 0, 2, torch.device("cpu"), "ddp", "gloo", None)
+    db = Database.from_url(db_url)
+    sink = make_sink(0, ctx, db, job_id, 1)
+    for step in range(1, 6):
+        sink.report(step, 0, torch.tensor(float(step)))
+    time.sleep(1.0)  # let rank 1 be gone
+    raised = None
+    try:
+        sink.flush()
+    except RuntimeError as exc:
+        raised = str(exc)
+    sink.close()
+    db.dispose()
+    Path(out).write_text(json.dumps({"raised": raised}))
+    os._exit(0)  # skip gloo's teardown with a dead peer
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_flush_whose_all_reduce_breaks_still_writes_rank0_points(
+    db: Database, job: tuple[int, int], tmp_path: Path
+) -> None:
+    job_id, _ = job
+    db_url = db.engine.url.render_as_string(hide_password=False)
+    out = tmp_path / "rank-0.json"
+    args = [str(tmp_path / "store"), db_url, str(job_id), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env) for rank in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert json.loads(out.read_text())["raised"], "the flush must report the broken collective"
+    values, _ = stored_losses(db, job_id)
+    assert values == {step: float(step) for step in range(1, 6)}, "rank 0's own values"
+
+
+if __name__ == "__main__":  # one rank, started by the test above
+    _broken_flush_rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
