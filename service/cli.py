@@ -3,6 +3,7 @@ token commands: cli_tokens."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -115,6 +116,9 @@ def db_current() -> None:
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (DDPQ_HOST).")] = None,
     port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port (DDPQ_PORT).")] = None,
+    workers: Annotated[
+        int, typer.Option(min=1, max=64, help="API processes (uvicorn workers); ~1 per core.")
+    ] = 1,
 ) -> None:
     """Serve the API and the dashboard (uvicorn) once the database is at head."""
     import uvicorn
@@ -138,7 +142,19 @@ def serve(
             db.dispose()
     out.print(f"ddpq API and dashboard on {settings.resolved_api_url}")
     out.print(auth_note(settings))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    if workers == 1:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        return
+    # Each worker process builds its own app from the environment: hand it --host/--port.
+    os.environ.update(DDPQ_HOST=settings.host, DDPQ_PORT=str(settings.port))
+    uvicorn.run(
+        "service.app:create_app",
+        factory=True,
+        workers=workers,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+    )
 
 
 def auth_note(settings: Settings) -> str:

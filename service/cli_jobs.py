@@ -210,6 +210,9 @@ def metrics(
     out.print(table)
     if not result["points"]:
         out.print(cell(f"no {name!r} points after step {after_step}"))
+    elif len(result["points"]) >= limit:
+        last = result["points"][-1]["step"]
+        out.print(cell(f"first {limit} points shown; more with --after-step {last}"))
 
 
 @app.command()

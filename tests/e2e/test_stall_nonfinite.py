@@ -81,6 +81,8 @@ def test_hung_rank_fails_the_job_stalled_with_stacks_in_the_logs(deployment: Any
     assert "Python stacks of every thread follow" in rank0, rank0[-3000:]
     assert "waiting for other ranks" in rank0, "rank 0 was blocked in a collective"
     assert job["attempt"] == 1
+    steps = [p["step"] for p in dep.http.get(f"/jobs/{job_id}/metrics").json()["points"]]
+    assert steps == [1, 2], f"the losses before the stall are kept: {steps}"
     dep.wait_for(lambda: dep.processes(job_id) == [], 30, "no rank process to be left")
 
 
@@ -163,6 +165,8 @@ def test_nonfinite_fail_ends_every_rank_with_reason_and_step(
     with db.session(write=False) as s:
         newest = list_checkpoints(s, job_id)[0]
     assert newest.step == 3, "the failed step is never checkpointed"
+    losses = [p.step for p in _points(db, job_id, "loss")]
+    assert losses[:3] == [1, 2, 3], f"the losses before the failure are kept: {losses}"
 
 
 @pytest.mark.slow

@@ -134,6 +134,9 @@ def test_submit_ls_show_metrics_logs_cancel(
     assert f"job {job_id} has no metric 'accuracy'; it reports: loss" in missing_metric.output
     none_yet = ddpq(live_url, "metrics", str(second_id), "--name", "loss")
     assert none_yet.exit_code == 2 and "reported none yet" in none_yet.output
+    first_two = ddpq(live_url, "metrics", str(job_id), "--limit", "2")
+    assert "first 2 points shown; more with --after-step 2" in first_two.output, first_two.output
+    assert "more with" not in out.output, "all 3 points shown: no hint"
     later = ddpq(live_url, "metrics", str(job_id), "--after-step", "3")
     assert later.exit_code == 0 and "no 'loss' points after step 3" in later.output
     logs = ddpq(live_url, "logs", str(job_id), "--rank", "1")
@@ -289,8 +292,22 @@ def _ddpq_exe() -> str:
     return exe
 
 
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc/<pid>/stat's 4th field)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == str(pid):
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.slow
-def test_db_upgrade_then_serve_answers_ready(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_db_upgrade_then_serve_answers_ready(tmp_path: Path, workers: int) -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")},
         "DDPQ_HOME": str(tmp_path / "home"),
@@ -313,7 +330,8 @@ def test_db_upgrade_then_serve_answers_ready(tmp_path: Path) -> None:
     )
     assert "behind" not in current.stdout and "current: 0" in current.stdout
     server = subprocess.Popen(
-        [_ddpq_exe(), "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [_ddpq_exe(), "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", str(workers)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -329,6 +347,8 @@ def test_db_upgrade_then_serve_answers_ready(tmp_path: Path) -> None:
                 pass
             time.sleep(0.2)
         assert r.json() == {"status": "ok"}
+        if workers > 1:  # uvicorn's supervisor runs one process per worker
+            assert len(_children(server.pid)) >= workers, _children(server.pid)
     finally:
         server.send_signal(signal.SIGINT)
         try:

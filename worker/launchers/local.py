@@ -38,7 +38,7 @@ from service.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.runtime import envvars
-from worker.runtime.outcome import error_headline
+from worker.runtime.outcome import REASON_ERROR, REASON_STALLED, error_headline
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
 DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
 LOG_TAIL_LINES = 20
 TRACEBACK_TAIL_LINES = 15
+STALL_TAIL_LINES = 10  # five frames: past threading/torch internals to the caller
 MAX_FINISHED_RUNS = 1000
 # torchrun's failure summary: "Root Cause (first observed failure): … rank : 1 … exitcode : -9"
 ROOT_CAUSE_RE = re.compile(
@@ -422,8 +423,8 @@ def _rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
 
 def earliest_rank_error(attempt_dir: Path) -> str | None:
     """The error of the rank that failed first (by its ``time``, then rank), as text:
-    ``"rank 1 failed: RuntimeError: boom"`` plus the traceback's last lines; None if no rank
-    wrote an error file."""
+    ``"rank 1 failed: RuntimeError: boom"`` plus the traceback's last whole frames (a stall:
+    the five innermost; a non-finite loss: none); None if no rank wrote an error file."""
 
     def key(e: dict[str, Any]) -> tuple[float, int]:
         try:
@@ -436,5 +437,11 @@ def earliest_rank_error(attempt_dir: Path) -> str | None:
         return None
     e = errors[0]
     head = error_headline(e)  # "rank 1 failed: …", or "stalled: …" / "nonfinite_loss: …"
-    tb = str(e.get("traceback") or "").rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
-    return "\n".join([head, *tb]) if tb else head
+    # An exception: the traceback's tail. A stall: the innermost frames, where the rank is
+    # stuck (all stacks are in its log). A non-finite loss: the headline says it all.
+    tails = {REASON_ERROR: TRACEBACK_TAIL_LINES, REASON_STALLED: STALL_TAIL_LINES}
+    tail = tails.get(e.get("reason", REASON_ERROR), 0)
+    lines = str(e.get("traceback") or "").rstrip().splitlines()[-tail:] if tail else []
+    while lines and not lines[0].startswith(("  File ", "Traceback")):
+        lines.pop(0)  # never start in the middle of a frame
+    return "\n".join([head, *lines]) if lines else head

@@ -63,8 +63,10 @@ def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise EntrypointError(
-            f"cannot import {module_name!r} for entrypoint {task!r}: {exc}"
-        ) from exc
+            f"cannot import {module_name!r} for entrypoint {task!r}: {exc}; the worker's "
+            f"ranks must be able to import it: install it in the worker's venv or put its "
+            f"directory on the worker's PYTHONPATH (working directory {cwd})"
+        ) from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise EntrypointError(f"{module_name!r} has no function {func_name!r}")

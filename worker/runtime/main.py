@@ -276,8 +276,10 @@ def _json_scalar(value: object) -> bool:
 
 
 def _close_quietly(sink: MetricsSink, checkpointer: NullCheckpointer) -> None:
-    """On the way out of a failure: write what can be written, never mask the real error."""
-    for close in (sink.close, checkpointer.close):
+    """On the way out of a failure: write what can be written, never mask the real error.
+    The points still buffered (up to a flush's worth of steps before the failure, the ones
+    most needed to debug it) go out as rank 0's own values: a collective is no longer safe."""
+    for close in (functools.partial(sink.flush, average=False), sink.close, checkpointer.close):
         try:
             close()
         except Exception:

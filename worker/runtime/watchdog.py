@@ -198,8 +198,9 @@ class NullWatchdog(StallWatchdog):
         self.pet(step)
 
 
-def stall_message(report: StallReport, rank: int) -> str:
-    """The job's error text after ``stalled: ``, naming the rank, step and timeout."""
+def stall_message(report: StallReport, rank: int, job_id: int | None = None) -> str:
+    """The job's error text after ``stalled: ``, naming the rank, step and timeout, and the
+    command that shows the stacks."""
     where = (
         "waiting for other ranks in a collective"
         if report.waiting_on_peers
@@ -209,7 +210,8 @@ def stall_message(report: StallReport, rank: int) -> str:
     return (
         f"rank {rank} finished no step for {report.idle_s:.0f} s {after} "
         f"(training.stall_timeout_s={report.timeout_s:g}), {where}; the Python stacks of "
-        f"all its threads are in its log (rank-{rank}.log)"
+        f"all its threads are in its log (`ddpq logs {job_id if job_id is not None else '<id>'} "
+        f"--rank {rank}`)"
     )
 
 
@@ -252,7 +254,7 @@ def exit_on_stall(
 ) -> None:
     """The production ``on_stall``: write ``error-rank-<rank>.json`` with reason ``stalled``
     and exit 1 without unwinding (the training thread is stuck)."""
-    message = stall_message(report, rank)
+    message = stall_message(report, rank, job_id)
     stack = f"Stack of the training thread (most recent call last):\n{report.stack}"
     try:
         log.error("stalled: %s", message)
