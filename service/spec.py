@@ -144,15 +144,6 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     """Rules that span fields, as ``(loc, message)`` pairs naming the field to change."""
     r = spec.resources
     problems: list[tuple[tuple[str, ...], str]] = []
-    if spec.task not in BUILTIN_TASK_CONFIGS and not ENTRYPOINT_RE.match(spec.task):
-        problems.append(
-            (
-                ("task",),
-                f"task {spec.task!r} is neither a built-in task "
-                f"({', '.join(sorted(BUILTIN_TASK_CONFIGS))}) nor an entrypoint "
-                "'package.module:function'",
-            )
-        )
     if spec.backend == "nccl" and r.gpus_per_node == 0:
         problems.append(
             (("backend",), "backend nccl needs GPUs: set resources.gpus_per_node ≥ 1 or use gloo")
@@ -260,7 +251,8 @@ def _raw_number(section: Any, field: str) -> float | None:
 
 
 def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ...], str]]:
-    """The deployment's rules (caps, Slurm, allow-list) as ``(loc, message)`` pairs.
+    """Rules checked on the raw data, as ``(loc, message)`` pairs: the task name, and the
+    deployment's rules (caps, Slurm, allow-list).
 
     Reads the raw ``data`` so they are reported together with pydantic's errors even when
     the model did not build; values of the wrong type are skipped (pydantic reports those).
@@ -295,6 +287,17 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
             (("launcher",), "this deployment has no Slurm (DDPQ_SLURM_ENABLED is off); use 'local'")
         )
     task = data.get("task")
+    if isinstance(task, str) and task not in BUILTIN_TASK_CONFIGS and not ENTRYPOINT_RE.match(task):
+        close = difflib.get_close_matches(task, BUILTIN_TASK_CONFIGS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(
+            (
+                ("task",),
+                f"task {task!r} is neither a built-in task "
+                f"({', '.join(sorted(BUILTIN_TASK_CONFIGS))}) nor an entrypoint "
+                f"'package.module:function'{hint}",
+            )
+        )
     if (
         isinstance(task, str)
         and task not in BUILTIN_TASK_CONFIGS

@@ -281,3 +281,10 @@ def test_bad_stall_timeout_or_nonfinite_policy_names_the_field(
     [error] = _errors({**OK, "training": training})
     field = next(iter(training))
     assert error["loc"] == ["body", "training", field] and needle in error["msg"], error
+
+
+def test_unknown_task_is_reported_with_other_field_errors_and_a_hint() -> None:
+    errors = _errors({"name": "x", "task": "digitz", "resources": {"nproc_per_node": "two"}})
+    by_loc = {tuple(e["loc"]): e["msg"] for e in errors}
+    assert set(by_loc) == {("body", "task"), ("body", "resources", "nproc_per_node")}, errors
+    assert "did you mean 'digits'?" in by_loc[("body", "task")]

@@ -131,3 +131,4 @@ def test_a_refused_token_is_dropped_and_the_form_says_why(
     ).json()["jobs"][0]["id"]
     page.goto(f"{w.base_url}/jobs/{alice_job}")  # the shell loads; the API says 404 to bob
     expect(page.locator("#not-found")).to_be_visible()
+    expect(page.locator("#facts")).to_be_hidden()  # no empty job layout under the banner

@@ -288,6 +288,7 @@
     } catch (err) {
       if (err.status === 404) {
         $("not-found").hidden = false;
+        $("job-body").hidden = true; // nothing of a job that is not there (or not yours)
         poller.stop();
         return false;
       }
