@@ -15,7 +15,7 @@ from service.jobs import CANCEL_REQUESTED_REASON, Transition
 from service.states import TERMINAL_STATES, JobState
 from service.workers import HeldJob
 from worker.launchers.base import RunPhase, RunStatus
-from worker.runtime.outcome import REASON_NONFINITE_LOSS, failure_reason
+from worker.runtime.outcome import REASON_NONFINITE_LOSS, REASON_SETUP, failure_reason
 
 REASON_LAUNCHED = "launched"
 REASON_SUCCEEDED = "succeeded"
@@ -26,7 +26,7 @@ SUMMARY_CHARS = 300
 # Failure reasons (the job error's first word, see worker.runtime.outcome) never retried: a
 # resume replays the same data, seed and weights into the same non-finite loss. A "stalled"
 # attempt is retried like any other failure after its first step.
-NOT_RETRIED_REASONS = frozenset({REASON_NONFINITE_LOSS})
+NOT_RETRIED_REASONS = frozenset({REASON_NONFINITE_LOSS, REASON_SETUP})
 
 
 @dataclass

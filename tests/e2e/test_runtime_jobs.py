@@ -23,7 +23,6 @@ from service.claims import claim_next_job
 from service.config import Settings
 from service.db import Database
 from service.jobs import Transition, apply_transition, get_job, submit_job
-from service.metrics import query_points
 from service.models import Job, Metric
 from service.spec import JobSpec
 from service.states import JobState
@@ -142,8 +141,10 @@ def result_of(settings: Settings, job_id: int, attempt: int) -> dict[str, Any]:
 
 
 def points(db: Database, job_id: int, name: str) -> list[Metric]:
+    """The stored rows (with the attempt that wrote each), ascending by step."""
     with db.session(write=False) as s:
-        return query_points(s, job_id, name, limit=100_000)[0]
+        stmt = select(Metric).where(Metric.job_id == job_id, Metric.name == name)
+        return list(s.scalars(stmt.order_by(Metric.step)))
 
 
 def wait_for_steps(db: Database, job_id: int, n: int, proc: subprocess.Popen[bytes]) -> None:

@@ -3,6 +3,7 @@ two at once on one worker, a failing rank, and a cancel."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 from typing import Any
@@ -56,6 +57,23 @@ def test_failing_rank_fails_the_job_with_its_error(deployment: Any) -> None:
     assert "Traceback" in error or "File " in error, f"no traceback tail in: {error}"
     assert dep.processes(job_id) == []
     assert job["attempt"] == 1
+
+
+def test_failure_before_the_first_step_is_not_retried(deployment: Any) -> None:
+    """An entrypoint that cannot be imported fails every attempt the same way: issue 6 says
+    such errors are not retried, whatever max_restarts allows."""
+    dep = deployment
+    dep.start_worker()
+    spec = dep.load_example("custom_loop", task="examples.no_such_module:train", max_restarts=2)
+    job_id = dep.submit(spec)
+    job = dep.wait_state(job_id, ("failed",), 180)
+    assert re.match(
+        r"setup: rank [01] failed before its first step: EntrypointError: cannot import "
+        r"'examples\.no_such_module'",
+        job["error"],
+    ), job["error"]
+    assert job["attempt"] == 1, job
+    assert [e["to_state"] for e in dep.events(job_id)].count("queued") == 1, "never requeued"
 
 
 def test_cancel_stops_a_running_job(deployment: Any) -> None:

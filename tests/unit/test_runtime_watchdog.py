@@ -20,7 +20,7 @@ from service import artifacts
 from service.states import JobState
 from worker.decisions import HeldRun, decide_on_status
 from worker.launchers.base import RunPhase, RunStatus
-from worker.launchers.local import earliest_rank_error
+from worker.launchers.failure_text import earliest_rank_error
 from worker.runtime.nonfinite import (
     NonFiniteLossError,
     NonFinitePolicy,
@@ -223,6 +223,35 @@ def test_a_nonfinite_loss_failure_is_not_retried() -> None:
     d = decide_on_status(_held(max_restarts=5), RunStatus(RunPhase.FAILED, error))
     assert d is not None and d.transition.target == JobState.FAILED, "a resume would replay it"
     assert d.transition.reason == error and d.error == error and not d.values
+
+
+def test_a_failure_before_the_first_step_is_not_retried() -> None:
+    setup = {"rank": 0, "exc_type": "EntrypointError", "message": "cannot import 'x'",
+             "reason": "setup"}  # fmt: skip
+    error = error_headline(setup)
+    assert error == "setup: rank 0 failed before its first step: EntrypointError: cannot import 'x'"
+    assert failure_reason(error) == "setup"
+    d = decide_on_status(_held(max_restarts=5), RunStatus(RunPhase.FAILED, error))
+    assert d is not None and d.transition.target == JobState.FAILED, "it would fail the same way"
+
+
+def test_the_watchdog_knows_whether_a_step_finished() -> None:
+    dog = StallWatchdog(60, lambda _report: None)
+    try:
+        dog.start(7)  # a resumed attempt about to run step 8
+        assert not dog.stepped, "starting the clock is not a finished step"
+        dog.pet()  # an eval batch
+        assert not dog.stepped
+        dog.pet(8)
+        assert dog.stepped
+    finally:
+        dog.stop()
+    custom = StallWatchdog(60, lambda _report: None)
+    try:
+        custom.step_finished(1)  # a custom loop's first ctx.report
+        assert custom.stepped and custom.started
+    finally:
+        custom.stop()
 
 
 # -- non-finite loss policy ----------------------------------------------------------------------

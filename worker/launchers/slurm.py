@@ -32,7 +32,7 @@ from service.config import Settings
 from service.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.local import earliest_rank_error, tail_lines
+from worker.launchers.failure_text import earliest_rank_error, tail_lines
 from worker.launchers.slurm_params import (
     DEFAULT_SIGNAL_DELAY_S,
     rank_environment,

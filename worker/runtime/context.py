@@ -135,7 +135,7 @@ class TrainContext:
                 self._sink.report_values(step, epoch, {name: float(value)})
         self.last_step = max(self.last_step, step)
         self.last_epoch = epoch if epoch is not None else self.last_epoch
-        self._watchdog.start(self.last_step)  # a step finished (the first call starts it)
+        self._watchdog.step_finished(self.last_step)  # a step finished (the first call starts it)
         if self._sink.flush_due() or self._sink.time_due():
             self.flush()
 
@@ -156,7 +156,7 @@ class TrainContext:
         with self._watchdog.pause():  # a slow disk is not a stall
             self._checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)
-        self._watchdog.start(self.last_step)
+        self._watchdog.step_finished(self.last_step)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
@@ -172,7 +172,7 @@ class TrainContext:
         """True when the job must stop (cancel, preemption, or this attempt was fenced off);
         every rank gets the same answer at the same call. Call once per step on every rank,
         then save a checkpoint and return."""
-        self._watchdog.start(self.last_step)
+        self._watchdog.step_finished(self.last_step)
         local = self._stop.is_set() or self._sink.should_stop() or self._checkpointer.should_stop()
         if self._vote.poll(local, False).stop:
             self.stopped = True

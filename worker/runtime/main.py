@@ -38,6 +38,7 @@ from worker.runtime.outcome import (
     EXIT_OK,
     EXIT_STALE,
     SIGNAL_EXIT_BASE,
+    mark_before_first_step,
     now_s,
     write_rank_error,
 )
@@ -253,8 +254,10 @@ def _train(
             if isinstance(returned, Mapping):
                 extra = {str(k): v for k, v in returned.items() if _json_scalar(v)}
             step, stopped = train_ctx.last_step, train_ctx.stopped
-    except BaseException:
+    except BaseException as exc:
         watchdog.stop()
+        if not watchdog.stepped:
+            mark_before_first_step(exc)  # the same spec would fail the same way: no retry
         _close_quietly(sink, checkpointer)
         raise
     watchdog.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -24,7 +25,18 @@ SIGNAL_EXIT_BASE = 128
 REASON_ERROR = "error"  # an exception in the rank (the default)
 REASON_STALLED = "stalled"  # no step finished for training.stall_timeout_s (watchdog.py)
 REASON_NONFINITE_LOSS = "nonfinite_loss"  # training.nonfinite_loss=fail (nonfinite.py)
-FAILURE_REASONS = (REASON_ERROR, REASON_STALLED, REASON_NONFINITE_LOSS)
+# An exception before the attempt's first step finished (import error, bad config, missing
+# file): retrying the same spec would fail the same way.
+REASON_SETUP = "setup"
+FAILURE_REASONS = (REASON_ERROR, REASON_STALLED, REASON_NONFINITE_LOSS, REASON_SETUP)
+
+
+def mark_before_first_step(exc: BaseException) -> None:
+    """Give ``exc`` the reason ``setup`` (raised before the attempt's first step finished),
+    unless it carries another reason already (a stall, a non-finite loss)."""
+    if getattr(exc, "reason", REASON_ERROR) == REASON_ERROR:
+        with contextlib.suppress(AttributeError, TypeError):  # e.g. a frozen exception type
+            exc.reason = REASON_SETUP  # type: ignore[attr-defined]
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -104,12 +116,17 @@ def error_headline(error: Mapping[str, Any]) -> str:
     """The first line of a job's error, from a rank's error file (as ``write_rank_error``
     wrote it): ``"rank 1 failed: RuntimeError: boom"``, or for another reason than
     ``error`` the reason first: ``"stalled: rank 1 finished no step for …"`` (the message
-    of those names the rank itself)."""
+    of those names the rank itself), ``"setup: rank 0 failed before its first step: …"``."""
     reason = error.get("reason", REASON_ERROR)
     message = error.get("message", "")
+    failed = f"rank {error.get('rank', '?')} failed"
+    if reason == REASON_SETUP:
+        return (
+            f"{reason}: {failed} before its first step: {error.get('exc_type', 'Error')}: {message}"
+        )
     if reason in FAILURE_REASONS and reason != REASON_ERROR:
         return f"{reason}: {message}"
-    return f"rank {error.get('rank', '?')} failed: {error.get('exc_type', 'Error')}: {message}"
+    return f"{failed}: {error.get('exc_type', 'Error')}: {message}"
 
 
 def failure_reason(error: str | None) -> str:

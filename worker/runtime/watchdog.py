@@ -115,6 +115,9 @@ class StallWatchdog:
         self._target_ident: int | None = None
         self._done = threading.Event()
         self.fired: StallReport | None = None
+        # A step finished in this attempt (a pet with a step): failures before it are
+        # "setup" failures, not retried.
+        self.stepped = False
 
     @property
     def started(self) -> bool:
@@ -124,9 +127,10 @@ class StallWatchdog:
     def start(self, step: int = 0) -> None:
         """Start the clock now (the first step is starting) from ``step``; watch the calling
         thread. A second call only pets."""
-        self.pet(step)
         if self._thread is not None:
+            self.pet(step)
             return
+        self._last_s, self._step = self._clock(), step
         self._target_ident = threading.get_ident()
         self._thread = threading.Thread(target=self._watch, name="ddpq-stall-watchdog", daemon=True)
         self._thread.start()
@@ -136,6 +140,13 @@ class StallWatchdog:
         self._last_s = self._clock()
         if step is not None:
             self._step = step
+            self.stepped = True
+
+    def step_finished(self, step: int) -> None:
+        """A step finished (custom entrypoints' ``ctx`` calls): start the clock on the first
+        call, pet on every call."""
+        self.start(step)
+        self.pet(step)
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -195,7 +206,7 @@ class NullWatchdog(StallWatchdog):
 
     def start(self, step: int = 0) -> None:
         """Only records ``step``."""
-        self.pet(step)
+        self._step = step
 
 
 def stall_message(report: StallReport, rank: int, job_id: int | None = None) -> str:
