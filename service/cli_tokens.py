@@ -85,7 +85,7 @@ def token_ls() -> None:
 
 @token_app.command("revoke")
 def token_revoke(
-    token_id: Annotated[int, typer.Argument(min=1, help="Id from `ddpq token ls`.")],
+    token_id: Annotated[int, typer.Argument(min=1, max=2**31 - 1, help="Id from `ddpq token ls`.")],
 ) -> None:
     """Revoke a token: the API refuses it from the next request on."""
     with _database() as db, db.session() as session:

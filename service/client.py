@@ -42,6 +42,20 @@ class ApiUnreachableError(DdpqError):
         )
 
 
+class ApiTokenError(DdpqError):
+    """The API token cannot be a token: not printable ASCII (a pasted character, a newline
+    inside it). Tokens from ``ddpq token create`` are URL-safe ASCII."""
+
+    status_code = 400
+    code = "bad_api_token"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "DDPQ_TOKEN holds characters no API token has (non-ASCII, spaces or control "
+            "characters inside it): set it to the exact line `ddpq token create` printed"
+        )
+
+
 class ApiUrlError(DdpqError):
     """The API URL itself is unusable (not a URL, bad host or port)."""
 
@@ -70,6 +84,7 @@ class DdpqClient:
 
     Raises:
         ApiUrlError: ``base_url`` is not a usable URL (e.g. ``http://[::1``).
+        ApiTokenError: ``token`` has characters no token has.
     """
 
     def __init__(
@@ -82,6 +97,8 @@ class DdpqClient:
                 token = settings.token.get_secret_value()
         self.base_url = base_url.rstrip("/")
         token = (token or "").strip()  # a token read from a file keeps its newline
+        if token and not (token.isascii() and token.isprintable() and " " not in token):
+            raise ApiTokenError()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)

@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to the embedded SQLite file under ``home``."""
         if self.database_url:
-            return self.database_url
+            return normalise_database_url(self.database_url)
         return f"sqlite:///{(self.home / 'ddpq.db').resolve()}"
 
     @property
@@ -103,7 +103,8 @@ class Settings(BaseSettings):
         """Base URL of the API (no trailing slash), as clients should reach it."""
         if self.api_url:
             return self.api_url.rstrip("/")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        # A wildcard bind is reached on the loopback of its own address family.
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
@@ -137,3 +138,13 @@ def is_loopback_host(host: str) -> bool:
 def get_settings() -> Settings:
     """The process-wide settings from the environment (cached; tests build their own)."""
     return Settings()
+
+
+def normalise_database_url(url: str) -> str:
+    """``postgres://`` and ``postgresql://`` (no driver, as Heroku-style and libpq URLs are
+    written) become ``postgresql+psycopg://``, the driver ddpq ships (psycopg 3); any other
+    URL is returned as given."""
+    for scheme in ("postgres://", "postgresql://"):
+        if url.startswith(scheme):
+            return "postgresql+psycopg://" + url[len(scheme) :]
+    return url

@@ -203,6 +203,8 @@ def _load_yaml(text: str) -> Any:
         raise SpecTextError(
             f"nested deeper than {MAX_SPEC_DEPTH} levels of mappings and lists", "yaml_invalid"
         ) from None
+    except ValueError as exc:  # a constructor's, e.g. an integer of more than 4,300 digits
+        raise SpecTextError(f"not valid YAML/JSON: {exc}", "yaml_invalid") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or " ".join(str(exc).split())

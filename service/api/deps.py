@@ -52,6 +52,7 @@ def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
 
 
 async def get_caller(
+    request: Request,
     db: Annotated[Database, Depends(get_db)],
     settings: Annotated[Settings, Depends(get_app_settings)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
@@ -65,11 +66,14 @@ async def get_caller(
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing, unknown or
-            revoked token.
+            revoked token, or more than one Authorization header.
         DatabaseUnavailableError: the token could not be looked up (503).
     """
     if not settings.auth_enabled:
         return Caller(owner=settings.default_owner, admin=True)
+    if len(request.headers.getlist("authorization")) > 1:
+        # A proxy that reads another of them would disagree with us on who is calling.
+        raise _unauthorized("send exactly one Authorization header", "invalid_request")
     if credentials is None:
         raise _unauthorized(
             "missing API token: send `Authorization: Bearer <token>` (set DDPQ_TOKEN for the "

@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
+from service.api.jobs import MAX_INT64
 from service.errors import NotFoundError
 from service.jobs import get_job
 from service.spec_text import SpecTextError, display_text, parse_spec_text
@@ -159,9 +160,11 @@ def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) ->
     With auth off, a job that does not exist gets a small 404 page. With auth on the page
     cannot know the caller, so it says nothing about the job: its script shows "not found"
     when the API answers 404."""
-    if settings.auth_enabled:
+    if settings.auth_enabled and 1 <= job_id <= MAX_INT64:
         return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id, **_state_lists())
     try:
+        if not 1 <= job_id <= MAX_INT64:  # no such id can exist (ids are 64-bit)
+            raise NotFoundError(f"job {job_id} not found")
         with db.session(write=False) as session:
             get_job(session, job_id)
     except NotFoundError:

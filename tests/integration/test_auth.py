@@ -236,3 +236,16 @@ def test_oversized_body_is_413_and_stores_nothing(
         r = api.post(f"{API}/jobs", json=big, headers=headers)
         assert r.status_code == 413, r.text
     assert job_count(db) == 0
+
+
+def test_two_authorization_headers_are_refused(api: TestClient, tokens: dict[str, str]) -> None:
+    """Whichever header a proxy in front reads, the app must not pick another: two → 401."""
+    mine = submit_as(api, tokens["alice"], name="alice-job")
+    for first, second in ((tokens["alice"], tokens["bob"]), (tokens["bob"], tokens["alice"])):
+        r = api.get(
+            f"{API}/jobs/{mine['id']}",
+            headers=[("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")],
+        )
+        assert r.status_code == 401, r.text
+        assert 'error="invalid_request"' in r.headers["www-authenticate"]
+    assert api.get(f"{API}/jobs/{mine['id']}", headers=bearer(tokens["alice"])).status_code == 200

@@ -118,3 +118,8 @@ def test_json_value_problems_walks_keys_values_and_depth() -> None:
         (("body", "d", "e"), "a set is not a JSON value: write it as quoted text"),
     ]
     assert json_value_problems({"ok": [None, True, 3, "x", {"y": 2.5}]}) == []
+
+
+def test_an_integer_beyond_pythons_digit_limit_is_a_parse_error() -> None:
+    exc = refused("name: x\ntraining: {epochs: 1" + "0" * 5000 + "}")
+    assert "not valid YAML/JSON" in str(exc) and "4300 digits" in str(exc)

@@ -88,6 +88,9 @@ def test_missing_job_is_a_404_page_with_a_way_back(client: TestClient, job_id: i
     assert "data-job-id" not in res.text, "no empty job panels under the banner"
     assert "job.js" not in res.text
     assert "content-security-policy" in res.headers
+    for beyond in (2**63, 10**30):  # past any 64-bit id: the same page, never a 500/503
+        far = client.get(f"/jobs/{beyond}")
+        assert far.status_code == 404 and f"Job {beyond} was not found" in far.text
 
 
 def test_submit_form_offers_every_builtin_task_and_its_fields(client: TestClient) -> None:
