@@ -14,6 +14,8 @@ DIGITS_IMAGES = 1797  # scikit-learn's bundled 8×8 digits
 # Both splits of the digits must hold at least one batch on every rank, whatever the seed.
 MIN_TEST_FRACTION = 0.05
 MAX_TEST_FRACTION = 0.5
+# Values (float32) of the regression dataset each rank builds: 2^28 values = 1 GiB.
+MAX_REGRESSION_VALUES = 2**28
 
 
 class _TaskConfig(BaseModel):
@@ -37,6 +39,20 @@ class RegressionConfig(_TaskConfig):
         default=None, ge=0, description="The one rank whose loss is NaN (default: every rank)."
     )
     sleep_per_step_ms: float = Field(default=0.0, ge=0, le=60_000)
+
+    @model_validator(mode="after")
+    def _dataset_fits_in_memory(self) -> RegressionConfig:
+        """Each rank builds the whole dataset (float32 inputs + targets): refuse at submit
+        a size that could only fail at runtime with an allocation error."""
+        values = self.num_samples * (self.in_features + self.out_features)
+        if values > MAX_REGRESSION_VALUES:
+            raise ValueError(
+                f"num_samples × (in_features + out_features) = {values:,} values "
+                f"({values * 4 / 2**30:,.1f} GiB per rank) exceeds "
+                f"{MAX_REGRESSION_VALUES:,} ({MAX_REGRESSION_VALUES * 4 / 2**30:.0f} GiB); "
+                "lower num_samples or in_features"
+            )
+        return self
 
 
 class DigitsConfig(_TaskConfig):

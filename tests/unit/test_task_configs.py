@@ -10,6 +10,7 @@ import pytest
 from service.config import Settings
 from service.errors import SpecValidationError
 from service.spec import validate_spec
+from service.task_configs import RegressionConfig
 
 SETTINGS = Settings()
 
@@ -78,3 +79,9 @@ def test_config_that_cannot_train_is_refused(
 def test_workable_config_is_accepted(task: str, config: dict[str, Any]) -> None:
     spec = validate_spec({"name": "t", "task": task, "config": config}, SETTINGS)
     assert spec.config.items() >= config.items()
+
+
+def test_a_regression_dataset_too_big_for_memory_is_refused_at_submit() -> None:
+    with pytest.raises(ValueError, match="lower num_samples or in_features"):
+        RegressionConfig(num_samples=10_000_000, in_features=100_000)
+    RegressionConfig(num_samples=1_000_000, in_features=100)  # 0.4 GiB: fine
