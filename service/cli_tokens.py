@@ -58,6 +58,10 @@ def token_create(
         token_id = row.id
     role = "admin token" if admin else "token"
     err.print(f"created {role} {token_id} for owner {owner}; it is shown only now:", soft_wrap=True)
+    err.print(
+        "(a server checks tokens only with auth on: DDPQ_AUTH=on, or a non-loopback --host)",
+        soft_wrap=True,
+    )
     typer.echo(token)
 
 
