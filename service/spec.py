@@ -140,6 +140,9 @@ class JobSpec(_Part):
         return self.task in BUILTIN_TASK_CONFIGS
 
 
+FAULT_RANK_KNOBS = ("fail_rank", "hang_rank", "nan_rank")
+
+
 def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     """Rules that span fields, as ``(loc, message)`` pairs naming the field to change."""
     r = spec.resources
@@ -170,6 +173,17 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
         )
     if spec.slurm is not None and spec.launcher != "slurm":
         problems.append((("slurm",), "the slurm section applies only to launcher 'slurm'"))
+    world_size = r.nnodes * r.nproc_per_node
+    for knob in FAULT_RANK_KNOBS:  # the regression task's fault injection: a rank that exists
+        rank = spec.config.get(knob) if spec.task == "regression" else None
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= world_size:
+            problems.append(
+                (
+                    ("config", knob),
+                    f"{knob}={rank} but the job has {world_size} rank(s), 0–{world_size - 1}; "
+                    "the fault would never fire",
+                )
+            )
     for i, tag in enumerate(spec.tags):
         if not 1 <= len(tag) <= 100:
             problems.append((("tags", str(i)), "each tag must be 1–100 characters"))

@@ -288,3 +288,15 @@ def test_unknown_task_is_reported_with_other_field_errors_and_a_hint() -> None:
     by_loc = {tuple(e["loc"]): e["msg"] for e in errors}
     assert set(by_loc) == {("body", "task"), ("body", "resources", "nproc_per_node")}, errors
     assert "did you mean 'digits'?" in by_loc[("body", "task")]
+
+
+def test_a_fault_knob_naming_a_rank_the_job_lacks_is_refused() -> None:
+    spec = {"name": "x", "task": "regression", "resources": {"nproc_per_node": 2}}
+    errors = _errors({**spec, "config": {"hang_rank": 2, "hang_at_step": 3}})
+    assert [(e["loc"], e["msg"]) for e in errors] == [
+        (
+            ["body", "config", "hang_rank"],
+            "hang_rank=2 but the job has 2 rank(s), 0–1; the fault would never fire",
+        )
+    ]
+    validate_spec({**spec, "config": {"hang_rank": 1, "hang_at_step": 3}}, SETTINGS)

@@ -77,7 +77,8 @@ def test_config_that_cannot_train_is_refused(
     ],
 )
 def test_workable_config_is_accepted(task: str, config: dict[str, Any]) -> None:
-    spec = validate_spec({"name": "t", "task": task, "config": config}, SETTINGS)
+    data = {"name": "t", "task": task, "config": config, "resources": {"nproc_per_node": 2}}
+    spec = validate_spec(data, SETTINGS)
     assert spec.config.items() >= config.items()
 
 
