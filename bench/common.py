@@ -98,6 +98,30 @@ def cli_main(run: Callable[[str], BenchResult], description: str) -> None:
     sys.stdout.write(text_ + "\n")
 
 
+def interleaved_rates(
+    modes: dict[str, Callable[[], Any]],
+    *,
+    reps: int,
+    steps: int,
+    before: Callable[[], None],
+    finish: Callable[[str], None],
+) -> dict[str, list[float]]:
+    """Steps/s of each mode, ``reps`` repetitions interleaved ABAB… (a noisy machine moves
+    every mode alike). Each timed segment is ``before()`` (untimed: a barrier or a device
+    sync), ``steps`` calls, then ``finish(name)`` (timed: the mode's tail work, e.g. a last
+    flush, and a device sync)."""
+    rates: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(reps):
+        for name, fn in modes.items():
+            before()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            finish(name)
+            rates[name].append(steps / (time.perf_counter() - t0))
+    return rates
+
+
 def sqlite_url(directory: Path) -> str:
     """A SQLite database file URL under ``directory``."""
     return f"sqlite:///{directory / f'bench-{uuid.uuid4().hex[:8]}.db'}"

@@ -20,6 +20,7 @@ from bench.common import (
     BenchResult,
     active_jobs,
     cli_main,
+    interleaved_rates,
     median,
     migrated,
     percentile,
@@ -90,17 +91,15 @@ def run(size: str, *, workdir: Path | None = None, device: str = "cuda") -> Benc
     modes: dict[str, Callable[[], Any]] = {"none": train_step, "ddpq": ddpq, "naive": naive_step}
     for _ in range(pick(size, 3, 20)):
         train_step()
-    rates: dict[str, list[float]] = {k: [] for k in modes}
-    for _ in range(reps):
-        for name, fn in modes.items():
-            _sync(dev)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            if name == "ddpq" and sink.pending:
-                sink.flush()
-            _sync(dev)
-            rates[name].append(steps / (time.perf_counter() - t0))
+
+    def finish(name: str) -> None:
+        if name == "ddpq" and sink.pending:
+            sink.flush()  # the segment's tail: its cost belongs to ddpq
+        _sync(dev)
+
+    rates = interleaved_rates(
+        modes, reps=reps, steps=steps, before=lambda: _sync(dev), finish=finish
+    )
     sink.close()
     med = {k: median(v) for k, v in rates.items()}
     paired = median([d / n for d, n in zip(rates["ddpq"], rates["none"], strict=True)])

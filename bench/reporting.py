@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.common import (
     BenchResult,
     active_jobs,
+    interleaved_rates,
     median,
     migrated,
     parser,
@@ -122,18 +123,19 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
         modes["mlflow_async"] = run_mlflow(False)
     for _ in range(cfg["warmup"]):
         train_step()
-    rates: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(cfg["reps"]):
-        for name, fn in modes.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(cfg["steps"]):
-                fn()
-            if name == "ddpq" and sink.pending:
-                sink.flush()  # the segment's tail: its cost belongs to ddpq
-            if name == "mlflow_async" and mlflow is not None:
-                mlflow.flush_async_logging()
-            rates[name].append(cfg["steps"] / (time.perf_counter() - t0))
+
+    def _barrier() -> None:
+        dist.barrier()
+
+    def finish(name: str) -> None:
+        if name == "ddpq" and sink.pending:
+            sink.flush()  # the segment's tail: its cost belongs to ddpq
+        if name == "mlflow_async" and mlflow is not None:
+            mlflow.flush_async_logging()
+
+    rates = interleaved_rates(
+        modes, reps=cfg["reps"], steps=cfg["steps"], before=_barrier, finish=finish
+    )
     sink.close()
     if mlflow is not None:
         mlflow.end_run()

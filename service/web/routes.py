@@ -160,14 +160,14 @@ def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) ->
     With auth off, a job that does not exist gets a small 404 page. With auth on the page
     cannot know the caller, so it says nothing about the job: its script shows "not found"
     when the API answers 404."""
-    if settings.auth_enabled and 1 <= job_id <= MAX_INT64:
-        return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id, **_state_lists())
-    try:
-        if not 1 <= job_id <= MAX_INT64:  # no such id can exist (ids are 64-bit)
-            raise NotFoundError(f"job {job_id} not found")
-        with db.session(write=False) as session:
-            get_job(session, job_id)
-    except NotFoundError:
+    exists = 1 <= job_id <= MAX_INT64  # ids are 64-bit: no other id can exist
+    if exists and not settings.auth_enabled:
+        try:
+            with db.session(write=False) as session:
+                get_job(session, job_id)
+        except NotFoundError:
+            exists = False
+    if not exists:
         page = _page(
             request, "not_found.html", title="Job not found", message=f"Job {job_id} was not found."
         )
