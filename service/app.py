@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -23,6 +25,7 @@ from service.api.schemas import job_spec_openapi_schemas
 from service.config import Settings, get_settings
 from service.db import Database, redact_url
 from service.errors import ConflictError, DatabaseUnavailableError, DdpqError, SpecValidationError
+from service.reaper import reap_forever
 from service.web import routes as web_routes
 
 log = logging.getLogger(__name__)
@@ -189,9 +192,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # objects, 2-core box; bench #5 poll p99). Once per process (tests build many apps).
         if gc.get_freeze_count() == 0:
             gc.freeze()
+        reaper = asyncio.create_task(reap_forever(db, settings.heartbeat_interval_s))
         try:
             yield
         finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
             db.dispose()
 
     app = FastAPI(

@@ -1,0 +1,46 @@
+"""The API reaps lost workers' jobs on its own (issue 6: "a reaper in workers and in the
+API"): with no worker running, a job whose lease expired goes back to ``queued`` as the next
+attempt, and a live lease is left alone."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi.testclient import TestClient
+
+from service import claims, jobs, migrate, workers
+from service.app import create_app
+from service.config import Settings
+from service.db import Database
+from service.spec import JobSpec
+from service.states import JobState
+
+
+def _running_job(db: Database, lease_s: float) -> int:
+    with db.session() as s:
+        job, _ = jobs.submit_job(s, JobSpec(name="t", task="regression"), owner="local")
+        workers.register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
+    with db.session() as s:
+        claimed = claims.claim_next_job(
+            s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=lease_s
+        )
+        assert claimed is not None and claimed.id == job.id
+        jobs.apply_transition(s, jobs.Transition(job.id, JobState.STARTING, JobState.RUNNING))
+    return job.id
+
+
+def test_the_api_requeues_a_job_whose_lease_expired(settings: Settings, db: Database) -> None:
+    migrate.upgrade(db.engine)
+    lost = _running_job(db, lease_s=0.5)
+    held = _running_job(db, lease_s=3600)
+    fast = settings.model_copy(update={"heartbeat_interval_s": 0.2})
+    with TestClient(create_app(fast)) as api:  # the lifespan runs the reaper; no worker runs
+        deadline = time.monotonic() + 30
+        while api.get(f"/api/v1/jobs/{lost}").json()["state"] != "queued":
+            assert time.monotonic() < deadline, "the API never reaped the lost job"
+            time.sleep(0.1)
+        job = api.get(f"/api/v1/jobs/{lost}").json()
+        assert job["attempt"] == 2
+        events = api.get(f"/api/v1/jobs/{lost}/events").json()["events"]
+        assert events[-1]["reason"] == "worker lost: lease expired"
+        assert api.get(f"/api/v1/jobs/{held}").json()["state"] == "running", "a live lease stays"
