@@ -54,7 +54,14 @@ def bare_first_step_s(tmp: Path, env: dict[str, str]) -> float:
     repo = str(Path(__file__).resolve().parents[1])
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))}
     t0 = time.time()
-    subprocess.run(argv, env=env, cwd=repo, check=True, capture_output=True, timeout=120)
+    proc = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, timeout=120)
+    # The anchor is the time of step 1, written by rank 0 before teardown: a failure after it
+    # (torch 2.13's gloo can abort a process at exit, see worker/runtime/__main__.py) changes
+    # nothing measured. Without the file the run really failed.
+    if not out.exists():
+        raise RuntimeError(
+            f"bare torchrun exited {proc.returncode} before step 1:\n{proc.stderr[-3000:]}"
+        )
     return float(out.read_text().split()[0]) - t0
 
 
