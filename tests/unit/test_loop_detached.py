@@ -10,6 +10,7 @@ real one runs against real Slurm in tests/slurm/.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from sqlalchemy import update
 
@@ -17,7 +18,7 @@ from service import jobs
 from service.config import Settings
 from service.db import Database
 from service.jobs import Transition
-from service.models import Job, Worker
+from service.models import Job, Worker, utcnow
 from service.spec import JobSpec
 from service.states import JobState
 from service.workers import register_worker
@@ -125,9 +126,15 @@ def test_clean_shutdown_leaves_the_job_running_and_the_next_worker_adopts_it(
 
 def test_a_lost_workers_job_is_adopted_not_requeued(settings: Settings, db: Database) -> None:
     backend: dict[str, RunStatus] = {}
-    a = _loop(settings.model_copy(update={"lease_s": 0.01}), db, FakeSlurm(backend, db), "a")
+    a = _loop(settings, db, FakeSlurm(backend, db), "a")
     job_id = _submit(db)
     a.tick()  # then "a" dies without a word (SIGKILL): its lease runs out
+    with db.session() as s:  # set, not waited for: a tiny lease_s raced b's first tick
+        s.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+        )
     handle = _job(db, job_id).scheduler_job_id
     assert handle
     b = _loop(settings, db, FakeSlurm(backend, db), "b")
