@@ -46,7 +46,7 @@ def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
             points = [
                 MetricPoint("loss", step0 + b * batch + i, 0.5, 0, now) for i in range(1, batch + 1)
             ]
-            with db.session() as session:
+            with db.session(one_statement=True) as session:  # as the rank-0 sink writes
                 record_metrics(session, job_id, 1, points)
         elapsed = time.perf_counter() - t0
         db.dispose()
@@ -115,7 +115,8 @@ def run(size: str) -> BenchResult:
         res.goals[f"b{batch}>=0.3_ceiling"] = ours / ceiling >= GOAL_RATIO
     res.notes.append(
         "rate = all points ÷ the slowest writer's seconds (connect excluded); "
-        "b50 = the sink's flush size (FLUSH_EVERY_POINTS), b1000 = a backlog batch; "
+        "b50 = a small flush (the first report, a time-rule flush of a slow job), b1000 = a "
+        "backlog batch (WRITE_BATCH_POINTS; a count-rule flush is FLUSH_EVERY_POINTS = 500); "
         "plain = psycopg executemany + COMMIT, copy = psycopg COPY FROM STDIN + COMMIT; "
         "ceiling = the faster of the two (the 0.3 goal is against it)"
     )

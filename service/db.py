@@ -92,21 +92,25 @@ class Database:
     engine: Engine
     _read: sessionmaker[Session]
     _write: sessionmaker[Session]
+    _one_statement: sessionmaker[Session]
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> Database:
         """Create the engine for ``url`` and the session factories bound to it."""
         engine = make_engine(url, **engine_kwargs)
         write_engine = engine.execution_options(ddpq_write=True)
-        read_engine = engine
+        read_engine = one_statement_engine = engine
         if engine.dialect.name == "postgresql":
             # Reads run in autocommit: no BEGIN/COMMIT round trips. Under READ COMMITTED each
-            # statement had its own snapshot anyway, so a read scope sees the same data.
+            # statement had its own snapshot anyway, so a read scope sees the same data. A
+            # write that is one statement is atomic by itself: autocommit too.
             read_engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+            one_statement_engine = write_engine.execution_options(isolation_level="AUTOCOMMIT")
         return cls(
             engine=engine,
             _read=sessionmaker(bind=read_engine, expire_on_commit=False),
             _write=sessionmaker(bind=write_engine, expire_on_commit=False),
+            _one_statement=sessionmaker(bind=one_statement_engine, expire_on_commit=False),
         )
 
     @property
@@ -115,20 +119,25 @@ class Database:
         return self.engine.dialect.name
 
     @contextmanager
-    def session(self, *, write: bool = True) -> Iterator[Session]:
+    def session(self, *, write: bool = True, one_statement: bool = False) -> Iterator[Session]:
         """A session in one transaction: commit on success, roll back on error.
 
         ``write=True`` takes SQLite's write lock at BEGIN so read-then-write transactions
         (claims, transitions) wait for the lock instead of failing. ``write=False`` is for
         reads only: on PostgreSQL it runs in autocommit (each statement its own snapshot, as
-        under READ COMMITTED), so a write there would not be rolled back on error. Driver
-        errors are turned into ddpq errors here and nowhere else.
+        under READ COMMITTED), so a write there would not be rolled back on error.
+        ``one_statement=True`` is a write scope for work that is a single self-contained
+        statement on PostgreSQL (``service.metrics.record_metrics``): it runs in autocommit
+        there, saving the BEGIN and COMMIT round trips (bench #6); on SQLite it is the plain
+        write scope. Driver errors are turned into ddpq errors here and nowhere else.
 
         Raises:
             DatabaseUnavailableError: connection or operational failure (HTTP 503).
             ConflictError: an integrity constraint was violated (HTTP 409).
         """
-        factory = self._write if write else self._read
+        factory = self._read
+        if write:
+            factory = self._one_statement if one_statement else self._write
         session = factory()
         try:
             yield session

@@ -1,7 +1,8 @@
 """The fast ingest, poll and claim statements keep the semantics of the slow ones (both DBs).
 
-``record_metrics`` fences and inserts in one statement on PostgreSQL (arrays + unnest) and as
-one executemany on SQLite; ``query_points`` reads plain rows (an index-only scan on
+``record_metrics`` fences and inserts in one statement on PostgreSQL (one JSON parameter read by
+``json_to_recordset``, run in autocommit by the sink's one-statement scope) and as one
+executemany on SQLite; ``query_points`` reads plain rows (an index-only scan on
 PostgreSQL); ``claim_next_job`` claims and writes its event in one statement on PostgreSQL.
 """
 
@@ -187,3 +188,39 @@ def test_a_late_batch_never_overwrites_a_newer_latest_value(db: Database) -> Non
         assert job is not None and job.progress == {}
         assert job.latest_metrics is not None
         assert job.latest_metrics["loss"] == {"step": 11, "value": "Infinity"}
+
+
+def test_the_one_statement_scope_writes_atomically_and_fences(db: Database) -> None:
+    """The sink's scope: autocommit on PostgreSQL (no BEGIN/COMMIT round trips), the plain
+    write transaction on SQLite; either way the batch lands whole or not at all."""
+    job_id = _running_job(db)
+    odd = 'val/acc "top-1" \\ \u00e9\u4e2d {x,y}'  # quotes, backslash, non-ASCII, braces
+    batch = [MetricPoint(odd, 1, 0.5), MetricPoint("loss", 1, 2.0)]
+    with db.session(one_statement=True) as s:
+        if db.dialect == "postgresql":
+            assert s.connection().connection.driver_connection.autocommit is True
+        assert metrics.record_metrics(s, job_id, 1, batch, progress={"step": 1}) == 2
+    assert _steps(db, job_id, odd) == [1] and _steps(db, job_id) == [1]
+    with db.session() as s:
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.RUNNING, JobState.QUEUED))
+    with db.session(one_statement=True) as s, pytest.raises(StaleAttemptError):
+        metrics.record_metrics(s, job_id, 1, [MetricPoint("loss", 2, 1.0)], progress={"step": 2})
+    assert _steps(db, job_id) == [1]
+    with db.session(write=False) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.progress == {"step": 1}, "a stale write changed progress"
+
+
+def test_progress_alone_keeps_an_empty_latest_metrics_a_mapping(db: Database) -> None:
+    job_id = _running_job(db)
+    with db.session(one_statement=True) as s:  # the sink's write of progress with no points
+        assert metrics.record_metrics(s, job_id, 1, [], progress={"step": 0}) == 0
+    with db.session(write=False) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.progress == {"step": 0}
+        assert job.latest_metrics in ({}, None), job.latest_metrics
+    with db.session(one_statement=True) as s:
+        metrics.record_metrics(s, job_id, 1, [MetricPoint("loss", 1, 0.5)])
+    with db.session(write=False) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.latest_metrics == {"loss": {"step": 1, "value": 0.5}}

@@ -334,7 +334,7 @@ class DatabaseSink(MetricsSink):
             if not batch and progress is None:
                 return True
             try:
-                with self.db.session() as session:
+                with self.db.session(one_statement=True) as session:
                     record_metrics(
                         session,
                         self.job_id,
