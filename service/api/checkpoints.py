@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from fastapi.responses import FileResponse
 
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
 from service.artifacts import confine
@@ -24,14 +24,12 @@ router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], response
     summary="A job's checkpoints",
     responses=ERRORS,
 )
-def checkpoints_route(
-    job_id: JobIdPath, db: DbDep, settings: SettingsDep, owner: OwnerDep
-) -> CheckpointListOut:
+def checkpoints_route(job_id: JobIdPath, ctx: ContextDep) -> CheckpointListOut:
     """Live (not rotated away) checkpoints, newest step first; ``path`` is relative to the
     server's artifact directory."""
-    root = settings.resolved_artifact_dir
-    with db.session(write=False) as session:
-        get_job(session, job_id, owner=owner)
+    root = ctx.settings.resolved_artifact_dir
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
         return CheckpointListOut(
             checkpoints=[checkpoint_out(c, root) for c in list_checkpoints(session, job_id)]
         )
@@ -47,17 +45,15 @@ def checkpoints_route(
 def checkpoint_file_route(
     job_id: JobIdPath,
     step: Annotated[int, Path(ge=0, le=MAX_INT64, description="Global step.")],
-    db: DbDep,
-    settings: SettingsDep,
-    owner: OwnerDep,
+    ctx: ContextDep,
 ) -> FileResponse:
     """The checkpoint file written at ``step`` (only files inside the artifact directory are
     served; a recorded path outside it answers 404)."""
-    with db.session(write=False) as session:
-        get_job(session, job_id, owner=owner)
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
         ckpt = get_checkpoint(session, job_id, step)
         stored, sha256 = FsPath(ckpt.path), ckpt.sha256
-    root = settings.resolved_artifact_dir
+    root = ctx.settings.resolved_artifact_dir
     path = confine(root, stored if stored.is_absolute() else root / stored)
     return FileResponse(
         path,

@@ -1,7 +1,9 @@
-"""Request dependencies: the app's Database and Settings, and who the caller is (owner)."""
+"""Request dependencies: the request's context (the app's Database and Settings, and who the
+caller is), checked once per request."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
@@ -51,13 +53,29 @@ def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
     return HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
 
 
-async def get_caller(
+@dataclass(frozen=True)
+class RequestContext:
+    """What a route needs besides its own parameters: the app's Database and Settings and
+    who is calling. One dependency instead of four: FastAPI re-solves every node of a route's
+    dependency tree on every request, ~80 µs each here (bench #5 profile, FastAPI 0.165)."""
+
+    db: Database
+    settings: Settings
+    caller: Caller
+
+    @property
+    def owner(self) -> str | None:
+        """The owner whose jobs the caller may read and change; None means every job (an
+        admin, or anyone when auth is off). Someone else's job is then "not found" (404),
+        not 403, so its existence does not leak."""
+        return self.caller.owner_filter
+
+
+async def get_context(
     request: Request,
-    db: Annotated[Database, Depends(get_db)],
-    settings: Annotated[Settings, Depends(get_app_settings)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
-) -> Caller:
-    """Who is calling: the one place where API tokens are checked.
+) -> RequestContext:
+    """The request's context; the one place where API tokens are checked.
 
     With auth off (``settings.auth_enabled`` False) everyone is ``settings.default_owner``
     and sees every job. With auth on, the ``Authorization: Bearer <token>`` header must hold
@@ -69,8 +87,10 @@ async def get_caller(
             revoked token, or more than one Authorization header.
         DatabaseUnavailableError: the token could not be looked up (503).
     """
+    db: Database = request.app.state.db
+    settings: Settings = request.app.state.settings
     if not settings.auth_enabled:
-        return Caller(owner=settings.default_owner, admin=True)
+        return RequestContext(db, settings, Caller(owner=settings.default_owner, admin=True))
     if len(request.headers.getlist("authorization")) > 1:
         # A proxy that reads another of them would disagree with us on who is calling.
         raise _unauthorized("send exactly one Authorization header", "invalid_request")
@@ -82,19 +102,12 @@ async def get_caller(
     caller = await run_in_threadpool(_find_caller, db, credentials.credentials)
     if caller is None:
         raise _unauthorized("invalid or revoked API token", "invalid_token")
-    return caller
-
-
-async def get_owner(caller: Annotated[Caller, Depends(get_caller)]) -> str | None:
-    """The owner whose jobs the caller may read and change; None means every job (an admin,
-    or anyone when auth is off). Someone else's job is then "not found" (404), not 403, so
-    its existence does not leak."""
-    return caller.owner_filter
+    return RequestContext(db, settings, caller)
 
 
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
-CallerDep = Annotated[Caller, Depends(get_caller)]
-OwnerDep = Annotated[str | None, Depends(get_owner)]
-# For routers and routes whose handlers need no caller but must not run without one.
-REQUIRE_CALLER = Depends(get_caller)
+ContextDep = Annotated[RequestContext, Depends(get_context)]
+# On every router that needs a caller, so no route of it can run without one; its routes take
+# ``ctx: ContextDep`` (the same call: FastAPI's per-request cache runs it once).
+REQUIRE_CALLER = Depends(get_context)

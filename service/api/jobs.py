@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, Resp
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, CallerDep, DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.schemas import (
     EventListOut,
     JobListOut,
@@ -150,9 +150,7 @@ def _json_response(
 )
 async def submit(
     request: Request,
-    db: DbDep,
-    settings: SettingsDep,
-    caller: CallerDep,
+    ctx: ContextDep,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -166,9 +164,9 @@ async def submit(
     """Validate the spec (every bad field reported at once) and queue it: 201 with the job,
     or 200 with the earlier job when ``Idempotency-Key`` was used before for this spec
     (422 when it was used for another)."""
-    spec = await run_in_threadpool(_validated, await request.body(), settings)
+    spec = await run_in_threadpool(_validated, await request.body(), ctx.settings)
     job, created = await run_in_threadpool(
-        _store, db, spec, caller.owner, idempotency_key, settings.submissions_per_minute
+        _store, ctx.db, spec, ctx.caller.owner, idempotency_key, ctx.settings.submissions_per_minute
     )
     location = f"{request.url.path.rstrip('/')}/{job.id}"
     return _json_response(job, 201 if created else 200, {"Location": location})
@@ -182,9 +180,7 @@ async def submit(
 )
 def list_jobs_route(
     request: Request,
-    db: DbDep,
-    settings: SettingsDep,
-    owner: OwnerDep,
+    ctx: ContextDep,
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[
         int, Query(ge=1, le=MAX_INT64, description="Page size (capped by DDPQ_MAX_LIST_LIMIT).")
@@ -196,12 +192,12 @@ def list_jobs_route(
 ) -> Response:
     """One page of the caller's jobs; follow ``next_cursor`` until it is null."""
     before_id = int(cursor) if cursor is not None else None
-    with db.session(write=False) as session:
+    with ctx.db.session(write=False) as session:
         jobs, next_id = list_jobs(
             session,
             state=state,
-            owner=owner,
-            limit=min(limit, settings.max_list_limit),
+            owner=ctx.owner,
+            limit=min(limit, ctx.settings.max_list_limit),
             before_id=before_id,
         )
         page = JobListOut(
@@ -217,13 +213,11 @@ def list_jobs_route(
     summary="Get a job",
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
-def get_job_route(
-    request: Request, job_id: JobIdPath, db: DbDep, settings: SettingsDep, owner: OwnerDep
-) -> Response:
+def get_job_route(request: Request, job_id: JobIdPath, ctx: ContextDep) -> Response:
     """State, attempt, progress, latest metrics and error of one job; a queued job also
     says why it waits (``queue_reason``)."""
-    with db.session(write=False) as session:
-        row = get_job(session, job_id, owner=owner)
+    with ctx.db.session(write=False) as session:
+        row = get_job(session, job_id, owner=ctx.owner)
         reason = None
         if row.state == JobState.QUEUED.value:
             reason = queue_reason(
@@ -232,7 +226,7 @@ def get_job_route(
                 launcher=row.launcher,
                 gpus_per_node=row.gpus_per_node,
                 priority=row.priority,
-                heartbeat_interval_s=settings.heartbeat_interval_s,
+                heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
             )
         job = job_out(row, queue_reason=reason)
     return etag_response(request, job)
@@ -245,11 +239,11 @@ def get_job_route(
     summary="Cancel a job",
     responses={409: {"description": "The job already finished"}, **ERRORS},
 )
-def cancel_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> Response:
+def cancel_route(job_id: JobIdPath, ctx: ContextDep) -> Response:
     """A queued job is cancelled at once; a started one gets ``cancel_requested`` and its
     worker stops it. Repeating the call is harmless; a finished job answers 409."""
-    with db.session() as session:
-        job = job_out(cancel_job(session, job_id, owner=owner))
+    with ctx.db.session() as session:
+        job = job_out(cancel_job(session, job_id, owner=ctx.owner))
     return _json_response(job, 202)
 
 
@@ -259,8 +253,8 @@ def cancel_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> Response:
     summary="State history of a job",
     responses=ERRORS,
 )
-def events_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> EventListOut:
+def events_route(job_id: JobIdPath, ctx: ContextDep) -> EventListOut:
     """Every state change of the job, oldest first."""
-    with db.session(write=False) as session:
-        get_job(session, job_id, owner=owner)
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
         return EventListOut(events=[event_out(e) for e in list_events(session, job_id)])

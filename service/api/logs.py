@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import ValidationError
 
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import LogsOut
 from service.artifacts import confine, rank_log_path
@@ -64,9 +64,7 @@ def _world_size(stored_spec: dict[str, object]) -> int | None:
 )
 def logs_route(
     job_id: JobIdPath,
-    db: DbDep,
-    settings: SettingsDep,
-    owner: OwnerDep,
+    ctx: ContextDep,
     rank: Annotated[int, Query(ge=0, le=1_000_000, description="Global rank.")] = 0,
     attempt: Annotated[
         int | None, Query(ge=1, le=1_000_000, description="Default: the current attempt.")
@@ -79,8 +77,8 @@ def logs_route(
     """At most 256 KiB of the rank's log from ``offset``; follow with ``next_offset``.
     A rank the job does not have (``rank`` ≥ its world_size), or an attempt after its current
     one, answers 404 naming its ranks or attempts."""
-    with db.session(write=False) as session:
-        job = get_job(session, job_id, owner=owner)
+    with ctx.db.session(write=False) as session:
+        job = get_job(session, job_id, owner=ctx.owner)
         current_attempt = job.attempt
         stored_spec = job.spec
     if attempt is not None and attempt > current_attempt:
@@ -91,7 +89,7 @@ def logs_route(
     if world_size is not None and rank >= world_size:
         ranks = "only rank 0" if world_size == 1 else f"ranks 0–{world_size - 1}"
         raise NotFoundError(f"job {job_id} has {ranks}; there is no rank {rank}")
-    root = settings.resolved_artifact_dir
+    root = ctx.settings.resolved_artifact_dir
     path = confine(root, rank_log_path(root, job_id, attempt, rank), must_exist=False)
     text, next_offset, eof = read_log_chunk(path, offset)
     return LogsOut(text=text, next_offset=next_offset, rank=rank, attempt=attempt, eof=eof)

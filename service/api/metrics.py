@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep, SettingsDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import MetricNamesOut, MetricsOut, dump_json, metrics_out
 from service.jobs import get_job
@@ -23,9 +23,7 @@ router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UN
 )
 def metrics_route(
     job_id: JobIdPath,
-    db: DbDep,
-    settings: SettingsDep,
-    owner: OwnerDep,
+    ctx: ContextDep,
     name: Annotated[
         str, Query(min_length=1, max_length=100, pattern=r"^[^\x00]+$", description="Metric.")
     ] = "loss",
@@ -48,9 +46,9 @@ def metrics_route(
 ) -> Response:
     """Steps after ``after_step`` in ascending order (poll on with ``next_after_step``), or,
     with ``max_points``, the whole history min/max-decimated so spikes and extremes survive."""
-    cap = settings.max_metric_points
-    with db.session(write=False) as session:
-        get_job(session, job_id, owner=owner)
+    cap = ctx.settings.max_metric_points
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
         if max_points is not None:
             rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
             next_after = rows[-1].step if rows else after_step
@@ -69,8 +67,8 @@ def metrics_route(
     summary="Names of a job's metrics",
     responses=ERRORS,
 )
-def metric_names_route(job_id: JobIdPath, db: DbDep, owner: OwnerDep) -> MetricNamesOut:
+def metric_names_route(job_id: JobIdPath, ctx: ContextDep) -> MetricNamesOut:
     """Every metric name the job reported, sorted."""
-    with db.session(write=False) as session:
-        get_job(session, job_id, owner=owner)
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
         return MetricNamesOut(names=metric_names(session, job_id))

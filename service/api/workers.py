@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, OwnerDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.schemas import WorkerListOut, worker_out
 from service.jobs import owned_job_ids
 from service.workers import list_workers
@@ -18,12 +18,12 @@ router = APIRouter(tags=["workers"], dependencies=[REQUIRE_CALLER], responses=UN
 
 
 @router.get("/workers", response_model=WorkerListOut, summary="Workers and their heartbeats")
-def workers_route(db: DbDep, owner: OwnerDep) -> WorkerListOut:
+def workers_route(ctx: ContextDep) -> WorkerListOut:
     """Every worker, newest heartbeat first, with the ids of the active jobs it holds (only
     the caller's own jobs unless the caller is an admin)."""
-    with db.session(write=False) as session:
+    with ctx.db.session(write=False) as session:
         rows = list_workers(session)
-        if owner is not None:
-            mine = owned_job_ids(session, [j for _, held in rows for j in held], owner)
+        if ctx.owner is not None:
+            mine = owned_job_ids(session, [j for _, held in rows for j in held], ctx.owner)
             rows = [(w, [j for j in held if j in mine]) for w, held in rows]
         return WorkerListOut(workers=[worker_out(w, held) for w, held in rows])
