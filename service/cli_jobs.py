@@ -151,7 +151,8 @@ def list_command(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="Most jobs to show.")] = 20,
 ) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first; with an owner column when they belong to more than one owner
+    (an admin token, or auth off with several owners' jobs)."""
     with friendly_errors():
         page = make_client().list_jobs(state=state, limit=limit)
     out.print(jobs_table(page["jobs"]))

@@ -259,19 +259,34 @@ def format_job_summary(
     return Group(head, grid)
 
 
-def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table:
-    """A table of Jobs: id, name, state, attempt, progress, loss, launcher, age.
+def shows_owner(jobs: list[dict[str, Any]]) -> bool:
+    """Whether a job table needs an owner column: only when its jobs have more than one owner.
 
-    Fits 80 columns: only the name shrinks (cut with …); id, state and the rest are never
-    cut; times are ages (``3m ago``) measured from ``now`` (default: the current time).
+    The list response does not say whether the caller is an admin; a caller who sees only
+    their own jobs always gets one owner, and so does an embedded setup where every job is
+    ``local``: a column repeating one name would only take width from the job names.
+    """
+    return len({job.get("owner") for job in jobs}) > 1
+
+
+def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table:
+    """A table of Jobs: id, name, owner (see ``shows_owner``), state, attempt, progress,
+    loss, launcher, age.
+
+    Fits 80 columns: only the name and the owner shrink (cut with …); id, state and the
+    rest are never cut; times are ages (``3m ago``) measured from ``now`` (default: the
+    current time).
     """
     now = now or datetime.now(UTC)
+    with_owner = shows_owner(jobs)
     table = Table(
         box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True
     )
-    # Rich narrows "wrappable" columns first: the name is the only one.
+    # Rich narrows "wrappable" columns first: the name and the owner are the only ones.
     table.add_column("id", no_wrap=True, justify="right")
     table.add_column("name", min_width=4)
+    if with_owner:
+        table.add_column("owner", min_width=5)
     table.add_column("state", no_wrap=True)
     for header in ("attempt", "progress", "loss"):
         table.add_column(header, no_wrap=True, justify="right")
@@ -284,9 +299,13 @@ def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table
         loss = (job.get("latest_metrics") or {}).get("loss", "")
         if isinstance(loss, int | float) and not isinstance(loss, bool):
             loss = f"{loss:.4g}"
+        owner = (
+            [cell(job.get("owner") or "", no_wrap=True, overflow="ellipsis")] if with_owner else []
+        )
         table.add_row(
             cell(job["id"]),
             cell(job["name"], no_wrap=True, overflow="ellipsis"),
+            *owner,
             state_text(job["state"]),
             cell(job["attempt"]),
             cell(shown),

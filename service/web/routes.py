@@ -27,6 +27,7 @@ from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
 from service.api.jobs import MAX_INT64
 from service.errors import NotFoundError
 from service.jobs import get_job
+from service.spec import JobSpec
 from service.spec_text import SpecTextError, display_text, parse_spec_text
 from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState
 from service.task_configs import BUILTIN_TASK_CONFIGS
@@ -72,13 +73,58 @@ class FormField:
     """One input of the submit form, derived from a pydantic field."""
 
     name: str
-    kind: str  # "int" | "float" | "text"
+    kind: str  # "int" | "float" | "text" | "bool" | "choice" | "list"
     default: str
     optional: bool
     minimum: str
     maximum: str
     pattern: str
     description: str
+    path: str = ""  # where the value goes in the spec ("training.lr"); spec fields only
+    label: str = ""
+    choices: tuple[tuple[str, str], ...] = ()  # a <select>'s (value, text) pairs
+    hint: bool = False  # show the description under the input (else only as its title)
+    bounds: str = ""  # for people: "≥ 10, ≤ 604800"; spec fields only
+
+
+# The spec fields the form offers, as (legend, [(path, label, show the description?)]).
+# Defaults, bounds, choices and descriptions come from the spec models, so the form cannot
+# drift from what the API fills in. Launcher-specific fields (nnodes, cpus_per_task, mem_gb,
+# slurm) are left to a pasted spec: the form submits to the local launcher.
+SPEC_FORM_GROUPS: tuple[tuple[str, tuple[tuple[str, str, bool], ...]], ...] = (
+    (
+        "",
+        (
+            ("resources.nproc_per_node", "Ranks (nproc_per_node)", False),
+            ("resources.gpus_per_node", "GPUs per node", False),
+            ("training.epochs", "Epochs", False),
+            ("training.max_steps", "Max steps (blank: all epochs)", False),
+            ("training.batch_size", "Batch size per rank", False),
+            ("training.lr", "Learning rate", False),
+            ("training.optimizer", "Optimizer", False),
+            ("training.seed", "Seed", False),
+            ("training.log_every_steps", "Log every N steps", False),
+            ("training.amp", "Mixed precision (amp)", True),
+            ("backend", "Backend", False),
+            ("resources.timeout_min", "Timeout (minutes)", False),
+            ("priority", "Priority (higher runs first)", False),
+            ("tags", "Tags (comma-separated)", False),
+        ),
+    ),
+    (
+        "Checkpoints, failures and restarts",
+        (
+            ("training.checkpoint_every_steps", "Checkpoint every N steps", False),
+            ("training.checkpoint_every_epochs", "Checkpoint every N epochs", False),
+            ("training.keep_checkpoints", "Keep newest N checkpoints", False),
+            ("training.stall_timeout_s", "Stall timeout (seconds)", True),
+            ("training.nonfinite_loss", "On a NaN/inf loss", True),
+            ("max_restarts", "Max restarts after a failure", False),
+        ),
+    ),
+)
+# Form defaults that differ from the spec's on purpose: the form is for trying DDP, so 2 ranks.
+FORM_DEFAULTS = {"resources.nproc_per_node": "2"}
 
 
 def _bound(info: FieldInfo, *names: str) -> str:
@@ -91,7 +137,8 @@ def _bound(info: FieldInfo, *names: str) -> str:
 
 
 def _kind(annotation: Any) -> tuple[str, bool]:
-    """``("int" | "float" | "text", optional)`` for a field's annotation."""
+    """``("int" | "float" | "bool" | "choice" | "list" | "text", optional)`` for a field's
+    annotation (``choice``: a ``Literal``)."""
     args = typing.get_args(annotation)
     optional = False
     origin = typing.get_origin(annotation)
@@ -99,11 +146,89 @@ def _kind(annotation: Any) -> tuple[str, bool]:
         optional = type(None) in args
         inner = [a for a in args if a is not type(None)]
         annotation = inner[0] if len(inner) == 1 else str
+    if annotation is bool:
+        return "bool", optional
     if annotation is int:
         return "int", optional
     if annotation is float:
         return "float", optional
+    if typing.get_origin(annotation) is typing.Literal:
+        return "choice", optional
+    if typing.get_origin(annotation) is list:
+        return "list", optional
     return "text", optional
+
+
+def _bounds_text(info: FieldInfo) -> str:
+    """A field's numeric bounds for its tooltip: ``"> 0, ≤ 100"``; blank when it has none."""
+    parts = []
+    for name, sign in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
+        value = _bound(info, name)
+        if value:
+            parts.append(f"{sign} {value}")
+    return ", ".join(parts)
+
+
+def _form_default(value: Any) -> str:
+    """A field's default as the text its input starts with (None and [] → blank)."""
+    if value is None or value == []:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _spec_field(path: str) -> FieldInfo:
+    """The pydantic field at a dotted spec ``path`` (``"training.lr"``).
+
+    Raises:
+        KeyError: no such field (a typo in ``SPEC_FORM_GROUPS``; the route tests catch it).
+    """
+    model: Any = JobSpec
+    *parents, name = path.split(".")
+    for part in parents:
+        model = model.model_fields[part].annotation
+    info: FieldInfo = model.model_fields[name]
+    return info
+
+
+def spec_form_fields() -> list[tuple[str, list[FormField]]]:
+    """The form's spec inputs as ``(legend, fields)`` groups (``SPEC_FORM_GROUPS``), each
+    with the spec's default (``FORM_DEFAULTS`` aside), bounds, choices and description."""
+    groups: list[tuple[str, list[FormField]]] = []
+    for legend, entries in SPEC_FORM_GROUPS:
+        fields: list[FormField] = []
+        for path, label, hint in entries:
+            info = _spec_field(path)
+            kind, optional = _kind(info.annotation)
+            inner = info.annotation
+            if optional:
+                inner = next(a for a in typing.get_args(inner) if a is not type(None))
+            choices: tuple[tuple[str, str], ...] = ()
+            if kind == "choice":
+                choices = tuple((str(c), str(c)) for c in typing.get_args(inner))
+            elif kind == "bool":
+                choices = (("true", "on"), ("false", "off"))
+            default = _form_default(info.get_default(call_default_factory=True))
+            fields.append(
+                FormField(
+                    name=path.rsplit(".", 1)[-1],
+                    kind=kind,
+                    default=FORM_DEFAULTS.get(path, default),
+                    optional=optional,
+                    minimum=_bound(info, "ge", "gt"),
+                    maximum=_bound(info, "le", "lt"),
+                    pattern=_bound(info, "pattern"),
+                    description=info.description or "",
+                    path=path,
+                    label=label,
+                    choices=choices,
+                    hint=hint,
+                    bounds=_bounds_text(info),
+                )
+            )
+        groups.append((legend, fields))
+    return groups
 
 
 def task_form_fields() -> dict[str, list[FormField]]:
@@ -184,6 +309,7 @@ def submit_page(request: Request) -> HTMLResponse:
         "submit.html",
         title="Submit a job",
         task_fields=task_form_fields(),
+        spec_groups=spec_form_fields(),
         default_task="regression",
     )
 

@@ -15,7 +15,7 @@ from service import jobs
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
-from service.spec import JobSpec
+from service.spec import JobSpec, Training
 from service.task_configs import BUILTIN_TASK_CONFIGS
 from service.web import routes
 
@@ -105,6 +105,37 @@ def test_submit_form_offers_every_builtin_task_and_its_fields(client: TestClient
     page = client.get("/submit").text
     for task in BUILTIN_TASK_CONFIGS:
         assert f'data-task="{task}"' in page
+
+
+def test_submit_form_offers_every_training_setting_at_the_specs_default(
+    client: TestClient,
+) -> None:
+    fields = [f for _, group in routes.spec_form_fields() for f in group]
+    offered = {f.path: f for f in fields}
+    training = {p.removeprefix("training.") for p in offered if p.startswith("training.")}
+    missing = set(Training.model_fields) - training
+    assert not missing, f"add {sorted(missing)} to routes.SPEC_FORM_GROUPS (the submit form)"
+    assert {"max_restarts", "priority", "tags", "backend"} <= set(offered)
+    defaults = JobSpec(name="x", task="regression").model_dump()
+    for path, f in offered.items():
+        value = defaults
+        for part in path.split("."):
+            value = value[part]
+        if isinstance(value, bool):
+            shown = "true" if value else "false"
+        else:
+            shown = "" if value in (None, []) else str(value)
+        want = routes.FORM_DEFAULTS.get(path, shown)
+        assert f.default == want, f"{path}: the form starts at {f.default!r}, the spec at {value!r}"
+    assert offered["training.nonfinite_loss"].choices == (
+        ("fail", "fail"),
+        ("skip_step", "skip_step"),
+    )
+    assert offered["training.stall_timeout_s"].bounds == "≥ 10, ≤ 604800"
+    page = client.get("/submit").text
+    for path in offered:
+        assert f'data-path="{path}"' in page, f"{path} is not rendered"
+    assert '<option value="fail" selected>' in page and 'value="1800"' in page
 
 
 @pytest.mark.parametrize(

@@ -58,13 +58,19 @@
     node[parts[parts.length - 1]] = value;
   }
 
-  /* A form value as JSON: numbers where they parse, else the raw text so the server's
-   * message ("Input should be a valid integer") reaches the user. Blank → omitted. */
+  /* A form value as JSON: numbers where they parse, true/false for on/off, a list of the
+   * comma-separated items; else the raw text so the server's message ("Input should be a
+   * valid integer") reaches the user. Blank → omitted (the spec's default applies). */
   function convert(raw, kind) {
     const text = raw.trim();
     if (text === "") return undefined;
     if (kind === "int" && /^[+-]?\d+$/.test(text)) return Number(text);
     if (kind === "float" && text !== "" && Number.isFinite(Number(text))) return Number(text);
+    if (kind === "bool" && (text === "true" || text === "false")) return text === "true";
+    if (kind === "list") {
+      const items = text.split(",").map((item) => item.trim()).filter((item) => item !== "");
+      return items.length ? items : undefined;
+    }
     return text;
   }
 
@@ -101,15 +107,32 @@
     return [{ loc: [], msg: typeof detail === "string" ? detail : JSON.stringify(detail) }];
   }
 
+  /* The error slot for `path`, or for the nearest enclosing path the form has an input for
+   * (an error at "tags.1" goes under the tags input, naming the item), with the rest of the
+   * path; null when the form has no input for it. */
+  function errorTarget(path) {
+    const parts = path ? path.split(".") : [];
+    for (let n = parts.length; n > 0; n--) {
+      const at = parts.slice(0, n).join(".");
+      const target = form.querySelector('[data-error-for="' + CSS.escape(at) + '"]');
+      if (target && !target.closest("fieldset:disabled")) return { target, rest: parts.slice(n).join(".") };
+    }
+    return null;
+  }
+
   /* Put each error next to its input when the form has one, else in the list. */
   function showFormErrors(detail) {
     const list = $("form-errors");
     let first = null;
     for (const err of detailList(detail)) {
       const path = errorPath(err.loc);
-      const target = path ? form.querySelector('[data-error-for="' + CSS.escape(path) + '"]') : null;
-      if (target && !target.closest("fieldset:disabled")) {
-        target.textContent = target.textContent ? target.textContent + "; " + err.msg : err.msg;
+      const found = errorTarget(path);
+      if (found) {
+        const { target, rest } = found;
+        // A list item's index is 0-based in the API; people count from 1.
+        const where = /^\d+$/.test(rest) ? "item " + (Number(rest) + 1) : rest;
+        const msg = where ? where + ": " + err.msg : err.msg;
+        target.textContent = target.textContent ? target.textContent + "; " + msg : msg;
         const field = target.closest(".field");
         field.classList.add("invalid");
         if (!first) first = field.querySelector("input, select");
