@@ -74,7 +74,26 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # backend per request. Connections are opened only when needed.
     kwargs.setdefault("pool_size", PG_POOL_SIZE)
     kwargs.setdefault("max_overflow", PG_POOL_SIZE)
-    return create_engine(url, **kwargs)
+    engine = create_engine(url, **kwargs)
+    _install_postgresql_hooks(engine)
+    return engine
+
+
+def _install_postgresql_hooks(engine: Engine) -> None:
+    """Each new connection's session runs in UTC: psycopg then hands back timestamps with
+    ``datetime.UTC`` itself, which ``models.UTCDateTime`` passes through as they are, instead
+    of a server zone such as ``Etc/UTC`` converted row by row (~1 ms per 1,000-point poll).
+    Timestamps are stored as ``timestamptz`` either way, so stored values do not change.
+    Recipe: SQLAlchemy docs, "Setting a Default Schema for New Connections" (connect event,
+    autocommit around the SET so it is not rolled back with the first transaction)."""
+
+    @event.listens_for(engine, "connect", insert=True)
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        autocommit = dbapi_conn.autocommit
+        dbapi_conn.autocommit = True
+        with dbapi_conn.cursor() as cur:
+            cur.execute("SET TIME ZONE 'UTC'")
+        dbapi_conn.autocommit = autocommit
 
 
 def redact_url(url: str) -> str:

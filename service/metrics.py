@@ -284,13 +284,18 @@ def query_points(
         ``(points, next_after_step)``: pass ``next_after_step`` back to continue; it equals
         ``after_step`` when nothing new has arrived.
     """
+    # On the session's connection: a Core execution skips the ORM's result loading, which
+    # cost as much as the query itself for 1,000 plain rows (bench #5 poll profile).
+    # ``.all()``: one fetchall (iterating the result fetched row by row, 6 µs each).
     rows: list[PointRow] = list(
-        session.execute(
+        session.connection()
+        .execute(
             select(*_POINT_COLUMNS)
             .where(Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
             .order_by(Metric.step)
             .limit(limit)
         )
+        .all()
     )
     return rows, (rows[-1].step if rows else after_step)
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
-from service.api.schemas import MetricNamesOut, MetricsOut, dump_json, metrics_out
+from service.api.schemas import MetricNamesOut, MetricsOut, metrics_json
 from service.jobs import get_job
 from service.metrics import downsample_points, metric_names, query_points
 
@@ -56,9 +56,9 @@ def metrics_route(
             rows, next_after = query_points(
                 session, job_id, name, after_step=after_step, limit=min(limit, cap)
             )
-        out = metrics_out(name, rows, next_after)
-    # Serialised here, once: returning the model made FastAPI validate all points again.
-    return Response(dump_json(out), media_type="application/json")
+        body = metrics_json(name, rows, next_after)
+    # Serialised once, here: returning a MetricsOut made FastAPI validate every point again.
+    return Response(body, media_type="application/json")
 
 
 @router.get(

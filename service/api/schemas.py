@@ -9,8 +9,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic_core import PydanticSerializationError
+from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
 from service.artifacts import artifact_relative_path
 from service.metrics import JsonNumber, PointRow, json_safe
@@ -266,17 +267,33 @@ def event_out(event: JobEvent) -> EventOut:
     )
 
 
-def metrics_out(name: str, rows: Sequence[PointRow], next_after_step: int) -> MetricsOut:
-    """Points rows (``service.metrics.query_points``) as the API's JSON-safe points.
+class _PointJson(TypedDict):
+    step: int
+    epoch: int | None
+    value: JsonNumber
+    time: datetime
 
-    Validated as one list of dicts (one pydantic-core call): building 1,000 ``MetricPointOut``
-    one by one cost more than the database query of a poll.
-    """
-    points = [
+
+class _MetricsJson(TypedDict):
+    name: str
+    points: list[_PointJson]
+    next_after_step: int
+
+
+# MetricsOut's shape for serialising only: pydantic validated all 1,000 points of a poll again
+# (2 µs each) before serialising them, for rows the database had already typed.
+_METRICS_JSON: TypeAdapter[_MetricsJson] = TypeAdapter(_MetricsJson)
+
+
+def metrics_json(name: str, rows: Sequence[PointRow], next_after_step: int) -> bytes:
+    """Points rows (``service.metrics.query_points``) as a ``MetricsOut`` JSON body (the same
+    bytes ``MetricsOut`` would give: ``value`` null for NaN, "±Infinity" for ±inf, times in
+    ISO 8601 UTC), serialised in one pydantic-core call without re-validating each point."""
+    points: list[_PointJson] = [
         {"step": step, "epoch": epoch, "value": json_safe(value), "time": time}
         for step, epoch, value, time in rows  # unpacking: 3x faster than Row attributes
     ]
-    return MetricsOut.model_validate(
+    return _METRICS_JSON.dump_json(
         {"name": name, "points": points, "next_after_step": next_after_step}
     )
 

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import insert, update
 
 from service import artifacts, checkpoints, claims, jobs, metrics, workers
+from service.api.schemas import MetricsOut
 from service.app import create_app
 from service.config import Settings
 from service.db import Database
@@ -69,7 +70,11 @@ def test_nan_and_inf_come_back_json_valid(api: TestClient, db: Database) -> None
     assert [p["value"] for p in body["points"]] == [1.5, None, "Infinity", "-Infinity", 0.25]
     assert body["next_after_step"] == 5 and body["name"] == "loss"
     assert body["points"][0]["epoch"] == 0 and body["points"][0]["time"]
+    # The body is serialised without the response model: it must still be one, byte for byte.
+    out = MetricsOut.model_validate_json(r.text)
+    assert out.model_dump_json().encode() == r.content
     job = api.get(f"{API}/jobs/{job_id}").json()
+    assert body["points"][0]["time"][-1] == job["created_at"][-1] == "Z", "times in UTC"
     assert job["latest_metrics"] == {"loss": 0.25}
     assert job["progress"] == {
         "step": 5,
