@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias, cast
 
@@ -13,31 +12,11 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.errors import NotFoundError, StaleAttemptError
+from service.metric_points import MetricPoint, checked_point, json_safe
 from service.models import Job, Metric, utcnow
 from service.states import ACTIVE_STATES
 
-JsonNumber = float | str | None
 _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
-
-
-@dataclass(frozen=True)
-class MetricPoint:
-    """One reported scalar: ``name`` at global ``step`` (1-based), in ``epoch`` (0-based)."""
-
-    name: str
-    step: int
-    value: float
-    epoch: int | None = None
-    time: datetime | None = None
-
-
-def json_safe(value: float | None) -> JsonNumber:
-    """A float as a JSON-valid value: finite → float, NaN/NULL → None, ±inf → "±Infinity"."""
-    if value is None or math.isnan(value):
-        return None
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    return float(value)
 
 
 # PostgreSQL: a whole ``record_metrics`` in one statement, so it needs no transaction of its
@@ -48,8 +27,8 @@ def json_safe(value: float | None) -> JsonNumber:
 # read by ``json_to_recordset``: json.dumps is C, where psycopg dumped 5 array parameters
 # element by element (half the client CPU of a 1,000-point batch, bench #6) and SQLAlchemy
 # would compile a 7-parameters-per-row VALUES list anew for every batch. ``latest_metrics`` is
-# merged as in ``_merge_latest``: a name's entry is replaced unless the stored one has a later
-# step.
+# merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
+# step keeps its first value, as the metrics table does).
 _PG_RECORD = text(
     "WITH job AS (SELECT attempt, state, latest_metrics FROM jobs WHERE id = :job_id FOR UPDATE), "
     "ok AS (SELECT FROM job WHERE job.attempt = :attempt "
@@ -63,7 +42,7 @@ _PG_RECORD = text(
     "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
     "latest_metrics = COALESCE((SELECT json_object_agg(COALESCE(n.key, o.key), CASE "
     "WHEN n.key IS NULL THEN o.value WHEN o.key IS NULL THEN n.value "
-    "WHEN COALESCE((o.value->>'step')::bigint, -1) <= (n.value->>'step')::bigint THEN n.value "
+    "WHEN COALESCE((o.value->>'step')::bigint, -1) < (n.value->>'step')::bigint THEN n.value "
     "ELSE o.value END) "
     "FROM jsonb_each(CASE WHEN json_typeof(jobs.latest_metrics) = 'object' "
     "THEN jobs.latest_metrics::jsonb ELSE '{}'::jsonb END) AS o "
@@ -112,50 +91,34 @@ def check_attempt(session: Session, job_id: int, attempt: int) -> Job:
     return job
 
 
-def _utc(value: datetime) -> datetime:
-    # models.UTCDateTime's rule, checked before any row is written (the PostgreSQL statement
-    # bypasses that type) so both databases raise the same ValueError.
-    if value.tzinfo is None:
-        raise ValueError("naive datetime given to a UTC column")
-    return value
-
-
 def _points_params(points: list[MetricPoint]) -> dict[str, list[Any]]:
-    """The batch as columns: ``names``, ``steps``, ``epochs``, ``values`` (None for NaN) and
-    ``times`` (a point without one gets now).
-
-    Raises:
-        ValueError: a naive ``time``.
-    """
+    """Checked points (``checked_point``) as columns: ``names``, ``steps``, ``epochs``,
+    ``values`` (None for NaN) and ``times`` (a point without one gets now)."""
     now = utcnow()
     return {
         "names": [p.name for p in points],
-        "steps": [int(p.step) for p in points],
+        "steps": [p.step for p in points],
         "epochs": [p.epoch for p in points],
-        "values": [None if math.isnan(p.value) else float(p.value) for p in points],
-        "times": [_utc(p.time) if p.time else now for p in points],
+        "values": [None if math.isnan(p.value) else p.value for p in points],
+        "times": [p.time or now for p in points],
     }
 
 
 def _points_json(points: list[MetricPoint]) -> str:
-    """The batch as the JSON array of records that ``_PG_RECORD`` reads: NaN → null, ±inf →
-    "±Infinity" (PostgreSQL's float8 input reads both), times as ISO 8601 with offset (a point
-    without one gets now).
-
-    Raises:
-        ValueError: a naive ``time``.
-    """
+    """Checked points (``checked_point``) as the JSON array of records that ``_PG_RECORD``
+    reads: NaN → null, ±inf → "±Infinity" (PostgreSQL's float8 input reads both), times as
+    ISO 8601 UTC (a point without one gets now)."""
     now = utcnow()
     iso: dict[datetime, str] = {}  # a flush stamps all its points alike: format each once
     records = []
     for p in points:
-        at = _utc(p.time) if p.time else now
+        at = p.time or now
         text_at = iso.get(at)
         if text_at is None:
             text_at = iso[at] = at.isoformat()
         value = json_safe(p.value)
         records.append(
-            {"name": p.name, "step": int(p.step), "epoch": p.epoch, "value": value, "time": text_at}
+            {"name": p.name, "step": p.step, "epoch": p.epoch, "value": value, "time": text_at}
         )
     return json.dumps(records, allow_nan=False)
 
@@ -187,18 +150,19 @@ def _newest(points: list[MetricPoint]) -> dict[str, dict[str, Any]]:
     """Each name's newest point of the batch as a ``latest_metrics`` entry."""
     newest: dict[str, MetricPoint] = {}
     for p in points:
-        if p.name not in newest or p.step >= newest[p.name].step:
+        if p.name not in newest or p.step > newest[p.name].step:  # the table keeps the first
             newest[p.name] = p
     return {n: {"step": int(p.step), "value": json_safe(p.value)} for n, p in newest.items()}
 
 
 def _merge_latest(stored: Any, newest: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``stored`` latest_metrics with ``newest`` merged in: a name's entry is replaced unless
-    the stored one has a later step (the SQL of ``_PG_RECORD`` does the same)."""
+    """``stored`` latest_metrics with ``newest`` merged in: a name's entry is replaced only by
+    a later step; a repeated step keeps its first value, as the metrics table does (the SQL of
+    ``_PG_RECORD`` does the same)."""
     latest = dict(stored) if isinstance(stored, dict) else {}
     for name, entry in newest.items():
         prev = latest.get(name)
-        if not isinstance(prev, dict) or int(prev.get("step", -1)) <= entry["step"]:
+        if not isinstance(prev, dict) or int(prev.get("step", -1)) < entry["step"]:
             latest[name] = entry
     return latest
 
@@ -218,6 +182,8 @@ def record_metrics(
 ) -> int:
     """Insert ``points`` for the current attempt; duplicates of (job, name, step) are ignored.
 
+    Points are checked first (``metric_points.checked_point``), so both databases refuse the
+    same points with the same error and store the rest alike; a refused batch stores nothing.
     Also merges each name's newest value into ``jobs.latest_metrics`` and, when given,
     replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``). The
     fence, the insert and the job update run in the caller's transaction: one statement on
@@ -227,8 +193,9 @@ def record_metrics(
         The number of rows actually inserted.
     Raises:
         StaleAttemptError / NotFoundError: see ``check_attempt``.
-        ValueError: a point's ``time`` is a naive datetime.
+        ValueError: a point neither database could store alike (see ``checked_point``).
     """
+    points = [checked_point(p) for p in points]
     newest = _newest(points)
     if session.get_bind().dialect.name == "postgresql":
         params = {

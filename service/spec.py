@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from service.config import Settings
 from service.errors import SpecValidationError
+from service.metric_points import MAX_STEP
 from service.spec_text import display_text, json_value_problems
 from service.task_configs import BUILTIN_TASK_CONFIGS
 
@@ -57,14 +58,16 @@ class Training(_Part):
     """Loop settings shared by the built-in tasks (entrypoints may read them too)."""
 
     epochs: int = Field(default=1, ge=1, le=1_000_000)
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this global step.")
+    max_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEP, description="Stop after this global step."
+    )
     batch_size: int = Field(default=32, ge=1, le=1_000_000, description="Per rank.")
     lr: float = Field(default=1e-3, gt=0, le=100)
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
-    log_every_steps: int = Field(default=1, ge=1)
-    checkpoint_every_steps: int | None = Field(default=None, ge=1)
-    checkpoint_every_epochs: int | None = Field(default=None, ge=1)
+    log_every_steps: int = Field(default=1, ge=1, le=MAX_STEP)
+    checkpoint_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEP)
+    checkpoint_every_epochs: int | None = Field(default=None, ge=1, le=1_000_000)
     keep_checkpoints: int = Field(default=3, ge=1, le=1000)
     amp: bool = Field(default=True, description="bf16 autocast on GPU (ignored on CPU).")
     stall_timeout_s: int = Field(

@@ -14,7 +14,8 @@ from pydantic_core import PydanticSerializationError
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
 from service.artifacts import artifact_relative_path
-from service.metrics import JsonNumber, PointRow, json_safe
+from service.metric_points import JsonNumber, json_safe
+from service.metrics import PointRow
 from service.models import Checkpoint, Job, JobEvent, Worker, utcnow
 from service.spec import JobSpec
 from service.spec_text import display_text
@@ -227,10 +228,10 @@ def dump_json(model: BaseModel) -> bytes:
 
 
 def job_out(job: Job, queue_reason: str | None = None) -> JobOut:
-    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``)."""
+    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name)."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
-    for name, entry in metrics.items():
+    for name, entry in sorted(metrics.items()):  # one order on both databases
         latest[str(name)] = _number(entry.get("value") if isinstance(entry, dict) else entry)
     return JobOut(
         id=job.id,

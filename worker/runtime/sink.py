@@ -27,7 +27,8 @@ import torch
 from service.artifacts import metrics_spill_path
 from service.db import Database
 from service.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
-from service.metrics import MetricPoint, json_safe, record_metrics
+from service.metric_points import MetricPoint, json_safe, split_points
+from service.metrics import record_metrics
 from service.models import utcnow
 from worker.runtime.backlog import MetricBacklog
 from worker.runtime.distributed import DistContext, all_reduce_sum_
@@ -258,6 +259,9 @@ class DatabaseSink(MetricsSink):
                 for (n, s, e), v in zip(keys, values, strict=True)
             ]
         points.extend(host)
+        points, refused = split_points(points)
+        if refused:  # one bad point (e.g. a 101-character name) must not stop the curve
+            log.warning("%d metric points refused, the first: %s", len(refused), refused[0])
         for p in points:
             self.latest[p.name] = p.value
         if self._stale.is_set():

@@ -154,7 +154,17 @@
       }
       let changed = false;
       for (const name of state.names) {
-        if (await loadSeries(name)) changed = true;
+        // One series the page cannot load (e.g. a row an older version stored) must not keep
+        // the other charts, the log and the checkpoints from loading: note it on its chart.
+        try {
+          if (await loadSeries(name)) changed = true;
+          ensureSeries(name).node.removeAttribute("data-error");
+        } catch (err) {
+          const s = ensureSeries(name);
+          const why = err && typeof err.detail === "string" ? err.detail : String((err && err.message) || err);
+          s.node.dataset.error = why;
+          s.latest.textContent = "could not load: " + why;
+        }
       }
       return changed;
     }
