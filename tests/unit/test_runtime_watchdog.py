@@ -331,3 +331,33 @@ def test_train_context_calls_start_and_pet_the_watchdog(tmp_path: Path) -> None:
     finally:
         dog.stop()
     assert rec.stalled[0].step == 21
+
+
+@pytest.mark.parametrize(
+    ("step", "epoch", "name", "says"),
+    [
+        (0, None, "loss", "step 0 is outside 1.."),
+        (1, -1, "loss", "epoch -1 is outside 0.."),
+        (1, None, "x" * 101, "must be 1-100 characters"),
+    ],
+)
+def test_ctx_report_refuses_a_point_that_could_not_be_stored(
+    tmp_path: Path, step: int, epoch: int | None, name: str, says: str
+) -> None:
+    """A 0-based step (or a bad epoch or name) fails in the entrypoint's own loop with what to
+    fix, instead of the point being dropped later by the rank-0 writer."""
+    from service.spec import JobSpec
+    from worker.runtime.checkpointing import NullCheckpointer
+    from worker.runtime.context import TrainContext
+    from worker.runtime.distributed import DistContext
+    from worker.runtime.signals import StopFlag
+    from worker.runtime.sink import NullSink
+
+    dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
+    spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})
+    ctx = TrainContext(spec=spec, dist=dist, sink=NullSink(dist), checkpointer=NullCheckpointer(),
+                       stop=StopFlag(), db=None, artifact_dir=tmp_path, job_id=1,
+                       attempt=1)  # fmt: skip
+    with pytest.raises(ValueError, match=says):
+        ctx.report(step, epoch, **{name: 1.0})
+    ctx.report(1, 0, loss=1.0)  # a good point still goes through

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from service.config import Settings
 from service.errors import DdpqError
+from service.metric_points import MetricPoint, checked_point
 from service.spec import JobSpec
 from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
@@ -127,7 +128,14 @@ class TrainContext:
         Tensors stay on their device until a batch is flushed (no host sync per call); floats
         are taken as they are. Only rank 0's values are kept: average over ranks first with
         ``all_reduce_mean`` if you want the global mean. Duplicate (name, step) are ignored.
+
+        Raises:
+            ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
+                metric name over 100 characters (``service.metric_points.checked_point``):
+                raised here, in your loop, rather than the point being dropped at the write.
         """
+        for name in metrics:
+            checked_point(MetricPoint(name, step, 0.0, epoch))
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 self._sink.report(step, epoch, value, name=name)
