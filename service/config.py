@@ -83,7 +83,9 @@ class Settings(BaseSettings):
         description="Require API tokens: 'on', 'off', or 'auto' (on unless `host` is loopback).",
     )
     submissions_per_minute: int = Field(
-        default=60, ge=1, description="Jobs one owner may submit in any 60 s (HTTP 429 beyond)."
+        default=60,
+        ge=1,
+        description="Jobs one owner may submit in any 60 s (HTTP 429 beyond); with auth on only.",
     )
 
     @property

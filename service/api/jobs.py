@@ -92,17 +92,18 @@ def etag_response(request: Request, model: BaseModel) -> Response:
 
 
 def _store(
-    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None, per_minute: int
+    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None, per_minute: int | None
 ) -> tuple[JobOut, bool]:
     """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec. A new
-    job counts against the owner's ``per_minute`` submissions (a replay does not).
+    job counts against the owner's ``per_minute`` submissions (a replay does not; None: no
+    limit).
 
     Raises:
         SpecValidationError: the key was used before for a different spec (422).
         HTTPException: 429 with ``Retry-After`` (seconds): over the owner's rate limit.
     """
     with db.session() as session:
-        if (
+        if per_minute is not None and (
             idempotency_key is None
             or find_job_by_idempotency_key(session, owner, idempotency_key) is None
         ):
@@ -165,8 +166,11 @@ async def submit(
     or 200 with the earlier job when ``Idempotency-Key`` was used before for this spec
     (422 when it was used for another)."""
     spec = await run_in_threadpool(_validated, await request.body(), ctx.settings)
+    # With auth off the one owner is the operator on their own box (a sweep script must not hit
+    # 429 at job 61); the per-owner limit is for servers shared through tokens.
+    per_minute = ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
     job, created = await run_in_threadpool(
-        _store, ctx.db, spec, ctx.caller.owner, idempotency_key, ctx.settings.submissions_per_minute
+        _store, ctx.db, spec, ctx.caller.owner, idempotency_key, per_minute
     )
     location = f"{request.url.path.rstrip('/')}/{job.id}"
     return _json_response(job, 201 if created else 200, {"Location": location})

@@ -76,6 +76,16 @@ def test_over_the_limit_is_429_with_retry_after_and_stores_nothing(
     assert job_count(db) == LIMIT + 2
 
 
+def test_with_auth_off_a_sweep_is_not_limited(settings: Settings, db: Database) -> None:
+    """The embedded default (auth off, one owner: the operator) queues a sweep of jobs past
+    the per-owner limit; the limit is for servers shared through tokens."""
+    open_box = settings.model_copy(update={"auth": "off", "submissions_per_minute": LIMIT})
+    with TestClient(create_app(open_box)) as client:
+        codes = [client.post(f"{API}/jobs", json=SPEC).status_code for _ in range(LIMIT + 2)]
+    assert codes == [201] * (LIMIT + 2)
+    assert job_count(db) == LIMIT + 2
+
+
 def test_concurrent_submitters_never_overshoot(settings: Settings, db: Database) -> None:
     spec = validate_spec(SPEC, settings)
     refused: list[int] = []
