@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # Connections a PostgreSQL engine keeps open (and may open again beyond that, briefly).
 PG_POOL_SIZE = 16
+# Seconds a PostgreSQL connection attempt may take (libpq connect_timeout) unless the URL says
+# otherwise: a server that accepts TCP but never answers must not hang a worker or a request.
+PG_CONNECT_TIMEOUT_S = 10
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -69,6 +72,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         _install_sqlite_hooks(engine)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    if "connect_timeout" not in parsed.query:
+        kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S} | dict(
+            kwargs.get("connect_args") or {}
+        )
     # Enough pooled connections for the API's threadpool under load: with the default 5 (+10
     # overflow, closed on return) a burst of concurrent requests opened and closed a server
     # backend per request. Connections are opened only when needed.

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from service import db as db_module
 from service import migrate
 from service.app import create_app
 from service.config import Settings
@@ -69,6 +73,24 @@ def test_unreachable_database(tmp_path: Path) -> None:
     assert ready.status_code == 503 and PASSWORD not in ready.text
     jobs = probe.get("/api/v1/jobs")
     assert jobs.status_code == 503 and PASSWORD not in jobs.text
+
+
+def test_a_database_that_never_answers_fails_in_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that accepts TCP but never speaks PostgreSQL (a hung server, a wrong port behind
+    a proxy): without a connect timeout every worker tick and API request hung on it."""
+    monkeypatch.setattr(db_module, "PG_CONNECT_TIMEOUT_S", 1)
+    with socket.socket() as silent:  # listens (the kernel completes handshakes), never reads
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        db = Database.from_url(f"postgresql+psycopg://ddpq@127.0.0.1:{port}/x")
+        t0 = time.monotonic()
+        with pytest.raises(DatabaseUnavailableError), db.session(write=False) as s:
+            s.execute(text("SELECT 1"))
+        assert time.monotonic() - t0 < 10, "the connect timeout did not apply"
+        db.dispose()
 
 
 def test_static_and_dashboard_router_are_mounted(settings: Settings, db: Database) -> None:
