@@ -229,6 +229,7 @@ def format_job_summary(
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
+    grid.add_row("owner", cell(job.get("owner") or ""))
     if job["state"] == "queued" and job.get("queue_reason"):
         grid.add_row("queued", cell(job["queue_reason"]))
     line = progress_line(job)

@@ -40,6 +40,7 @@ def job(**changes: Any) -> dict[str, Any]:
         "state": "running",
         "attempt": 1,
         "launcher": "local",
+        "owner": "alice",
         "progress": {"step": 39, "total_steps": 400, "epoch": 1, "samples_per_s": 123.4,
                      "eta_s": 80.0},
         "latest_metrics": {"loss": 0.123456789},
@@ -97,6 +98,7 @@ def test_summary_shows_progress_queue_reason_and_checkpoint_file() -> None:
     )
     assert re.search(r"^progress\s+step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s$", text, re.M)
     assert re.search(r"^file\s+/a/jobs/3/x\.pt$", text, re.M), text
+    assert re.search(r"^owner\s+alice$", text, re.M), text
     assert not re.search(r"^queued", text, re.M), "only a queued job says why it waits"
     queued = job(state="queued", progress=None, queue_reason="no live worker for launcher local")
     text = render(format_job_summary(queued, None, None, "http://h/jobs/3"), 120)
