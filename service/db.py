@@ -125,7 +125,7 @@ class Database:
         """Create the engine for ``url`` and the session factories bound to it."""
         engine = make_engine(url, **engine_kwargs)
         write_engine = engine.execution_options(ddpq_write=True)
-        read_engine = one_statement_engine = engine
+        read_engine, one_statement_engine = engine, write_engine
         if engine.dialect.name == "postgresql":
             # Reads run in autocommit: no BEGIN/COMMIT round trips. Under READ COMMITTED each
             # statement had its own snapshot anyway, so a read scope sees the same data. A

@@ -199,6 +199,9 @@ def test_the_one_statement_scope_writes_atomically_and_fences(db: Database) -> N
     with db.session(one_statement=True) as s:
         if db.dialect == "postgresql":
             assert s.connection().connection.driver_connection.autocommit is True
+        else:  # BEGIN IMMEDIATE: a deferred BEGIN made the sink's fenced write "database is
+            # locked" at once under a concurrent writer, instead of waiting for the lock
+            assert s.connection().get_execution_options().get("ddpq_write") is True
         assert metrics.record_metrics(s, job_id, 1, batch, progress={"step": 1}) == 2
     assert _steps(db, job_id, odd) == [1] and _steps(db, job_id) == [1]
     with db.session() as s:

@@ -4,6 +4,8 @@ Database outages: test_runtime_sink_outage.py."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,20 +127,24 @@ def test_flush_writes_one_batch_with_progress(
 
 
 def test_duplicates_are_ignored_on_replay(
-    db: Database, job: tuple[int, int], sink: DatabaseSink
+    db: Database, job: tuple[int, int], sink: DatabaseSink, caplog: pytest.LogCaptureFixture
 ) -> None:
     job_id, _ = job
     for step in range(1, 11):
         sink.report(step, 0, torch.tensor(float(step)))
     sink.flush()
-    for step in range(5, 16):  # a resumed attempt replays steps 5..10
-        sink.report(step, 0, torch.tensor(-1.0))
-    sink.flush()
-    sink.close()
+    with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
+        for step in range(5, 16):  # a resumed attempt replays steps 5..10
+            sink.report(step, 0, torch.tensor(-1.0))
+        sink.flush()
+        sink.close()
     values = loss_values(db, job_id)
     assert sorted(values) == list(range(1, 16))
     assert values[5] == 5.0, "the first write of (job, name, step) must win"
     assert values[15] == -1.0
+    # A loop whose step restarts every epoch loses points this way: the log says so, once.
+    repeats = [r.getMessage() for r in caplog.records if "already stored" in r.getMessage()]
+    assert len(repeats) == 1 and re.match(r"6 of (11|21) metric points", repeats[0]), repeats
 
 
 def _hold_job_row(db: Database, job_id: int) -> object:

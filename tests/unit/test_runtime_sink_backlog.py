@@ -68,6 +68,24 @@ def test_persist_keeps_every_unsent_point_oldest_first(tmp_path: Path) -> None:
     assert kept[0] == points(2, 2)[0]
 
 
+def test_persist_keeps_points_that_were_only_in_memory(tmp_path: Path) -> None:
+    """The common end of an outage: a few points below the memory cap, never spilled. The
+    file persist writes must survive close (it was removed as "drained")."""
+    spill = tmp_path / "metrics-spill.jsonl"
+    backlog = MetricBacklog(spill, memory_cap=100)
+    backlog.append(points(1, 5))
+    assert backlog.persist() == 5
+    backlog.close()
+    assert spill.exists(), "persisted points were deleted at close"
+    assert steps([decode_point(line) for line in spill.read_bytes().splitlines()]) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+
+
 def test_discard_forgets_everything(tmp_path: Path) -> None:
     spill = tmp_path / "metrics-spill.jsonl"
     backlog = MetricBacklog(spill, memory_cap=2)

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -361,3 +362,6 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
     with pytest.raises(ValueError, match=says):
         ctx.report(step, epoch, **{name: 1.0})
     ctx.report(1, 0, loss=1.0)  # a good point still goes through
+    ctx.report(torch.tensor(2), np.int64(0), loss=1.0)  # what loops compute their step with
+    ctx.report(np.int64(3), loss=1.0)
+    assert type(ctx.last_step) is int and ctx.last_step == 3

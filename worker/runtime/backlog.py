@@ -158,6 +158,10 @@ class MetricBacklog:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.spill_path)
+            # The file now holds every waiting point: account for it so that ``close`` keeps
+            # it (it removed the file when the points had only been in memory).
+            self._memory.clear()
+            self._in_file, self._read_offset = count, 0
             return count
 
     def close(self) -> None:

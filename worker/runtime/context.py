@@ -133,9 +133,10 @@ class TrainContext:
             ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
                 metric name over 100 characters (``service.metric_points.checked_point``):
                 raised here, in your loop, rather than the point being dropped at the write.
+                Integer numpy scalars and 0-d tensors are fine as ``step`` and ``epoch``.
         """
-        for name in metrics:
-            checked_point(MetricPoint(name, step, 0.0, epoch))
+        checked = [checked_point(MetricPoint(n, step, 0.0, epoch)) for n in metrics or ["step"]]
+        step, epoch = checked[0].step, checked[0].epoch  # numpy/tensor ints as plain ints
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 self._sink.report(step, epoch, value, name=name)

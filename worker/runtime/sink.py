@@ -218,6 +218,7 @@ class DatabaseSink(MetricsSink):
         self._closing = threading.Event()
         self._close_timeout_s = close_timeout_s
         self._stale = threading.Event()
+        self._warned_repeats = False
         self._outage_since: float | None = None
         self._outage_logged_s = 0.0
         self.written = 0
@@ -339,7 +340,7 @@ class DatabaseSink(MetricsSink):
                 return True
             try:
                 with self.db.session(one_statement=True) as session:
-                    record_metrics(
+                    inserted = record_metrics(
                         session,
                         self.job_id,
                         self.attempt,
@@ -359,6 +360,15 @@ class DatabaseSink(MetricsSink):
                 log.exception("metrics write failed; %d points kept", len(self._backlog))
                 return False
             self._backlog.drop_oldest(len(batch))
+            if inserted < len(batch) and not self._warned_repeats:
+                self._warned_repeats = True  # once per attempt: a resume repeats steps too
+                log.warning(
+                    "%d of %d metric points had a (name, step) already stored and were ignored: "
+                    "normal when steps are replayed after a resume; otherwise report a global "
+                    "step that keeps growing across epochs",
+                    len(batch) - inserted,
+                    len(batch),
+                )
             with self._progress_lock:
                 if self._progress is progress:
                     self._progress = None
