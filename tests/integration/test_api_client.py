@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
@@ -20,6 +17,7 @@ from service.config import Settings
 from service.db import Database
 from service.metrics import MetricPoint
 from service.states import JobState
+from tests.live import serve_app
 
 SPEC = {"name": "c", "task": "regression", "training": {"max_steps": 3}}
 
@@ -27,22 +25,8 @@ SPEC = {"name": "c", "task": "regression", "training": {"max_steps": 3}}
 @pytest.fixture
 def client(settings: Settings, db: Database) -> Iterator[DdpqClient]:
     """A client of the API of ``settings``, served by uvicorn in a thread."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    with DdpqClient(f"http://127.0.0.1:{port}/", token="t0ken") as c:
+    with serve_app(create_app(settings)) as url, DdpqClient(url + "/", token="t0ken") as c:
         yield c
-    server.should_exit = True
-    thread.join(10)
 
 
 def test_client_round_trip(

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
@@ -25,6 +21,7 @@ from service.client import ApiError, DdpqClient
 from service.config import Settings
 from service.db import Database
 from service.models import ApiToken
+from tests.live import serve_app
 
 runner = CliRunner()
 API = "/api/v1"
@@ -145,21 +142,8 @@ def test_the_database_password_appears_nowhere(
 @pytest.fixture
 def live_auth_url(settings: Settings, db: Database) -> Iterator[str]:
     """The API of ``settings`` with auth on, served by uvicorn on a free loopback port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app_ = create_app(settings.model_copy(update={"auth": "on"}))
-    server = uvicorn.Server(uvicorn.Config(app_, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_app(create_app(settings.model_copy(update={"auth": "on"}))) as url:
+        yield url
 
 
 def test_cli_and_client_send_ddpq_token(

@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from typer.testing import CliRunner
 
@@ -31,6 +30,7 @@ from service.config import Settings
 from service.db import Database
 from service.metrics import MetricPoint
 from service.states import JobState
+from tests.live import serve_app
 
 runner = CliRunner()
 SPEC: dict[str, Any] = {"name": "digits-2", "task": "digits", "resources": {"nproc_per_node": 2}}
@@ -46,19 +46,8 @@ def free_port() -> int:
 @pytest.fixture
 def live_url(settings: Settings, db: Database) -> Iterator[str]:
     """The API of ``settings`` served by uvicorn in a thread on a free loopback port."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(settings)) as url:
+        yield url
 
 
 def ddpq(url: str, *args: str, env: dict[str, str] | None = None) -> Any:

@@ -5,21 +5,18 @@ does not."""
 from __future__ import annotations
 
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from service.app import create_app
 from service.cli import app
 from service.config import Settings
 from service.db import Database
+from tests.live import serve_app
 
 runner = CliRunner()
 LONG_OWNER = "bob-" + "b" * 40  # shown whole on a wide terminal, cut with … on 80 columns
@@ -28,22 +25,8 @@ LONG_OWNER = "bob-" + "b" * 40  # shown whole on a wide terminal, cut with … o
 @pytest.fixture
 def live_auth_url(settings: Settings, db: Database) -> Iterator[str]:
     """The API of ``settings`` with auth on, served by uvicorn on a free loopback port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings.model_copy(update={"auth": "on"})), log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_app(create_app(settings.model_copy(update={"auth": "on"}))) as url:
+        yield url
 
 
 def token_for(settings: Settings, owner: str, *admin: str) -> str:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -19,7 +17,6 @@ from urllib.parse import quote
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, text
 
@@ -34,6 +31,7 @@ from service.models import Metric
 from service.spec import JobSpec
 from service.states import JobState
 from service.tokens import create_token, list_tokens, revoke_token
+from tests.live import serve_app
 from worker.runtime.sink import DatabaseSink
 
 API = "/api/v1"
@@ -342,19 +340,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Databa
     settings = Settings(home=root / ".ddpq", database_url=url, artifact_dir=root / "a")
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", db, settings
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_app(create_app(settings)) as url:
+        yield url, db, settings
     db.dispose()
 
 

@@ -92,6 +92,12 @@ class LiveServer:
         job: dict[str, Any] = res.json()
         return job
 
+    def job_count(self) -> int:
+        """How many jobs the API lists (up to 500): to check a refused submit stored none."""
+        res = self.api.get("/jobs", params={"limit": 500})
+        assert res.status_code == 200, res.text
+        return len(res.json()["jobs"])
+
     def start(self, job_id: int, worker_id: str = "seed-worker") -> None:
         """Claim ``job_id`` as ``worker_id`` and move it to running (as a worker would)."""
         with self.db.session() as session:

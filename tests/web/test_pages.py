@@ -217,16 +217,10 @@ def test_names_and_texts_with_markup_render_as_text(open_page: Any, live_server:
         assert live_server.api.post(f"/jobs/{job_id}/cancel").status_code == 202
 
 
-def job_count(live_server: Any) -> int:
-    res = live_server.api.get("/jobs", params={"limit": 500})
-    assert res.status_code == 200, res.text
-    return len(res.json()["jobs"])
-
-
 def test_bad_spec_in_form_shows_field_errors_and_stores_nothing(
     open_page: Any, live_server: Any
 ) -> None:
-    before = job_count(live_server)
+    before = live_server.job_count()
     w = open_page("/submit")
     w.allow_console(UNPROCESSABLE)
     page = w.page
@@ -241,7 +235,7 @@ def test_bad_spec_in_form_shows_field_errors_and_stores_nothing(
     expect(page.locator('.field.invalid[data-field="resources.nproc_per_node"]')).to_have_count(1)
     w.screenshot("submit-errors-desktop")
     assert page.url.endswith("/submit")
-    assert job_count(live_server) == before, "a rejected spec must not be stored"
+    assert live_server.job_count() == before, "a rejected spec must not be stored"
 
     # The task's own config schema is checked once the spec's shape is right.
     page.fill('[data-path="resources.nproc_per_node"]', "2")
@@ -258,11 +252,11 @@ def test_bad_spec_in_form_shows_field_errors_and_stores_nothing(
     page.click("#submit-form")
     expect(nproc_error).to_contain_text("one GPU per rank")
     expect(hidden_error).to_have_text("")
-    assert job_count(live_server) == before
+    assert live_server.job_count() == before
 
 
 def test_pasted_spec_errors_then_success(open_page: Any, live_server: Any) -> None:
-    before = job_count(live_server)
+    before = live_server.job_count()
     w = open_page("/submit")
     w.allow_console(UNPROCESSABLE)
     page = w.page
@@ -283,7 +277,7 @@ def test_pasted_spec_errors_then_success(open_page: Any, live_server: Any) -> No
     expect(errors.locator('li[data-path="colour"]')).to_have_count(1)
     page.set_viewport_size({"width": 390, "height": 844})
     w.screenshot("submit-paste-errors-phone")
-    assert job_count(live_server) == before
+    assert live_server.job_count() == before
 
     page.fill(
         "#spec-text",
@@ -295,7 +289,7 @@ def test_pasted_spec_errors_then_success(open_page: Any, live_server: Any) -> No
     expect(page.locator("#job-name")).to_have_text("pasted-yaml")
     job_id = int(page.url.rsplit("/", 1)[1])
     assert live_server.job(job_id)["spec"]["tags"] == ["web"]
-    assert job_count(live_server) == before + 1
+    assert live_server.job_count() == before + 1
     assert live_server.api.post(f"/jobs/{job_id}/cancel").status_code == 202
 
 

@@ -36,16 +36,10 @@ SHOWN_DEFAULTS = {
 }
 
 
-def job_count(live_server: Any) -> int:
-    res = live_server.api.get("/jobs", params={"limit": 500})
-    assert res.status_code == 200, res.text
-    return len(res.json()["jobs"])
-
-
 def test_form_shows_spec_defaults_then_stores_what_was_set(
     open_page: Any, live_server: Any
 ) -> None:
-    before = job_count(live_server)
+    before = live_server.job_count()
     w = open_page("/submit")
     w.allow_console(UNPROCESSABLE)
     page = w.page
@@ -60,7 +54,7 @@ def test_form_shows_spec_defaults_then_stores_what_was_set(
     stall_error = field('[data-error-for="training.stall_timeout_s"]')
     expect(stall_error).to_contain_text("greater than or equal to 10")
     expect(field('.field.invalid[data-field="training.stall_timeout_s"]')).to_have_count(1)
-    assert job_count(live_server) == before, "a rejected spec must not be stored"
+    assert live_server.job_count() == before, "a rejected spec must not be stored"
 
     # A rule spanning two inputs has no single input: it is listed under the form.
     page.fill('[data-path="training.stall_timeout_s"]', "120")
@@ -77,7 +71,7 @@ def test_form_shows_spec_defaults_then_stores_what_was_set(
     expect(field('[data-error-for="tags"]')).to_contain_text("item 2: each tag must be 1–100")
     expect(field("#form-errors")).to_be_hidden()
     w.screenshot("submit-settings-errors-desktop")
-    assert job_count(live_server) == before
+    assert live_server.job_count() == before
 
     page.fill('[data-path="tags"]', " web , nightly,")
     page.select_option('[data-path="training.nonfinite_loss"]', "skip_step")
@@ -104,7 +98,7 @@ def test_form_shows_spec_defaults_then_stores_what_was_set(
     }, spec["training"]
     assert (spec["max_restarts"], spec["priority"], spec["backend"]) == (2, -5, "gloo"), spec
     assert spec["tags"] == ["web", "nightly"], "blank items between commas are dropped"
-    assert job_count(live_server) == before + 1
+    assert live_server.job_count() == before + 1
     assert live_server.api.post(f"/jobs/{job_id}/cancel").status_code == 202
 
 
