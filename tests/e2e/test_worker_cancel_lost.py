@@ -5,6 +5,8 @@ SIGKILLed (the reaper must cancel, not requeue) or stopped with SIGTERM right af
 from __future__ import annotations
 
 import signal
+import sqlite3
+import time
 from typing import Any
 
 import pytest
@@ -23,6 +25,26 @@ def _running_job(dep: Any) -> int:
     return job_id
 
 
+def _freeze(dep: Any, worker: Any) -> None:
+    """SIGSTOP ``worker`` at a moment it holds no SQLite write lock. Frozen inside a write
+    transaction it would block every other writer (the API's cancel) until it runs again:
+    SQLite's nature, not what these tests are about (a CI run hit it once)."""
+    path = dep.db.engine.url.database
+    for _ in range(100):
+        worker.signal(signal.SIGSTOP)
+        probe = sqlite3.connect(path, timeout=0.5, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: by the worker, or by a rank's brief write
+            worker.signal(signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    raise AssertionError("the worker held the database write lock at every try")
+
+
 def _cancel(dep: Any, job_id: int) -> None:
     r = dep.http.post(f"/jobs/{job_id}/cancel")
     assert r.status_code == 202, r.text
@@ -34,7 +56,7 @@ def test_cancel_accepted_while_the_worker_is_frozen_then_killed(deployment: Any)
     dep = deployment
     first = dep.start_worker()
     job_id = _running_job(dep)
-    first.signal(signal.SIGSTOP)
+    _freeze(dep, first)
     _cancel(dep, job_id)
     first.signal(signal.SIGKILL)
     first.popen.wait(30)
@@ -52,7 +74,7 @@ def test_cancel_accepted_just_before_the_worker_is_stopped(deployment: Any) -> N
     dep = deployment
     first = dep.start_worker()
     job_id = _running_job(dep)
-    first.signal(signal.SIGSTOP)  # no heartbeat can tell it of the cancel before the SIGTERM
+    _freeze(dep, first)  # no heartbeat can tell it of the cancel before the SIGTERM
     _cancel(dep, job_id)
     first.signal(signal.SIGTERM)
     first.signal(signal.SIGCONT)
