@@ -22,16 +22,26 @@ CHECKPOINT_EVERY_STEPS = 4
 
 
 def rank_pids(dep: Any, job_id: int) -> list[int]:
-    """The job's rank processes (torchrun's children), not torchrun itself."""
-    pids = []
-    for pid in dep.processes(job_id):
+    """The job's rank processes: forked by the agent's fork server, so each has its parent's
+    command line (torchrun's agent, the fork server and multiprocessing's resource tracker
+    were each started with a command line of their own)."""
+
+    def cmdline_and_parent(pid: int) -> tuple[bytes, int] | None:
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return Path(f"/proc/{pid}/cmdline").read_bytes(), int(stat.rsplit(")", 1)[1].split()[1])
         except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline:
-            pids.append(pid)
-    return pids
+            return None
+
+    pids = set(dep.processes(job_id))
+    ranks = []
+    for pid in pids:
+        me = cmdline_and_parent(pid)
+        if me is not None and me[1] in pids:
+            parent = cmdline_and_parent(me[1])
+            if parent is not None and parent[0] == me[0]:
+                ranks.append(pid)
+    return sorted(ranks)
 
 
 def loss_steps(dep: Any, job_id: int) -> list[int]:
@@ -89,7 +99,9 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(
         return len(ckpts) >= 2 and bool(steps) and steps[-1] >= ckpts[0]["step"]
 
     dep.wait_for(two_checkpoints_and_their_losses, 120, "two checkpoints and their losses")
-    for pid in rank_pids(dep, job_id):  # a crash: no stop checkpoint, no goodbye flush
+    ranks = rank_pids(dep, job_id)
+    assert len(ranks) == spec["resources"]["nproc_per_node"], ranks
+    for pid in ranks:  # a crash: no stop checkpoint, no goodbye flush
         os.kill(pid, signal.SIGKILL)
     newest, previous = checkpoints(dep, job_id)[:2]
     assert loss_steps(dep, job_id)[-1] >= previous["step"]

@@ -86,7 +86,7 @@ def test_ranks_die_when_torchrun_is_killed(settings: Settings, db: Database) -> 
         _wait_for(training, SLOW_BOX_S, "the ranks to report losses")
         ranks = [pid for pid in find_tagged_processes(tags) if pid != torchrun]
         assert len(ranks) >= 2, f"expected 2 rank processes, found {ranks}"
-        os.kill(torchrun, signal.SIGKILL)  # torchrun only: its ranks are in their own sessions
+        os.kill(torchrun, signal.SIGKILL)  # the agent only, not its process group
         try:
             _wait_for(
                 lambda: not [p for p in find_tagged_processes(tags) if p != torchrun],

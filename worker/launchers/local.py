@@ -1,9 +1,11 @@
 """The local launcher: each attempt is one torchrun process group on the worker's host.
 
 torchrun (``--standalone``: its own rendezvous on a free port, so jobs never share a port)
-runs ``nproc_per_node`` rank processes of ``python -m worker.runtime``. torchrun starts every
-rank in a session of its own, so signalling torchrun's process group does not reach the ranks
-directly; we find an attempt's processes by the tags every one of them carries in its
+runs ``nproc_per_node`` rank processes of ``worker.runtime``, started by
+``python -m worker.runtime.agent`` (torchrun's agent with the ranks forked warm from a fork
+server; see that module). Ranks may live in sessions of their own (torchrun starts a script
+entry that way), so signalling torchrun's process group need not reach them; we find an
+attempt's processes by the tags every one of them carries in its
 environment (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``, ``DDPQ_ARTIFACT_DIR``) and signal their groups
 too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun stops its ranks
 (and each rank sets its own, ``worker.runtime.main.die_with_parent``, in case torchrun dies).
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 
 NAME = "local"
 RANK_ENTRY: tuple[str, ...] = ("-m", "worker.runtime")
+# torchrun with warm ranks (forked with torch and ddpq imported); any other entry runs as
+# under plain torchrun. See worker/runtime/agent.py.
+AGENT_MODULE = "worker.runtime.agent"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
 DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
@@ -187,7 +192,7 @@ class LocalLauncher:
         """
         r = spec.resources
         argv = [
-            self.python, "-m", "torch.distributed.run",
+            self.python, "-m", AGENT_MODULE,
             "--standalone",
             "--nnodes", "1",
             "--nproc_per_node", str(r.nproc_per_node),

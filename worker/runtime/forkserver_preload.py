@@ -1,0 +1,25 @@
+"""Imported once, by the fork server of ``worker.runtime.agent`` only, before it forks ranks.
+
+It loads everything a ddpq rank imports before its first step, so each forked rank starts
+with it in memory: torch, ``torch._dynamo`` (imported lazily by DistributedDataParallel's
+constructor: ~3 s on a 2-core box) and ddpq's runtime.
+
+It also makes the fork server ignore SIGTERM. A cancel or a preemption SIGTERMs the attempt's
+whole process group; the fork server must outlive the ranks it forked, because it is what
+tells torchrun's agent how each rank exited (a dead fork server reads as exit code 255 for
+ranks still saving their stop checkpoint). It still ends with the agent: it exits when the
+agent's end of its pipe closes. Each rank restores SIGTERM first thing
+(``worker.runtime.agent.rank_main``).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch._dynamo
+import torch.nn.parallel  # noqa: F401
+
+import worker.runtime.main  # noqa: F401
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
