@@ -209,8 +209,9 @@ def serving(url: str, tmp: Path, workers: int) -> Iterator[tuple[str, int]]:
 
 
 def measure_get_job(base: str, pid: int, job_id: int, duration_s: float) -> dict[str, Any]:
-    """GET /jobs/{id} load after a 0.5 s warm-up: req/s, p50/p99 (ms) and the server's CPU
-    per request (µs; all its processes)."""
+    """GET /jobs/{id} load after a 0.5 s warm-up: req/s, p50/p99 (ms), the server's CPU
+    per request (µs; all its processes) and the box's 1-minute load average at the end (other
+    work on a shared box takes cores from the server and the load generator)."""
     load_get_job(base, job_id, 0.5)  # warm-up
     cpu0 = process_cpu_s(pid)
     rps, lat = load_get_job(base, job_id, duration_s)
@@ -222,6 +223,7 @@ def measure_get_job(base: str, pid: int, job_id: int, duration_s: float) -> dict
         "server_cpu_us_per_req": (
             None if cpu0 is None or cpu1 is None else round((cpu1 - cpu0) / len(lat) * 1e6)
         ),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -293,6 +295,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "get_job_p50_ms": one["p50_ms"],
         "get_job_p99_ms": one["p99_ms"],
         "get_job_server_cpu_us_per_req": one["server_cpu_us_per_req"],
+        "get_job_load_avg_1m": one["load_avg_1m"],
         "api_workers": workers,
         f"get_job_{workers}_workers": per_core,
         "poll_p50_ms": round(median(poll_s) * 1000, 2),

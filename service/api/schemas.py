@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic_core import PydanticSerializationError
+from sqlalchemy import Row
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
 from service.artifacts import artifact_relative_path
@@ -227,8 +228,9 @@ def dump_json(model: BaseModel) -> bytes:
         return type(model).model_validate(_escaped(model.model_dump())).model_dump_json().encode()
 
 
-def job_out(job: Job, queue_reason: str | None = None) -> JobOut:
-    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name)."""
+def job_out(job: Job | Row[Any], queue_reason: str | None = None) -> JobOut:
+    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
+    a Core row from ``service.jobs.get_job_row`` works as well as a ``Job``."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     for name, entry in sorted(metrics.items()):  # one order on both databases
