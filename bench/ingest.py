@@ -1,9 +1,12 @@
-"""Benchmark #6: points/s into PostgreSQL via ``record_metrics`` from 4 writers vs plain INSERTs."""
+"""Benchmark #6: points/s into PostgreSQL from 4 writers vs plain INSERTs and COPY: via
+``record_metrics`` at fixed batch sizes, and via the real rank-0 sink of 4 jobs at once."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -27,6 +30,57 @@ COLUMNS = "job_id, name, step, attempt, epoch, value, time"
 # The anchors: no fencing, no duplicate check, no job update, one COMMIT per batch. The ceiling
 # is the faster of the two per batch size (COPY usually wins on big batches).
 ANCHORS = ("plain", "copy")
+# The sink mode's metric name: its rows are counted apart from the other modes' (same steps).
+SINK_NAME = "sink"
+_start: Any = None  # the sink mode's start barrier, set in each pool process (_init)
+
+
+def _init(barrier: Any) -> None:
+    global _start
+    _start = barrier
+
+
+def _sink_job(args: tuple[str, int, int, int]) -> tuple[float, float, int]:
+    """One job's rank 0 as ``worker.runtime.main`` builds it (``make_sink``) and the Trainer
+    drives it (``report``, ``flush_due``/``time_due`` → ``flush`` with progress, a last
+    ``flush``, ``close``), reporting ``points`` points as fast as it can after a barrier.
+
+    Returns:
+        (first report, sink closed) on the monotonic clock in seconds (comparable across
+        processes), and the points the sink says it wrote.
+    """
+    url, job_id, step0, points = args
+    import torch
+
+    from service.db import Database
+    from service.metrics import record_metrics
+    from worker.runtime.sink import Progress, make_sink
+
+    db = Database.from_url(url)
+    with db.session() as session:  # connect outside the timed part, as the other modes do
+        record_metrics(session, job_id, 1, [])
+    last = step0 + points
+    with tempfile.TemporaryDirectory(prefix="ddpq-bench-sink-") as artifacts:
+        sink = make_sink(0, None, db, job_id, 1, artifact_dir=Path(artifacts))
+        loss = torch.tensor(0.5)
+        _start.wait(timeout=300)
+        t0 = time.monotonic()
+        for step in range(step0 + 1, last + 1):
+            sink.report(step, 0, loss, SINK_NAME)
+            if sink.flush_due() or sink.time_due():
+                sink.flush(Progress(step, last, 0, None, None))
+        sink.flush(Progress(last, last, 0, None, None))
+        sink.close()
+        t1 = time.monotonic()
+    written = int(getattr(sink, "written", 0))
+    db.dispose()
+    return t0, t1, written
+
+
+def _count_rows(conninfo: str, schema: str, name: str) -> int:
+    with psycopg.connect(conninfo, options=f"-csearch_path={schema}") as conn:
+        row = conn.execute("SELECT count(*) FROM metrics WHERE name = %s", (name,)).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
@@ -74,9 +128,18 @@ def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
 
 
 def run(size: str) -> BenchResult:
-    """Points/s with 4 writer processes, ddpq vs plain batched INSERT, interleaved per rep."""
+    """Points/s with 4 writer processes, interleaved per rep: ``record_metrics`` at fixed
+    batches vs plain batched INSERT and COPY; then 4 jobs' rank-0 sinks (``sink``) vs the
+    anchors at the sink's flush size (``FLUSH_EVERY_POINTS``).
+
+    Raises:
+        RuntimeError: the sinks' rows in the table differ from the points they reported.
+    """
+    from worker.runtime.sink import FLUSH_EVERY_POINTS
+
     batch_sizes: list[int] = pick(size, [50], [50, 1000])
     total_points = pick(size, 2_000, 5_000, 40_000)  # per writer per repetition
+    sink_points = pick(size, 2_000, 20_000, 40_000)  # per job per repetition (sink mode)
     reps = pick(size, 2, 3)
     res = BenchResult("ingest", size)
     schema_pg_url = PG_URL.replace("postgresql+psycopg://", "postgresql://")
@@ -88,7 +151,7 @@ def run(size: str) -> BenchResult:
         ctx = mp.get_context("spawn")
         rates: dict[str, list[float]] = {}
         step0 = 0
-        with ctx.Pool(WRITERS) as pool:
+        with ctx.Pool(WRITERS, initializer=_init, initargs=(ctx.Barrier(WRITERS),)) as pool:
             for batch in batch_sizes:
                 batches = max(1, total_points // batch)
                 for _ in range(reps):
@@ -100,25 +163,54 @@ def run(size: str) -> BenchResult:
                             WRITERS * batches * batch / wall
                         )
                     step0 += batches * batch + 1
+            flush = FLUSH_EVERY_POINTS
+            batches = max(1, sink_points // flush)
+            written = 0
+            for _ in range(reps):
+                spans = pool.map(_sink_job, [(url, j, step0, sink_points) for j in jobs])
+                wall = max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)
+                rates.setdefault("sink", []).append(WRITERS * sink_points / wall)
+                written += sum(w for _, _, w in spans)
+                for mode in ANCHORS:
+                    argv = [(mode, (schema_pg_url, schema), j, step0, batches, flush) for j in jobs]
+                    wall = max(pool.map(_writer, argv))
+                    rates.setdefault(f"{mode}_b{flush}", []).append(
+                        WRITERS * batches * flush / wall
+                    )
+                step0 += max(sink_points, batches * flush) + 1
+        counted = _count_rows(schema_pg_url, schema, SINK_NAME)
+    if counted != reps * WRITERS * sink_points:
+        raise RuntimeError(
+            f"sink mode: {counted} rows in the table, {reps * WRITERS * sink_points} reported "
+            f"({written} written by the sinks' own count)"
+        )
     res.figures = {
         "writers": WRITERS,
         "points_per_writer_per_rep": total_points,
+        "sink_points_per_job_per_rep": sink_points,
+        "sink_rows_counted": counted,
         "reps": reps,
         "points_per_s_median": {k: round(median(v)) for k, v in rates.items()},
     }
-    for batch in batch_sizes:
-        ours = median(rates[f"ddpq_b{batch}"])
+    # (who, its rates, the anchors' batch size, its goals' label): the sink next to b50/b1000.
+    series = [("ddpq", f"ddpq_b{b}", b, f"b{b}") for b in batch_sizes]
+    for who, key, batch, goal in [*series, ("sink", "sink", flush, "sink")]:
+        ours = median(rates[key])
         ceiling = max(median(rates[f"{a}_b{batch}"]) for a in ANCHORS)
-        res.ratios[f"ddpq_vs_plain_b{batch}"] = ratio(ours, median(rates[f"plain_b{batch}"]))
-        res.ratios[f"ddpq_vs_ceiling_b{batch}"] = ratio(ours, ceiling)
-        res.goals[f"b{batch}>=50k/s"] = ours >= GOAL_POINTS_PER_S
-        res.goals[f"b{batch}>=0.3_ceiling"] = ours / ceiling >= GOAL_RATIO
+        res.ratios[f"{who}_vs_plain_b{batch}"] = ratio(ours, median(rates[f"plain_b{batch}"]))
+        res.ratios[f"{who}_vs_ceiling_b{batch}"] = ratio(ours, ceiling)
+        res.goals[f"{goal}>=50k/s"] = ours >= GOAL_POINTS_PER_S
+        res.goals[f"{goal}>=0.3_ceiling"] = ours / ceiling >= GOAL_RATIO
     res.notes.append(
         "rate = all points ÷ the slowest writer's seconds (connect excluded); "
         "b50 = a small flush (the first report, a time-rule flush of a slow job), b1000 = a "
         "backlog batch (WRITE_BATCH_POINTS; a count-rule flush is FLUSH_EVERY_POINTS = 500); "
         "plain = psycopg executemany + COMMIT, copy = psycopg COPY FROM STDIN + COMMIT; "
-        "ceiling = the faster of the two (the 0.3 goal is against it)"
+        "ceiling = the faster of the two (the 0.3 goal is against it); "
+        "sink = 4 jobs' rank-0 DatabaseSink (make_sink), each reporting "
+        "sink_points_per_job_per_rep points as the Trainer does (flush every "
+        "FLUSH_EVERY_POINTS, then close), rate = all points ÷ (last sink closed − first "
+        "report), rows counted in the table; its anchors run at batch FLUSH_EVERY_POINTS"
     )
     return res
 

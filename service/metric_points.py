@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import SupportsIndex
 
 JsonNumber = float | str | None
 
@@ -37,10 +39,91 @@ def json_safe(value: float | None) -> JsonNumber:
     return float(value)
 
 
-def checked_point(point: MetricPoint) -> MetricPoint:
+class CheckedPoint(MetricPoint):
+    """A point already in the form ``checked_point`` returns, which ``checked_point`` (and so
+    ``record_metrics``) passes through as it is: each point is checked once on its way in.
+
+    Build one only from values that passed these checks: ``checked_point`` does, and the
+    rank-0 sink does for what ``TrainContext.report`` checked (``checked_report``). Points
+    from outside (the API, a spill file) arrive as plain ``MetricPoint``s and are checked.
+    Compares equal to a ``MetricPoint`` with the same fields. ``dataclasses.replace`` would
+    keep the class without a check: build a ``MetricPoint`` to change a field.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MetricPoint):
+            return NotImplemented
+        return (self.name, self.step, self.value, self.epoch, self.time) == (
+            other.name, other.step, other.value, other.epoch, other.time,
+        )  # fmt: skip
+
+    __hash__ = MetricPoint.__hash__
+
+
+def _check_name(name: object) -> None:
+    """Raises ValueError unless ``name`` is a storable metric name (see ``checked_point``)."""
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"metric name {name!r:.120}: must be 1-{MAX_NAME_CHARS} characters")
+    if "\x00" in name or (not name.isprintable() and _has_lone_surrogate(name)):
+        raise ValueError(f"metric name {name!r:.120}: NUL or a lone surrogate cannot be stored")
+
+
+def _checked_step_epoch(
+    name: str, step: SupportsIndex, epoch: SupportsIndex | None
+) -> tuple[int, int | None]:
+    """``step`` and ``epoch`` as Python ints after the range checks of ``checked_point``."""
+    try:
+        step_ = operator.index(step)
+        epoch_ = None if epoch is None else operator.index(epoch)
+    except TypeError as exc:
+        raise ValueError(f"metric {name!r} at step {step!r}: {exc}") from None
+    if not 1 <= step_ <= MAX_STEP:
+        raise ValueError(f"metric {name!r}: step {step_} is outside 1..{MAX_STEP} (1-based)")
+    if epoch_ is not None and not 0 <= epoch_ <= MAX_EPOCH:
+        raise ValueError(
+            f"metric {name!r} at step {step_}: epoch {epoch_} is outside 0..{MAX_EPOCH}"
+        )
+    return step_, epoch_
+
+
+def checked_report(
+    step: SupportsIndex, epoch: SupportsIndex | None, names: Collection[str]
+) -> tuple[int, int | None]:
+    """The (step, epoch) of one ``TrainContext.report`` call as Python ints, after checking
+    them once and every one of ``names`` (the call's metric names) by ``checked_point``'s
+    rules. Values are not checked here: the sink makes them floats (-0.0 as 0.0).
+
+    Called on every training step: names that passed once are remembered, and plain ints in
+    range take no further call.
+
+    Raises:
+        ValueError: a name, step or epoch ``checked_point`` would refuse (same message; the
+            step and epoch are named after the first name, or "step" when there is none).
+    """
+    for name in names:
+        if name not in _names_ok:
+            _check_name(name)
+            if len(_names_ok) < _NAMES_OK_MAX:
+                _names_ok.add(name)
+    if (
+        type(step) is int
+        and 1 <= step <= MAX_STEP
+        and (epoch is None or (type(epoch) is int and 0 <= epoch <= MAX_EPOCH))
+    ):
+        return step, epoch
+    return _checked_step_epoch(next(iter(names), "step"), step, epoch)
+
+
+# Names that passed ``_check_name`` (a str is immutable: once good, always good); bounded so
+# a loop that makes up names cannot grow it without end.
+_names_ok: set[str] = set()
+_NAMES_OK_MAX = 10_000
+
+
+def checked_point(point: MetricPoint) -> CheckedPoint:
     """``point`` as both databases store it alike: ``step``/``epoch`` as Python ints (numpy
     integers accepted), ``value`` as a float with -0.0 as 0.0 (SQLite cannot keep the sign),
-    ``time`` converted to UTC.
+    ``time`` converted to UTC. A ``CheckedPoint`` is returned as it is (checked already).
 
     Raises:
         ValueError: a name that is empty, over ``MAX_NAME_CHARS`` characters, or holds NUL or
@@ -48,27 +131,23 @@ def checked_point(point: MetricPoint) -> MetricPoint:
             0..``MAX_EPOCH``; a value that is not a number; a naive ``time``. The message
             names the point.
     """
+    if type(point) is CheckedPoint:
+        return point
     name = point.name
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
-        raise ValueError(f"metric name {name!r:.120}: must be 1-{MAX_NAME_CHARS} characters")
-    if "\x00" in name or (not name.isprintable() and _has_lone_surrogate(name)):
-        raise ValueError(f"metric name {name!r:.120}: NUL or a lone surrogate cannot be stored")
+    _check_name(name)
     try:
         step = operator.index(point.step)
         epoch = None if point.epoch is None else operator.index(point.epoch)
         value = float(point.value) + 0.0  # + 0.0: -0.0 becomes 0.0, NaN and ±inf stay
     except (TypeError, ValueError) as exc:
         raise ValueError(f"metric {name!r} at step {point.step!r}: {exc}") from None
-    if not 1 <= step <= MAX_STEP:
-        raise ValueError(f"metric {name!r}: step {step} is outside 1..{MAX_STEP} (1-based)")
-    if epoch is not None and not 0 <= epoch <= MAX_EPOCH:
-        raise ValueError(f"metric {name!r} at step {step}: epoch {epoch} is outside 0..{MAX_EPOCH}")
+    step, epoch = _checked_step_epoch(name, step, epoch)
     at = point.time
     if at is not None:
         if at.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
         at = at.astimezone(UTC)
-    return MetricPoint(name, step, value, epoch, at)
+    return CheckedPoint(name, step, value, epoch, at)
 
 
 def _has_lone_surrogate(text: str) -> bool:

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from service.config import Settings
 from service.errors import DdpqError
-from service.metric_points import MetricPoint, checked_point
+from service.metric_points import checked_report
 from service.spec import JobSpec
 from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
@@ -131,21 +131,24 @@ class TrainContext:
 
         Raises:
             ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
-                metric name over 100 characters (``service.metric_points.checked_point``):
+                metric name over 100 characters (``service.metric_points.checked_report``):
                 raised here, in your loop, rather than the point being dropped at the write.
                 Integer numpy scalars and 0-d tensors are fine as ``step`` and ``epoch``.
         """
-        checked = [checked_point(MetricPoint(n, step, 0.0, epoch)) for n in metrics or ["step"]]
-        step, epoch = checked[0].step, checked[0].epoch  # numpy/tensor ints as plain ints
+        # Checked once, here: the sink and its writer trust these keys (checked=True).
+        step, epoch = checked_report(step, epoch, metrics)  # numpy/tensor ints as ints
+        sink = self._sink
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
-                self._sink.report(step, epoch, value, name=name)
+                sink.report(step, epoch, value, name, checked=True)
             else:
-                self._sink.report_values(step, epoch, {name: float(value)})
-        self.last_step = max(self.last_step, step)
-        self.last_epoch = epoch if epoch is not None else self.last_epoch
+                sink.report_values(step, epoch, {name: value}, checked=True)
+        if step > self.last_step:
+            self.last_step = step
+        if epoch is not None:
+            self.last_epoch = epoch
         self._watchdog.step_finished(self.last_step)  # a step finished (the first call starts it)
-        if self._sink.flush_due() or self._sink.time_due():
+        if sink.flush_due() or sink.time_due():
             self.flush()
 
     def flush(self) -> None:

@@ -27,7 +27,7 @@ import torch
 from service.artifacts import metrics_spill_path
 from service.db import Database
 from service.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
-from service.metric_points import MetricPoint, json_safe, split_points
+from service.metric_points import CheckedPoint, MetricPoint, json_safe, split_points
 from service.metrics import record_metrics
 from service.models import utcnow
 from worker.runtime.backlog import MetricBacklog
@@ -50,6 +50,10 @@ RETRY_MAX_S = 5.0
 CLOSE_TIMEOUT_S = 120.0
 # While the database stays down, repeat the warning at most this often (seconds).
 OUTAGE_LOG_EVERY_S = 30.0
+
+# A buffered ``report``: (name, step, epoch, checked); checked: it came through
+# ``TrainContext.report``, which applied ``checked_point``'s rules, so it is not checked again.
+Key = tuple[str, int, int | None, bool]
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class MetricsSink:
 
     def __init__(self, ctx: DistContext | None) -> None:
         self._ctx = ctx
-        self._keys: list[tuple[str, int, int | None]] = []
+        self._keys: list[Key] = []
         self._tensors: list[torch.Tensor] = []
         self._host: list[MetricPoint] = []
         self._last_flush_s = time.monotonic()
@@ -83,15 +87,37 @@ class MetricsSink:
         self.latest: dict[str, float] = {}
 
     # -- called on the training thread, every step -------------------------------------------
-    def report(self, step: int, epoch: int | None, value: torch.Tensor, name: str = "loss") -> None:
-        """Buffer one scalar tensor (kept on its device); costs a list append, no host sync."""
-        self._keys.append((name, step, epoch))
+    def report(
+        self,
+        step: int,
+        epoch: int | None,
+        value: torch.Tensor,
+        name: str = "loss",
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Buffer one scalar tensor (kept on its device); costs a list append, no host sync.
+        ``checked``: ``step`` (int), ``epoch`` (int or None) and ``name`` already passed
+        ``checked_report`` (``TrainContext.report``); unchecked points are checked at flush
+        and a bad one is dropped with a warning."""
+        self._keys.append((name, step, epoch, checked))
         self._tensors.append(value.detach())
 
-    def report_values(self, step: int, epoch: int | None, values: Mapping[str, float]) -> None:
-        """Buffer host scalars (e.g. eval metrics already reduced over ranks)."""
+    def report_values(
+        self,
+        step: int,
+        epoch: int | None,
+        values: Mapping[str, float],
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Buffer host scalars (e.g. eval metrics already reduced over ranks); ``checked`` as
+        in ``report``."""
         for name, value in values.items():
-            self._host.append(MetricPoint(name=name, step=step, value=float(value), epoch=epoch))
+            if checked:  # -0.0 as 0.0, as checked_point stores it
+                self._host.append(CheckedPoint(name, step, float(value) + 0.0, epoch))
+            else:
+                self._host.append(MetricPoint(name, step, float(value), epoch))
 
     @property
     def pending(self) -> int:
@@ -110,7 +136,8 @@ class MetricsSink:
     def time_due(self) -> bool:
         """True when points wait and ``FLUSH_INTERVAL_S`` passed since the last flush (local
         clock: fold it into the stop vote so all ranks flush at the same step)."""
-        return self.pending > 0 and time.monotonic() - self._last_flush_s >= FLUSH_INTERVAL_S
+        waiting = bool(self._keys or self._host)  # ``pending`` without its call: every step
+        return waiting and time.monotonic() - self._last_flush_s >= FLUSH_INTERVAL_S
 
     def flush(self, progress: Progress | None = None, *, average: bool = True) -> None:
         """Hand the buffer to ``_publish``. With ``average`` (the trainer), a collective: every
@@ -126,20 +153,18 @@ class MetricsSink:
         self._keys, self._tensors, self._host = [], [], []
         self._flushed_once = self._flushed_once or bool(keys)
         self._last_flush_s = time.monotonic()
-        stacked: torch.Tensor | None = None
-        if tensors:
-            device = tensors[0].device
-            stacked = torch.stack([t.reshape(()).to(device, torch.float32) for t in tensors])
-            if average and self._ctx is not None and self._ctx.world_size > 1:
-                local = stacked.clone()  # a few floats; all_reduce works in place
-                try:
-                    all_reduce_sum_(stacked, self._ctx)
-                except Exception:
-                    log.warning("metrics all_reduce failed: keeping %d points unaveraged",
-                                len(keys))  # fmt: skip
-                    self._publish(keys, local, host, progress)
-                    raise
-                stacked /= self._ctx.world_size
+        stacked = _stacked(tensors) if tensors else None
+        ctx = self._ctx
+        if stacked is not None and average and ctx is not None and ctx.world_size > 1:
+            local = stacked.clone()  # a few floats; all_reduce works in place
+            try:
+                all_reduce_sum_(stacked, ctx)
+            except Exception:
+                log.warning("metrics all_reduce failed: keeping %d points unaveraged",
+                            len(keys))  # fmt: skip
+                self._publish(keys, local, host, progress)
+                raise
+            stacked /= ctx.world_size
         self._publish(keys, stacked, host, progress)
 
     def should_stop(self) -> bool:
@@ -157,7 +182,7 @@ class MetricsSink:
 
     def _publish(
         self,
-        keys: list[tuple[str, int, int | None]],
+        keys: list[Key],
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
@@ -170,7 +195,7 @@ class NullSink(MetricsSink):
 
     def _publish(
         self,
-        keys: list[tuple[str, int, int | None]],
+        keys: list[Key],
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
@@ -246,7 +271,7 @@ class DatabaseSink(MetricsSink):
 
     def _publish(
         self,
-        keys: list[tuple[str, int, int | None]],
+        keys: list[Key],
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
@@ -255,12 +280,12 @@ class DatabaseSink(MetricsSink):
         points: list[MetricPoint] = []
         if stacked is not None:
             values = stacked.tolist()  # the one device→host copy of this batch
-            points = [
-                MetricPoint(name=n, step=s, value=v, epoch=e, time=now)
-                for (n, s, e), v in zip(keys, values, strict=True)
+            points = [  # + 0.0: -0.0 as 0.0, as checked_point stores it
+                CheckedPoint(n, s, v + 0.0, e, now) if ok else MetricPoint(n, s, v, e, now)
+                for (n, s, e, ok), v in zip(keys, values, strict=True)
             ]
         points.extend(host)
-        points, refused = split_points(points)
+        points, refused = split_points(points)  # checks only the unchecked ones
         if refused:  # one bad point (e.g. a 101-character name) must not stop the curve
             log.warning("%d metric points refused, the first: %s", len(refused), refused[0])
         for p in points:
@@ -397,6 +422,22 @@ class DatabaseSink(MetricsSink):
             log.info("metrics writer: database back after %.1f s; %d points still to replay",
                      time.monotonic() - self._outage_since, len(self._backlog))  # fmt: skip
             self._outage_since = None
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 vector of the buffered scalars, on the first one's device.
+
+    Raises:
+        RuntimeError: a tensor that is not a scalar (one element).
+    """
+    device = tensors[0].device
+    try:  # the usual batch (same shape, dtype and device): one stack, not 2 ops per tensor
+        stacked = torch.stack(tensors).to(device, torch.float32).reshape(-1)
+    except RuntimeError:
+        stacked = None
+    if stacked is None or stacked.numel() != len(tensors):  # mixed: say which is wrong
+        stacked = torch.stack([t.reshape(()).to(device, torch.float32) for t in tensors])
+    return stacked
 
 
 def retry_delay_s(failures: int) -> float:
