@@ -54,7 +54,8 @@ def _sink_job(args: tuple[str, int, int, int]) -> tuple[float, float, int]:
 
     from service.db import Database
     from service.metrics import record_metrics
-    from worker.runtime.sink import Progress, make_sink
+    from worker.runtime.sink import make_sink
+    from worker.runtime.sink_buffer import Progress
 
     db = Database.from_url(url)
     with db.session() as session:  # connect outside the timed part, as the other modes do
@@ -135,7 +136,7 @@ def run(size: str) -> BenchResult:
     Raises:
         RuntimeError: the sinks' rows in the table differ from the points they reported.
     """
-    from worker.runtime.sink import FLUSH_EVERY_POINTS
+    from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS
 
     batch_sizes: list[int] = pick(size, [50], [50, 1000])
     total_points = pick(size, 2_000, 5_000, 40_000)  # per writer per repetition

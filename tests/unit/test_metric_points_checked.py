@@ -23,7 +23,8 @@ from worker.runtime.checkpointing import NullCheckpointer
 from worker.runtime.context import TrainContext
 from worker.runtime.distributed import DistContext
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import DatabaseSink, _stacked
+from worker.runtime.sink import DatabaseSink
+from worker.runtime.sink_buffer import _stacked
 
 
 def test_checked_point_returns_a_checked_point_equal_to_its_plain_twin() -> None:

@@ -24,7 +24,8 @@ from service.spec import JobSpec
 from service.states import JobState
 from service.workers import register_worker
 from worker.runtime.backlog import decode_point
-from worker.runtime.sink import FLUSH_EVERY_POINTS, DatabaseSink, NullSink, Progress, make_sink
+from worker.runtime.sink import DatabaseSink, make_sink
+from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS, NullSink, Progress
 
 
 def running_job(db: Database) -> tuple[int, int]:

@@ -32,7 +32,8 @@ from service.states import JobState
 from service.workers import register_worker
 from worker.runtime.backlog import decode_point
 from worker.runtime.distributed import DistContext
-from worker.runtime.sink import DatabaseSink, Progress, make_sink
+from worker.runtime.sink import DatabaseSink, make_sink
+from worker.runtime.sink_buffer import Progress
 
 UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 

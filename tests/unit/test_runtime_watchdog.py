@@ -311,7 +311,7 @@ def test_train_context_calls_start_and_pet_the_watchdog(tmp_path: Path) -> None:
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext
     from worker.runtime.signals import StopFlag
-    from worker.runtime.sink import NullSink
+    from worker.runtime.sink_buffer import NullSink
 
     rec = Recorder()
     dog = StallWatchdog(0.3, rec.on_stall, grace_s=0.1)
@@ -352,7 +352,7 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext
     from worker.runtime.signals import StopFlag
-    from worker.runtime.sink import NullSink
+    from worker.runtime.sink_buffer import NullSink
 
     dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
     spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})

@@ -28,7 +28,7 @@ from worker.runtime.distributed import (
     wrap_model,
 )
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import MetricsSink, Progress
+from worker.runtime.sink_buffer import MetricsSink, Progress
 from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 
 Entrypoint = Callable[["TrainContext"], Any]

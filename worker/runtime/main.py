@@ -44,7 +44,8 @@ from worker.runtime.outcome import (
 )
 from worker.runtime.rank_output import rank_logging, redirect_output
 from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
-from worker.runtime.sink import MetricsSink, make_sink
+from worker.runtime.sink import make_sink
+from worker.runtime.sink_buffer import MetricsSink
 from worker.runtime.topology import RankEnv, RankEnvironmentError
 from worker.runtime.trainer import Trainer
 from worker.runtime.watchdog import StallWatchdog, dump_on_expiry, exit_on_stall

@@ -29,7 +29,7 @@ from worker.runtime.distributed import (
 )
 from worker.runtime.nonfinite import NonFinitePolicy, poison_gradients
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import MetricsSink, Progress
+from worker.runtime.sink_buffer import MetricsSink, Progress
 from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 from worker.tasks.base import TaskParts
 

@@ -1,0 +1,195 @@
+"""The per-step buffer every rank holds (``MetricsSink``), and ``NullSink`` for ranks that
+write nothing.
+
+``report`` only appends the detached loss tensor (no ``.item()``, no host sync). ``flush`` is
+collective in the trainer: all ranks average the stacked buffer with one all_reduce, then
+hand it to ``_publish``, which rank 0's ``worker.runtime.sink.DatabaseSink`` turns into
+points for the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.metric_points import CheckedPoint, MetricPoint, json_safe
+from worker.runtime.distributed import DistContext, all_reduce_sum_
+
+log = logging.getLogger(__name__)
+
+# Flush after this many buffered points, or when FLUSH_INTERVAL_S passed (whichever first).
+FLUSH_EVERY_POINTS = 500
+FLUSH_INTERVAL_S = 2.0
+
+# A buffered ``report``: (name, step, epoch, checked); checked: it came through
+# ``TrainContext.report``, which applied ``checked_point``'s rules, so it is not checked again.
+Key = tuple[str, int, int | None, bool]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """``jobs.progress``: where the job is and how fast it goes (samples/s over all ranks)."""
+
+    step: int
+    total_steps: int | None
+    epoch: int | None
+    samples_per_s: float | None
+    eta_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe dict."""
+        out = asdict(self)
+        for key in ("samples_per_s", "eta_s"):
+            out[key] = json_safe(out[key]) if out[key] is not None else None
+        return out
+
+
+class MetricsSink:
+    """Buffers reports on every rank; ``_publish`` decides what happens to a flushed batch."""
+
+    def __init__(self, ctx: DistContext | None) -> None:
+        self._ctx = ctx
+        self._keys: list[Key] = []
+        self._tensors: list[torch.Tensor] = []
+        self._host: list[MetricPoint] = []
+        self._last_flush_s = time.monotonic()
+        self._flushed_once = False
+        self.latest: dict[str, float] = {}
+
+    # -- called on the training thread, every step -------------------------------------------
+    def report(
+        self,
+        step: int,
+        epoch: int | None,
+        value: torch.Tensor,
+        name: str = "loss",
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Buffer one scalar tensor (kept on its device); costs a list append, no host sync.
+        ``checked``: ``step`` (int), ``epoch`` (int or None) and ``name`` already passed
+        ``checked_report`` (``TrainContext.report``); unchecked points are checked at flush
+        and a bad one is dropped with a warning."""
+        self._keys.append((name, step, epoch, checked))
+        self._tensors.append(value.detach())
+
+    def report_values(
+        self,
+        step: int,
+        epoch: int | None,
+        values: Mapping[str, float],
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Buffer host scalars (e.g. eval metrics already reduced over ranks); ``checked`` as
+        in ``report``."""
+        for name, value in values.items():
+            if checked:  # -0.0 as 0.0, as checked_point stores it
+                self._host.append(CheckedPoint(name, step, float(value) + 0.0, epoch))
+            else:
+                self._host.append(MetricPoint(name, step, float(value), epoch))
+
+    @property
+    def pending(self) -> int:
+        """Buffered points (identical on every rank when every rank reports the same)."""
+        return len(self._keys) + len(self._host)
+
+    def flush_due(self) -> bool:
+        """True when ``FLUSH_EVERY_POINTS`` tensors are buffered, or at the first ``report``
+        (so the first loss shows on the dashboard one step after launch, not seconds later).
+        Counts only ``report`` calls, which every rank makes alike, so every rank reaches the
+        same answer at the same step."""
+        if not self._flushed_once and self._keys:
+            return True
+        return len(self._keys) >= FLUSH_EVERY_POINTS
+
+    def time_due(self) -> bool:
+        """True when points wait and ``FLUSH_INTERVAL_S`` passed since the last flush (local
+        clock: fold it into the stop vote so all ranks flush at the same step)."""
+        waiting = bool(self._keys or self._host)  # ``pending`` without its call: every step
+        return waiting and time.monotonic() - self._last_flush_s >= FLUSH_INTERVAL_S
+
+    def flush(self, progress: Progress | None = None, *, average: bool = True) -> None:
+        """Hand the buffer to ``_publish``. With ``average`` (the trainer), a collective: every
+        rank must call it at the same point with the same buffered keys; tensor values are
+        averaged over ranks with one all_reduce. Without, rank 0's own values are kept.
+
+        Raises:
+            Exception: the all_reduce failed (a peer died, e.g. while the job was stopping).
+                The batch is handed over first, with this rank's own values unaveraged: a
+                broken collective must not cost the steps it covers.
+        """
+        keys, tensors, host = self._keys, self._tensors, self._host
+        self._keys, self._tensors, self._host = [], [], []
+        self._flushed_once = self._flushed_once or bool(keys)
+        self._last_flush_s = time.monotonic()
+        stacked = _stacked(tensors) if tensors else None
+        ctx = self._ctx
+        if stacked is not None and average and ctx is not None and ctx.world_size > 1:
+            local = stacked.clone()  # a few floats; all_reduce works in place
+            try:
+                all_reduce_sum_(stacked, ctx)
+            except Exception:
+                log.warning("metrics all_reduce failed: keeping %d points unaveraged",
+                            len(keys))  # fmt: skip
+                self._publish(keys, local, host, progress)
+                raise
+            stacked /= ctx.world_size
+        self._publish(keys, stacked, host, progress)
+
+    def should_stop(self) -> bool:
+        """True when the sink's writes were fenced off (the attempt is stale)."""
+        return False
+
+    def close(self) -> None:
+        """Write everything handed over so far and stop the writer (call after a final flush)."""
+
+    def write_result(
+        self, artifact_dir: Path, *, step: int, checkpoint: str | None, extra: Mapping[str, Any]
+    ) -> None:
+        """Rank 0 writes result.json (``final_metrics``: the newest value of every metric,
+        plus ``extra``); other ranks do nothing. Call after ``close`` and before teardown."""
+
+    def _publish(
+        self,
+        keys: list[Key],
+        stacked: torch.Tensor | None,
+        host: list[MetricPoint],
+        progress: Progress | None,
+    ) -> None:
+        raise NotImplementedError
+
+
+class NullSink(MetricsSink):
+    """Ranks other than 0: take part in the collective flush, keep nothing."""
+
+    def _publish(
+        self,
+        keys: list[Key],
+        stacked: torch.Tensor | None,
+        host: list[MetricPoint],
+        progress: Progress | None,
+    ) -> None:
+        return None
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 vector of the buffered scalars, on the first one's device.
+
+    Raises:
+        RuntimeError: a tensor that is not a scalar (one element).
+    """
+    device = tensors[0].device
+    try:  # the usual batch (same shape, dtype and device): one stack, not 2 ops per tensor
+        stacked = torch.stack(tensors).to(device, torch.float32).reshape(-1)
+    except RuntimeError:
+        stacked = None
+    if stacked is None or stacked.numel() != len(tensors):  # mixed: say which is wrong
+        stacked = torch.stack([t.reshape(()).to(device, torch.float32) for t in tensors])
+    return stacked
