@@ -145,8 +145,9 @@ class StallWatchdog:
     def step_finished(self, step: int) -> None:
         """A step finished (custom entrypoints' ``ctx`` calls): start the clock on the first
         call, pet on every call."""
-        self.start(step)
-        self.pet(step)
+        if self._thread is None:
+            self.start(step)
+        self.pet(step)  # start() alone would leave ``stepped`` unset
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
