@@ -307,7 +307,6 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "duration_s": duration_s,
     }
     speedup = ratio(median(ml_s), median(poll_s)) if ml_s else None
-    best = max(one["req_per_s"], per_core["req_per_s"] if per_core else 0.0)
     res.ratios = {
         "get_job_vs_goal": ratio(one["req_per_s"], GOAL_REQ_PER_S),
         f"get_job_{workers}_workers_vs_goal": (
@@ -316,7 +315,11 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "mlflow_vs_ddpq_poll_p50": speedup,
     }
     res.goals = {
-        "get_job>=1500/s": best >= GOAL_REQ_PER_S,
+        # Both said plainly: one process, and one per core (`ddpq serve --workers N`).
+        "get_job>=1500/s_one_process": one["req_per_s"] >= GOAL_REQ_PER_S,
+        f"get_job>=1500/s_{workers}_workers": (
+            per_core["req_per_s"] >= GOAL_REQ_PER_S if per_core else None
+        ),
         "poll_p99<=20ms": poll_p99 <= GOAL_POLL_P99_S,
         ">=10x_faster_than_mlflow": None if speedup is None else speedup >= GOAL_VS_MLFLOW,
     }
