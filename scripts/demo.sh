@@ -8,12 +8,13 @@ scripts/setup.sh
 . .venv/bin/activate
 export DDPQ_HOME=${DDPQ_HOME:-.ddpq}
 mkdir -p "$DDPQ_HOME"
-url=$(python -c "from service.config import Settings; print(Settings().resolved_api_url)")
-if python - "$url" <<'PY' 2>/dev/null; then
-import sys, httpx
-httpx.get(sys.argv[1] + "/healthz", timeout=1).raise_for_status()
+read -r url host port < <(python -c "from service.config import Settings; s = Settings(); print(s.resolved_api_url, s.host, s.port)")
+# Anything listening there (a ddpq or any other server) would make `ddpq up` fail.
+if python - "$host" "$port" <<'PY' 2>/dev/null; then
+import socket, sys
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()
 PY
-  echo "demo: something already answers at $url — stop it (or set DDPQ_PORT) and run again." >&2
+  echo "demo: something already listens at $url — stop it, or pick another port: DDPQ_PORT=8001 scripts/demo.sh" >&2
   exit 2
 fi
 ddpq db upgrade
@@ -33,4 +34,4 @@ done
 echo "demo: dashboard and API at $url (while this runs)"
 ddpq submit examples/digits.yaml --wait
 echo
-echo "demo: done. Everything is stored in $DDPQ_HOME/. Run '. .venv/bin/activate && ddpq up' and open $url to browse it."
+echo "demo: done. Everything is stored in $DDPQ_HOME/. Run '. .venv/bin/activate && ddpq up --port $port' and open $url to browse it."

@@ -140,7 +140,7 @@ def wait_for_job(
                 update(job)
                 time.sleep(poll_s)
     except KeyboardInterrupt:
-        err.print(f"stopped waiting; job {job_id} keeps running (`ddpq cancel {job_id}` stops it)")
+        err.print(f"stopped waiting; job {job_id} goes on (`ddpq cancel {job_id}` stops it)")
         return 130
     out.print(_summary(client, settings or load_settings(), job))
     return 0 if job["state"] == "succeeded" else EXIT_FAILED
@@ -246,3 +246,5 @@ def logs(
                     time.sleep(poll_s)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+    if offset == 0:  # on stderr: a script reading stdout still gets the (empty) log
+        err.print(f"rank {rank} of job {job_id} logged nothing in attempt {attempt} (yet)")

@@ -158,6 +158,9 @@ def test_submit_ls_show_metrics_logs_cancel(
     assert cancel_queued.exit_code == 0 and "cancelled" in cancel_queued.output
     finished = ddpq(live_url, "cancel", str(second_id))
     assert finished.exit_code == 1 and "409" in finished.output
+    never_ran = ddpq(live_url, "logs", str(second_id))
+    assert never_ran.exit_code == 0, never_ran.output
+    assert f"rank 0 of job {second_id} logged nothing in attempt 1 (yet)" in never_ran.output
     missing = ddpq(live_url, "show", "99999")
     assert missing.exit_code == 2 and "not found" in missing.output
 
