@@ -59,24 +59,44 @@ def _release_fork_server() -> None:
         server._forkserver_alive_fd = None
 
 
+def restore_sigterm() -> None:
+    """Undo the fork server's SIGTERM settings in a rank: default action, unblocked. A SIGTERM
+    that reached the rank since its fork is pending and acts now (see forkserver_preload)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _flush_and_exit(code: int) -> None:
+    """Leave now with ``code``, without interpreter teardown (as ``python -m worker.runtime``
+    does: torch/gloo destructors sometimes abort a process at exit)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def rank_main() -> None:
     """One rank, forked by the fork server: ``worker.runtime.main.run_rank``.
 
     Success returns normally, because torchrun's agent counts a rank as done only once it has
-    handed back a return value. Any other exit code leaves at once with that code, without
-    interpreter teardown (as ``python -m worker.runtime`` does: torch/gloo destructors sometimes
-    abort a process at exit), and torchrun's agent reports it as that rank's failure.
+    handed back a return value; the process then leaves without teardown as soon as that value
+    is handed back (see below). Any other exit code leaves at once with that code, and
+    torchrun's agent reports it as that rank's failure.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it
+    restore_sigterm()
     _release_fork_server()
     from worker.runtime.main import run_rank
 
     code = run_rank()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
     if code != 0:
-        os._exit(code)
+        _flush_and_exit(code)
+    # After the return value is handed back, multiprocessing's exit joins every non-daemon
+    # thread and child process the user's code left behind: one sleeping thread would hold
+    # the attempt open until the launcher kills it. That exit runs this finalizer first.
+    from multiprocessing import util
+
+    util.Finalize(None, _flush_and_exit, args=(0,), exitpriority=sys.maxsize)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,6 +10,11 @@ tells torchrun's agent how each rank exited (a dead fork server reads as exit co
 ranks still saving their stop checkpoint). It still ends with the agent: it exits when the
 agent's end of its pipe closes. Each rank restores SIGTERM first thing
 (``worker.runtime.agent.rank_main``).
+
+SIGTERM is blocked as well as ignored: a forked rank inherits both, and between its fork and
+that restore (unpickling its entry: milliseconds) an ignored SIGTERM (a cancel right as the
+ranks start) would be lost, leaving the rank to train on until the launcher's SIGKILL. A
+blocked one stays pending in the rank and is delivered when the rank unblocks it.
 """
 
 from __future__ import annotations
@@ -23,3 +28,4 @@ import torch.nn.parallel  # noqa: F401
 import worker.runtime.main  # noqa: F401
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
