@@ -48,6 +48,8 @@ FAKE_RANK = textwrap.dedent(
     def on_term(signum, frame):
         if mode == "fail":
             error("RuntimeError", "peer closed the connection", time.time())
+        if mode == "silent_exit":  # its collective failed as the peer went away
+            error("RuntimeError", PEER_LOST, time.time())
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignore_term" else on_term)
@@ -65,6 +67,12 @@ FAKE_RANK = textwrap.dedent(
         time.sleep(0.5)
         error("RuntimeError", "boom at step 5", time.time())
         sys.exit(1)
+    PEER_LOST = "[pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+    if mode == "silent_exit":  # rank 1 dies without a word; rank 0's collective then fails
+        if rank == 1:
+            time.sleep(0.5)
+            sys.exit(3)
+        time.sleep(30)
     if mode == "exit3":
         with open(os.path.join(d, f"rank-{rank}.log"), "w") as f:
             print("something went wrong in rank", rank, file=f)
@@ -179,6 +187,20 @@ def test_failure_names_the_earliest_failing_rank(
     assert "Traceback" in status.reason
     # rank 0 wrote a later error when torchrun stopped it: it must not be the one named.
     assert (Path(plan.log_dir) / "error-rank-0.json").exists()
+
+
+def test_a_silent_rank_is_named_not_the_peer_that_lost_it(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
+) -> None:
+    """Rank 1 exits (``sys.exit(3)`` in user code) without an error file; rank 0's next
+    collective fails with gloo's "Connection closed by peer" and writes one. The job's error
+    names rank 1, as torchrun's summary does, not rank 0's symptom."""
+    launcher, plan = make_plan("silent_exit")
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.FAILED
+    assert (Path(plan.log_dir) / "error-rank-0.json").exists()
+    assert status.reason is not None
+    assert status.reason.startswith("rank 1 exit code 3 without an error report"), status.reason
 
 
 def test_failure_without_error_file_reports_exit_code_and_log_tail(

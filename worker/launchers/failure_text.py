@@ -49,6 +49,28 @@ def _rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
             yield data
 
 
+# What a rank's collective raises when a peer process died under it (gloo's TCP pairs, NCCL):
+# a symptom of another rank's failure, never its cause.
+PEER_LOST_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited",
+)
+
+
+def blames_a_silent_rank(attempt_dir: Path, rank: int) -> bool:
+    """True when ``rank`` (the launcher's first failed rank) wrote no error file, and every
+    error file of the attempt only says that a peer went away (``PEER_LOST_MARKERS``): then
+    ``rank`` is the cause (killed, or ``sys.exit``/``os._exit`` in user code) and the others'
+    errors are its symptoms."""
+    errors = list(_rank_errors(attempt_dir))
+    return bool(errors) and all(
+        str(e.get("rank")) != str(rank)
+        and any(m in str(e.get("message", "")) for m in PEER_LOST_MARKERS)
+        for e in errors
+    )
+
+
 def earliest_rank_error(attempt_dir: Path) -> str | None:
     """The error of the rank that failed first (by its ``time``, then rank), as text:
     ``"rank 1 failed: RuntimeError: boom"`` plus the traceback's last whole frames (a stall:

@@ -38,7 +38,12 @@ from service.config import Settings
 from service.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.failure_text import describe_exit, earliest_rank_error, tail_lines
+from worker.launchers.failure_text import (
+    blames_a_silent_rank,
+    describe_exit,
+    earliest_rank_error,
+    tail_lines,
+)
 from worker.runtime import envvars
 
 log = logging.getLogger(__name__)
@@ -373,12 +378,16 @@ class LocalLauncher:
         """The earliest rank error; else the rank torchrun names as root cause, with the tail
         of that rank's log; else torchrun's exit code and the tail of launcher.log."""
         job_id, attempt = run.plan.job_id, run.plan.attempt
-        error = earliest_rank_error(Path(run.plan.log_dir))
-        if error is not None:
-            return error
+        attempt_dir = Path(run.plan.log_dir)
         log_path = artifacts.launcher_log_path(self.artifact_dir, job_id, attempt)
-        head = f"torchrun {describe_exit(rc)}"
         cause = ROOT_CAUSE_RE.search(tail_lines(log_path, n=200))
+        error = earliest_rank_error(attempt_dir)
+        # Ranks that only saw a peer vanish are not the story when torchrun names the rank
+        # that exited first without an error report (killed, or sys.exit in user code).
+        silent = cause is not None and blames_a_silent_rank(attempt_dir, int(cause["rank"]))
+        if error is not None and not silent:
+            return error
+        head = f"torchrun {describe_exit(rc)}"
         if cause is not None:
             rank, code = int(cause["rank"]), int(cause["exitcode"])
             head = f"rank {rank} {describe_exit(code)} without an error report"
