@@ -3,6 +3,7 @@ non-finite loss policy on real autograd, and how both reasons reach the worker's
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -11,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ from worker.runtime.nonfinite import (
     poison_gradients,
 )
 from worker.runtime.outcome import error_headline, failure_reason
-from worker.runtime.watchdog import StallReport, StallWatchdog
+from worker.runtime.watchdog import StallReport, StallWatchdog, waiting_on_peers
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 20.0  # generous upper bound for a thread to react on a busy 2-core box
@@ -365,3 +367,36 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
     ctx.report(torch.tensor(2), np.int64(0), loss=1.0)  # what loops compute their step with
     ctx.report(np.int64(3), loss=1.0)
     assert type(ctx.last_step) is int and ctx.last_step == 3
+
+
+def _stack_through(*filenames: str) -> Any:
+    """The frame at the top of a call chain whose functions live in ``filenames`` (outermost
+    first), as if each were defined in that file."""
+    code = "import sys\ndef f(nxt):\n    return nxt() if nxt else sys._getframe()\n"
+    chain = None
+    for name in reversed(filenames):
+        scope: dict[str, Any] = {}
+        exec(compile(code, name, "exec"), scope)
+        inner, chain = chain, None
+        chain = functools.partial(scope["f"], inner)
+    assert chain is not None
+    return chain()
+
+
+@pytest.mark.parametrize(
+    ("files", "waiting"),
+    [
+        # A warm rank runs under torch's elastic multiprocessing: not a collective by itself.
+        (("torch/distributed/elastic/multiprocessing/api.py", "worker/runtime/main.py",
+          "worker/tasks/regression.py"), False),
+        (("torch/distributed/elastic/multiprocessing/api.py", "worker/runtime/main.py",
+          "worker/runtime/trainer.py", "torch/autograd/__init__.py"), True),
+        (("worker/runtime/main.py", "worker/runtime/distributed.py"), True),
+        (("worker/runtime/main.py", "worker/tasks/regression.py"), False),
+    ],
+)  # fmt: skip
+def test_only_frames_above_the_rank_entry_count_as_waiting_on_peers(
+    files: tuple[str, ...], waiting: bool
+) -> None:
+    frame = _stack_through(*(f"/site/{f}" for f in files))
+    assert waiting_on_peers(frame) is waiting

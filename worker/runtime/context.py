@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -122,7 +122,12 @@ class TrainContext:
         self._started = (time.monotonic(), 0)
         self._watchdog = watchdog if watchdog is not None else NullWatchdog()
 
-    def report(self, step: int, epoch: int | None = None, **metrics: float | torch.Tensor) -> None:
+    def report(
+        self,
+        step: SupportsIndex,
+        epoch: SupportsIndex | None = None,
+        **metrics: float | torch.Tensor,
+    ) -> None:
         """Record metrics at global ``step`` (1-based): ``ctx.report(step, loss=loss)``.
 
         Tensors stay on their device until a batch is flushed (no host sync per call); floats

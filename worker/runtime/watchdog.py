@@ -46,6 +46,8 @@ _PEER_WAIT_CODE = (
     f"torch{os.sep}autograd{os.sep}",
     f"worker{os.sep}runtime{os.sep}distributed.py",
 )
+# Where a rank's own code starts (run_rank); what called it does not count.
+_RANK_ENTRY_FILE = f"worker{os.sep}runtime{os.sep}main.py"
 
 
 class StallError(RuntimeError):
@@ -75,9 +77,17 @@ StallHandler = Callable[[StallReport], None]
 
 def waiting_on_peers(frame: FrameType | None) -> bool:
     """Whether the stack ending in ``frame`` is inside torch.distributed, autograd (DDP's
-    gradient all_reduce runs in ``backward``) or ddpq's collectives."""
+    gradient all_reduce runs in ``backward``) or ddpq's collectives.
+
+    Only the frames above the rank's entry (``worker/runtime/main.py``) count: below it lies
+    whatever started the rank, e.g. torch's elastic multiprocessing, which runs a warm rank
+    (``worker.runtime.agent``) from inside ``torch/distributed/``.
+    """
     while frame is not None:
-        if any(part in frame.f_code.co_filename for part in _PEER_WAIT_CODE):
+        filename = frame.f_code.co_filename
+        if filename.endswith(_RANK_ENTRY_FILE):
+            return False
+        if any(part in filename for part in _PEER_WAIT_CODE):
             return True
         frame = frame.f_back
     return False
