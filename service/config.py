@@ -43,6 +43,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description='fnmatch patterns of user entrypoints "pkg.module:function" allowed to run.',
     )
+    warm_ranks: bool = Field(
+        default=True,
+        description="Local worker: fork ranks from a warm fork server (worker.runtime.agent) "
+        "instead of starting each as a fresh interpreter under plain torchrun.",
+    )
     slurm_enabled: bool = Field(
         default=False, description="Whether this deployment accepts launcher 'slurm' jobs."
     )

@@ -88,3 +88,17 @@ def test_unbound_gpu_job_sees_first_gpus_and_cpu_job_none(launcher: LocalLaunche
     assert launcher.plan(gpu, 1, 1).env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
     cpu = JobSpec(name="c", task="regression")
     assert launcher.plan(cpu, 1, 1).env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_warm_ranks_off_plans_plain_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DDPQ_WARM_RANKS=false``: the escape hatch to torchrun's own fresh rank processes."""
+    settings = Settings(
+        home=tmp_path / ".ddpq", database_url=f"sqlite:///{tmp_path}/ddpq.db", warm_ranks=False
+    )
+    plan = LocalLauncher(settings).plan(JobSpec(name="x", task="regression"), 1, 1)
+    assert plan.argv[1:3] == ["-m", "torch.distributed.run"], plan.argv
+    assert plan.argv[-2:] == ["-m", "worker.runtime"]
+    monkeypatch.setenv("DDPQ_WARM_RANKS", "false")
+    assert Settings().warm_ranks is False

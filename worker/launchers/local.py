@@ -53,6 +53,7 @@ RANK_ENTRY: tuple[str, ...] = ("-m", "worker.runtime")
 # torchrun with warm ranks (forked with torch and ddpq imported); any other entry runs as
 # under plain torchrun. See worker/runtime/agent.py.
 AGENT_MODULE = "worker.runtime.agent"
+TORCHRUN_MODULE = "torch.distributed.run"  # with DDPQ_WARM_RANKS=false
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
 DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
@@ -172,7 +173,8 @@ class LocalLauncher:
         python: str = sys.executable,
     ) -> None:
         """Args:
-        settings: where ranks find the database and the artifact root.
+        settings: where ranks find the database and the artifact root; ``warm_ranks``
+            picks worker.runtime.agent (default) or plain torchrun.
         cwd: the ranks' working directory (default: the worker's; user entrypoints such as
             ``examples.*`` are imported relative to it).
         grace_s: seconds between SIGTERM and SIGKILL on cancel.
@@ -187,6 +189,7 @@ class LocalLauncher:
         self.teardown_grace_s = teardown_grace_s
         self.entry = tuple(entry)
         self.python = python
+        self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
         self._runs: dict[str, _LocalRun] = {}
 
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
@@ -197,7 +200,7 @@ class LocalLauncher:
         """
         r = spec.resources
         argv = [
-            self.python, "-m", AGENT_MODULE,
+            self.python, "-m", self.agent,
             "--standalone",
             "--nnodes", "1",
             "--nproc_per_node", str(r.nproc_per_node),
