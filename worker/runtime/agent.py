@@ -112,7 +112,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Start the fork server first: it imports PRELOAD on one core while this process
         # imports torch on the other.
         multiprocessing.set_forkserver_preload(list(PRELOAD))
-        multiprocessing.get_context("forkserver")
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
