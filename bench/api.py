@@ -29,9 +29,9 @@ from bench.common import (
     ratio,
 )
 from bench.reporting import import_mlflow
-from service.config import Settings
-from service.db import Database
-from service.metrics import query_points
+from service.core.config import Settings
+from service.store.db import Database
+from service.store.metrics import query_points
 from worker.up import settings_env
 
 GOAL_REQ_PER_S = 1500.0

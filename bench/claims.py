@@ -21,9 +21,9 @@ from bench.common import (
     ratio,
     sqlite_url,
 )
-from service.claims import claim_next_job
-from service.db import Database
-from service.models import Job
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.models import Job
 
 GOAL_CLAIMS_PER_S = {"postgresql": 500.0, "sqlite": 200.0}
 CLAIMERS = 8
@@ -107,7 +107,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     sqlite_db.dispose()
     with pg_schema() as url:
         pg_db = Database.from_url(url, pool_size=CLAIMERS + 2)
-        from service import migrate
+        from service.store import migrate
 
         migrate.upgrade(pg_db.engine)
         figures["postgresql"] = measure_claims(pg_db, jobs, CLAIMERS, target)

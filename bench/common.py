@@ -17,12 +17,12 @@ from urllib.parse import quote
 
 from sqlalchemy import create_engine, insert, text
 
-from service import migrate
-from service.claims import claim_next_job
-from service.db import Database
-from service.models import Job
-from service.spec import JobSpec
-from service.workers import register_worker
+from service.core.spec import JobSpec
+from service.store import migrate
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.models import Job
+from service.store.workers import register_worker
 
 SIZES = ("tiny", "default", "full")
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

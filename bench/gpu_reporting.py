@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
 def run(size: str, *, workdir: Path | None = None, device: str = "cuda") -> BenchResult:
     """Steps/s per mode (median of interleaved reps) and report() p99 (µs) on ``device``
     (``cuda``; ``cpu`` only to smoke-test this code on a machine without a GPU)."""
-    from service.db import Database
+    from service.store.db import Database
     from worker.runtime.distributed import DistContext
     from worker.runtime.sink import make_sink
 

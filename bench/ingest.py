@@ -52,8 +52,8 @@ def _sink_job(args: tuple[str, int, int, int]) -> tuple[float, float, int]:
     url, job_id, step0, points = args
     import torch
 
-    from service.db import Database
-    from service.metrics import record_metrics
+    from service.store.db import Database
+    from service.store.metrics import record_metrics
     from worker.runtime.sink import make_sink
     from worker.runtime.sink_buffer import Progress
 
@@ -87,9 +87,9 @@ def _count_rows(conninfo: str, schema: str, name: str) -> int:
 def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
     """One writer process: ``batches`` batches of ``batch`` points; returns its seconds."""
     mode, url, job_id, step0, batches, batch = args
-    from service.db import Database
-    from service.metrics import MetricPoint, record_metrics
-    from service.models import utcnow
+    from service.store.db import Database
+    from service.store.metrics import MetricPoint, record_metrics
+    from service.store.models import utcnow
 
     if mode == "ddpq":
         db = Database.from_url(url)

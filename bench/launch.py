@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from bench.common import BenchResult, cli_main, median, migrated, pick, sqlite_url
-from service.config import Settings
+from service.core.config import Settings
 from worker.up import settings_env
 
 GOAL_EXTRA_S = 0.5

@@ -58,8 +58,8 @@ def _free_port() -> int:
 def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     """One rank: every mode for ``steps`` steps per repetition, interleaved; rank 0 writes the
     figures to ``cfg['out']``."""
-    from service.db import Database
-    from service.spec import JobSpec
+    from service.core.spec import JobSpec
+    from service.store.db import Database
     from worker.runtime.checkpointing import NullCheckpointer
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext

@@ -1,13 +1,13 @@
-"""Alembic environment: the URL comes from the caller (service.migrate) or DDPQ settings."""
+"""Alembic environment: the URL comes from the caller (service.store.migrate) or DDPQ settings."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import Connection
 
-from service.config import get_settings
-from service.db import make_engine
-from service.models import Base
+from service.core.config import get_settings
+from service.store.db import make_engine
+from service.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

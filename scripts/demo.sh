@@ -8,7 +8,7 @@ scripts/setup.sh
 . .venv/bin/activate
 export DDPQ_HOME=${DDPQ_HOME:-.ddpq}
 mkdir -p "$DDPQ_HOME"
-read -r url host port < <(python -c "from service.config import Settings; s = Settings(); print(s.resolved_api_url, s.host, s.port)")
+read -r url host port < <(python -c "from service.core.config import Settings; s = Settings(); print(s.resolved_api_url, s.host, s.port)")
 # Anything listening there (a ddpq or any other server) would make `ddpq up` fail.
 if python - "$host" "$port" <<'PY' 2>/dev/null; then
 import socket, sys

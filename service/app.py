@@ -22,10 +22,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import checkpoints, health, jobs, logs, metrics, workers
 from service.api.schemas import job_spec_openapi_schemas
-from service.config import Settings, get_settings
-from service.db import Database, redact_url
-from service.errors import ConflictError, DatabaseUnavailableError, DdpqError, SpecValidationError
-from service.reaper import reap_forever
+from service.core.config import Settings, get_settings
+from service.core.errors import (
+    ConflictError,
+    DatabaseUnavailableError,
+    DdpqError,
+    SpecValidationError,
+)
+from service.store.db import Database, redact_url
+from service.store.reaper import reap_forever
 from service.web import routes as web_routes
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from service.config import Settings
-from service.errors import DdpqError
+from service.core.config import Settings
+from service.core.errors import DdpqError
 
 API_PREFIX = "/api/v1"
 

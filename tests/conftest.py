@@ -16,9 +16,9 @@ from urllib.parse import quote
 import pytest
 from sqlalchemy import create_engine, text
 
-from service import migrate
-from service.config import Settings
-from service.db import Database
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
 
 PG_URL = os.environ.get("DDPQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 SKIP_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"

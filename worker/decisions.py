@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.jobs import CANCEL_REQUESTED_REASON, Transition
-from service.states import TERMINAL_STATES, JobState
-from service.workers import HeldJob
+from service.core.states import TERMINAL_STATES, JobState
+from service.store.jobs import CANCEL_REQUESTED_REASON, Transition
+from service.store.workers import HeldJob
 from worker.launchers.base import RunPhase, RunStatus
 from worker.runtime.outcome import REASON_NONFINITE_LOSS, REASON_SETUP, failure_reason
 

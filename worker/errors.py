@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.errors import DdpqError
+from service.core.errors import DdpqError
 
 
 class WorkerError(DdpqError):

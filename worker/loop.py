@@ -2,7 +2,7 @@
 
 Plan, then act: every state change is first a ``Decision`` made by a pure function of what
 the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
-applies it with ``service.jobs.apply_transition``. The loop knows launchers only through
+applies it with ``service.store.jobs.apply_transition``. The loop knows launchers only through
 ``worker.launchers.base.Launcher``.
 
 A detached launcher (Slurm: ``launcher.detached``) runs jobs that outlive the worker: a Slurm
@@ -19,12 +19,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from service import claims, jobs, workers
-from service.config import Settings
-from service.db import Database, redact_url
-from service.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
-from service.spec import JobSpec
-from service.states import JobState
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs, workers
+from service.store.db import Database, redact_url
 from worker.decisions import (
     Decision,
     GpuPool,

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from service.config import Settings
-from service.db import Database
+from service.core.config import Settings
+from service.store.db import Database
 from worker.launchers.registry import LAUNCHER_NAMES, make_launcher, uses_host_gpus
 from worker.loop import WorkerLoop
 

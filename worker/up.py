@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import httpx
 from pydantic import SecretStr
 
-from service import migrate
-from service.config import Settings
-from service.db import Database
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
 from worker.errors import ChildExitedError, PortInUseError
 from worker.launchers.local import parent_death_preexec
 from worker.main import ensure_logging, stop_on_signals

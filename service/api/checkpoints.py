@@ -11,9 +11,9 @@ from fastapi.responses import FileResponse
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
-from service.artifacts import confine
-from service.checkpoints import get_checkpoint, list_checkpoints
-from service.jobs import get_job
+from service.core.artifacts import confine
+from service.store.checkpoints import get_checkpoint, list_checkpoints
+from service.store.jobs import get_job
 
 router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 

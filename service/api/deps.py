@@ -10,9 +10,9 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from service.config import Settings
-from service.db import Database
-from service.tokens import Caller, find_caller
+from service.core.config import Settings
+from service.store.db import Database
+from service.store.tokens import Caller, find_caller
 
 # auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
 # default answer; the scheme also puts "Authorize" in the OpenAPI docs.

@@ -10,11 +10,11 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from service import migrate
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep
 from service.api.schemas import HealthOut
-from service.db import Database
-from service.errors import DatabaseUnavailableError, DdpqError
+from service.core.errors import DatabaseUnavailableError, DdpqError
+from service.store import migrate
+from service.store.db import Database
 
 log = logging.getLogger(__name__)
 

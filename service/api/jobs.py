@@ -22,10 +22,13 @@ from service.api.schemas import (
     event_out,
     job_out,
 )
-from service.config import Settings
-from service.db import Database
-from service.errors import SpecValidationError
-from service.jobs import (
+from service.core.config import Settings
+from service.core.errors import SpecValidationError
+from service.core.spec import JobSpec, validate_spec
+from service.core.spec_text import display_text
+from service.core.states import JobState
+from service.store.db import Database
+from service.store.jobs import (
     cancel_job,
     find_job_by_idempotency_key,
     get_job,
@@ -34,11 +37,8 @@ from service.jobs import (
     list_jobs,
     submit_job,
 )
-from service.rate_limits import RateLimitedError, check_submission_rate
-from service.spec import JobSpec, validate_spec
-from service.spec_text import display_text
-from service.states import JobState
-from service.workers import queue_reason
+from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.workers import queue_reason
 
 router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 

@@ -12,10 +12,10 @@ from pydantic import ValidationError
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import LogsOut
-from service.artifacts import confine, rank_log_path
-from service.errors import NotFoundError
-from service.jobs import get_job
-from service.spec import JobSpec
+from service.core.artifacts import confine, rank_log_path
+from service.core.errors import NotFoundError
+from service.core.spec import JobSpec
+from service.store.jobs import get_job
 
 router = APIRouter(tags=["logs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Query, Response
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import MetricNamesOut, MetricsOut, metrics_json
-from service.jobs import get_job
-from service.metrics import downsample_points, metric_names, query_points
+from service.store.jobs import get_job
+from service.store.metrics import downsample_points, metric_names, query_points
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 

@@ -14,12 +14,12 @@ from pydantic_core import PydanticSerializationError
 from sqlalchemy import Row
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
-from service.artifacts import artifact_relative_path
-from service.metric_points import JsonNumber, json_safe
-from service.metrics import PointRow
-from service.models import Checkpoint, Job, JobEvent, Worker, utcnow
-from service.spec import JobSpec
-from service.spec_text import display_text
+from service.core.artifacts import artifact_relative_path
+from service.core.metric_points import JsonNumber, json_safe
+from service.core.spec import JobSpec
+from service.core.spec_text import display_text
+from service.store.metrics import PointRow
+from service.store.models import Checkpoint, Job, JobEvent, Worker, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def dump_json(model: BaseModel) -> bytes:
 
 def job_out(job: Job | Row[Any], queue_reason: str | None = None) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
-    a Core row from ``service.jobs.get_job_row`` works as well as a ``Job``."""
+    a Core row from ``service.store.jobs.get_job_row`` works as well as a ``Job``."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     for name, entry in sorted(metrics.items()):  # one order on both databases
@@ -289,7 +289,7 @@ _METRICS_JSON: TypeAdapter[_MetricsJson] = TypeAdapter(_MetricsJson)
 
 
 def metrics_json(name: str, rows: Sequence[PointRow], next_after_step: int) -> bytes:
-    """Points rows (``service.metrics.query_points``) as a ``MetricsOut`` JSON body (the same
+    """Points rows (``service.store.metrics.query_points``) as a ``MetricsOut`` JSON body (the same
     bytes ``MetricsOut`` would give: ``value`` null for NaN, "±Infinity" for ±inf, times in
     ISO 8601 UTC), serialised in one pydantic-core call without re-validating each point."""
     points: list[_PointJson] = [

@@ -11,8 +11,8 @@ from fastapi import APIRouter
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.schemas import WorkerListOut, worker_out
-from service.jobs import owned_job_ids
-from service.workers import list_workers
+from service.store.jobs import owned_job_ids
+from service.store.workers import list_workers
 
 router = APIRouter(tags=["workers"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 

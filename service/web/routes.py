@@ -25,12 +25,12 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
 from service.api.jobs import MAX_INT64
-from service.errors import NotFoundError
-from service.jobs import get_job
-from service.spec import JobSpec
-from service.spec_text import SpecTextError, display_text, parse_spec_text
-from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState
-from service.task_configs import BUILTIN_TASK_CONFIGS
+from service.core.errors import NotFoundError
+from service.core.spec import JobSpec
+from service.core.spec_text import SpecTextError, display_text, parse_spec_text
+from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState
+from service.core.task_configs import BUILTIN_TASK_CONFIGS
+from service.store.jobs import get_job
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -330,7 +330,7 @@ def _spec_text_error(msg: str, type_: str = "value_error") -> JSONResponse:
 async def parse_spec(request: Request) -> Response:
     """Turn pasted YAML or JSON (``{"text": str}``) into ``{"spec": object}`` for the API.
 
-    Only parses (``service.spec_text.parse_spec_text``, in a worker thread so the event loop
+    Only parses (``service.core.spec_text.parse_spec_text``, in a worker thread so the event loop
     stays free): validation and storage stay with ``POST /api/v1/jobs``. Errors are 422 in
     the API's shape, located at ``["body", "text"]``.
     """

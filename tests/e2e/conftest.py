@@ -23,9 +23,9 @@ import httpx
 import pytest
 import yaml
 
-from service import migrate
-from service.config import Settings
-from service.db import Database
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
 from worker.up import settings_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
+from service.core.config import Settings
 
 ENTRYPOINT = "agenttest_threads:train"
 # A user entrypoint importable only from the worker's PYTHONPATH (written by the test).

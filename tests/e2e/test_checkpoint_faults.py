@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from service import artifacts
-from service.models import Metric
+from service.core import artifacts
+from service.store.models import Metric
 from worker.runtime.checkpointing import file_sha256
 
 CHECKPOINT_EVERY_STEPS = 4

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from service.models import Metric
+from service.store.models import Metric
 
 PG_CLUSTER = os.environ.get("DDPQ_TEST_PG_CLUSTER", "15 main").split()
 OUTAGE_S = 5.0  # longer than the sink's flush interval (2 s), well under the lease (15 s)

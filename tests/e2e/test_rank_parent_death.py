@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from service import claims, jobs
-from service.config import Settings
-from service.db import Database
-from service.metrics import query_points
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs
+from service.store.db import Database
+from service.store.metrics import query_points
+from service.store.workers import register_worker
 from worker.launchers.local import LocalLauncher, attempt_tags, find_tagged_processes
 from worker.runtime.main import die_with_parent
 

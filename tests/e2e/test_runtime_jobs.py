@@ -17,17 +17,17 @@ import torch
 import yaml
 from sqlalchemy import select, update
 
-from service import artifacts
-from service.checkpoints import list_checkpoints
-from service.claims import claim_next_job
-from service.config import Settings
-from service.db import Database
-from service.jobs import Transition, apply_transition, get_job, submit_job
-from service.models import Job, Metric
-from service.spec import JobSpec
-from service.states import JobState
-from service.task_configs import DigitsConfig
-from service.workers import register_worker
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.core.task_configs import DigitsConfig
+from service.store.checkpoints import list_checkpoints
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.models import Job, Metric
+from service.store.workers import register_worker
 from worker.runtime.checkpointing import file_sha256
 from worker.tasks.digits import build_model
 

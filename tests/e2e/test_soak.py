@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service.models import Metric
+from service.store.models import Metric
 
 JOBS = 50
 STEPS = 8

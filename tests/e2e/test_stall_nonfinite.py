@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from service import artifacts
-from service.checkpoints import list_checkpoints
-from service.claims import claim_next_job
-from service.config import Settings
-from service.db import Database
-from service.jobs import Transition, apply_transition, submit_job
-from service.metrics import query_points
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store.checkpoints import list_checkpoints
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, submit_job
+from service.store.metrics import query_points
+from service.store.workers import register_worker
 
 REPO = Path(__file__).resolve().parents[2]
 STALL_TIMEOUT_S = 10

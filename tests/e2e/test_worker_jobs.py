@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service.models import Metric
+from service.store.models import Metric
 
 
 def _count_metrics(dep: Any, job_id: int) -> tuple[int, datetime | None]:

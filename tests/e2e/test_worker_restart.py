@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service.models import Metric
+from service.store.models import Metric
 from worker.launchers.local import attempt_tags, find_tagged_processes
 
 

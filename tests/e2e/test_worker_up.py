@@ -13,11 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.config import Settings
+from service.core.config import Settings
 from worker.errors import PortInUseError
 from worker.up import run_up
 
-RUN_UP = "from service.config import Settings; from worker.up import run_up; run_up(Settings())"
+RUN_UP = (
+    "from service.core.config import Settings; from worker.up import run_up; run_up(Settings())"
+)
 
 
 def _free_port() -> int:

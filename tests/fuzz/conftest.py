@@ -20,18 +20,18 @@ import httpx
 import pytest
 import uvicorn
 
-from service import artifacts
 from service.app import create_app
-from service.checkpoints import record_checkpoint
-from service.claims import claim_next_job
-from service.config import Settings
-from service.db import Database
-from service.jobs import Transition, apply_transition, submit_job
-from service.metrics import MetricPoint, record_metrics
-from service.spec import JobSpec
-from service.states import JobState
-from service.tokens import create_token
-from service.workers import register_worker
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store.checkpoints import record_checkpoint
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, submit_job
+from service.store.metrics import MetricPoint, record_metrics
+from service.store.tokens import create_token
+from service.store.workers import register_worker
 
 API = "/api/v1"
 

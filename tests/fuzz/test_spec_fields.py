@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
-from service.errors import SpecValidationError
-from service.spec import JobSpec, validate_spec
-from service.task_configs import CharLMConfig, DigitsConfig, RegressionConfig
+from service.core.config import Settings
+from service.core.errors import SpecValidationError
+from service.core.spec import JobSpec, validate_spec
+from service.core.task_configs import CharLMConfig, DigitsConfig, RegressionConfig
 
 # Numbers at and past every bound a field could have (int32/int64, float range, NaN/inf).
 EXTREME_NUMBER_VALUES: list[Any] = [

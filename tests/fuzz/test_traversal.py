@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from service import artifacts
-from service.checkpoints import record_checkpoint
+from service.core import artifacts
+from service.store.checkpoints import record_checkpoint
 
 SECRET = "secret outside the artifact directory"
 # Statuses that refuse a traversal: bad request, not found, or a parameter that fails its type.

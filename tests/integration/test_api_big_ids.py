@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.models import Job, JobEvent
+from service.core.config import Settings
+from service.store.db import Database
+from service.store.models import Job, JobEvent
 
 API = "/api/v1"
 BIG_IDS = [2**31, 3_000_000_000, 2**53 + 1, 2**63 - 1]

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
 from service.client import ApiError, ApiUnreachableError, DdpqClient
-from service.config import Settings
-from service.db import Database
-from service.metrics import MetricPoint
-from service.states import JobState
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.states import JobState
+from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
 from tests.live import serve_app
 
 SPEC = {"name": "c", "task": "regression", "training": {"max_steps": 3}}

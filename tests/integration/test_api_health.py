@@ -11,12 +11,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from service import db as db_module
-from service import migrate
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.errors import DatabaseUnavailableError, SchemaOutOfDateError
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError, SchemaOutOfDateError
+from service.store import db as db_module
+from service.store import migrate
+from service.store.db import Database
 
 PASSWORD = "s3cret-pw"
 

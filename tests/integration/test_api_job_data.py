@@ -15,15 +15,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, update
 
-from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.api.schemas import MetricsOut
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.metrics import MetricPoint
-from service.models import Job, Metric, utcnow
-from service.spec import JobSpec
-from service.states import JobState
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
+from service.store.models import Job, Metric, utcnow
 
 API = "/api/v1"
 

@@ -12,12 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text, update
 
-from service import claims, jobs, workers
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.models import Worker, utcnow
-from service.states import JobState
+from service.core.config import Settings
+from service.core.states import JobState
+from service.store import claims, jobs, workers
+from service.store.db import Database
+from service.store.models import Worker, utcnow
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {

@@ -8,12 +8,12 @@ import time
 
 from fastapi.testclient import TestClient
 
-from service import claims, jobs, migrate, workers
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.spec import JobSpec
-from service.states import JobState
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs, migrate, workers
+from service.store.db import Database
 
 
 def _running_job(db: Database, lease_s: float) -> int:

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service import claims, jobs, workers
 from service.app import create_app
-from service.cli import server_settings
-from service.config import Settings
-from service.db import Database
-from service.spec import validate_spec
-from service.tokens import create_token, list_tokens, revoke_token
+from service.cli.main import server_settings
+from service.core.config import Settings
+from service.core.spec import validate_spec
+from service.store import claims, jobs, workers
+from service.store.db import Database
+from service.store.tokens import create_token, list_tokens, revoke_token
 from worker.up import settings_env
 
 API = "/api/v1"

@@ -14,13 +14,13 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
-from service import migrate
 from service.app import create_app
-from service.cli import app
+from service.cli.main import app
 from service.client import ApiError, DdpqClient
-from service.config import Settings
-from service.db import Database
-from service.models import ApiToken
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
+from service.store.models import ApiToken
 from tests.live import serve_app
 
 runner = CliRunner()

@@ -12,14 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service import jobs
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.models import Job, utcnow
-from service.rate_limits import RateLimitedError, check_submission_rate
-from service.spec import validate_spec
-from service.tokens import create_token
+from service.core.config import Settings
+from service.core.spec import validate_spec
+from service.store import jobs
+from service.store.db import Database
+from service.store.models import Job, utcnow
+from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.tokens import create_token
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "training": {"max_steps": 10}}

@@ -7,11 +7,11 @@ from collections import Counter
 
 from sqlalchemy import func, insert, select
 
-from service import claims
-from service.db import Database
-from service.models import Job, JobEvent
-from service.spec import JobSpec
-from service.workers import register_worker
+from service.core.spec import JobSpec
+from service.store import claims
+from service.store.db import Database
+from service.store.models import Job, JobEvent
+from service.store.workers import register_worker
 
 N_JOBS = 500
 N_CLAIMERS = 8

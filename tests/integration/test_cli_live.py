@@ -23,13 +23,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from service import artifacts, checkpoints, claims, jobs, metrics, workers
 from service.app import create_app
-from service.cli import app
-from service.config import Settings
-from service.db import Database
-from service.metrics import MetricPoint
-from service.states import JobState
+from service.cli.main import app
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.states import JobState
+from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
 from tests.live import serve_app
 
 runner = CliRunner()

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from service.app import create_app
-from service.cli import app
-from service.config import Settings
-from service.db import Database
+from service.cli.main import app
+from service.core.config import Settings
+from service.store.db import Database
 from tests.live import serve_app
 
 runner = CliRunner()

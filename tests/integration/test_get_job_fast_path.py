@@ -13,16 +13,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Connection, create_engine, text, update
 
-from service import claims, workers
 from service.api.schemas import dump_json, job_out
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.errors import DatabaseUnavailableError, NotFoundError
-from service.jobs import get_job, get_job_row
-from service.models import Job
-from service.states import JobState
-from service.workers import queue_reason
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError, NotFoundError
+from service.core.states import JobState
+from service.store import claims, workers
+from service.store.db import Database
+from service.store.jobs import get_job, get_job_row
+from service.store.models import Job
+from service.store.workers import queue_reason
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {

@@ -2,7 +2,7 @@
 PostgreSQL), the poll body (serialised without validation), the one RequestContext dependency,
 the UTC connect hook, the job page and the submit form, on real SQLite, PostgreSQL and headless
 Chromium. A breaker found each case; each docstring says what went wrong then and what a user
-relies on now (``service.metric_points.checked_point`` holds the point rules)."""
+relies on now (``service.core.metric_points.checked_point`` holds the point rules)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, text
 
-from service import claims, jobs, metrics, migrate, workers
 from service.api.schemas import MetricsOut
 from service.app import create_app
-from service.artifacts import rank_log_path
-from service.config import Settings
-from service.db import Database
-from service.metrics import MetricPoint
-from service.models import Metric
-from service.spec import JobSpec
-from service.states import JobState
-from service.tokens import create_token, list_tokens, revoke_token
+from service.core.artifacts import rank_log_path
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs, metrics, migrate, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
+from service.store.models import Metric
+from service.store.tokens import create_token, list_tokens, revoke_token
 from tests.live import serve_app
 from worker.runtime.sink import DatabaseSink
 

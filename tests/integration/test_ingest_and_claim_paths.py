@@ -14,13 +14,13 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from sqlalchemy import event, text
 
-from service import claims, jobs, metrics, migrate, workers
-from service.db import Database
-from service.errors import StaleAttemptError
-from service.metrics import MetricPoint
-from service.models import Job, utcnow
-from service.spec import JobSpec
-from service.states import JobState
+from service.core.errors import StaleAttemptError
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs, metrics, migrate, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
+from service.store.models import Job, utcnow
 
 SPEC = JobSpec(name="j", task="regression")
 

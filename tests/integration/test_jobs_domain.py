@@ -8,13 +8,13 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import delete, update
 
-from service import checkpoints, claims, jobs, metrics, workers
-from service.db import Database
-from service.errors import ConflictError, StaleAttemptError, StaleStateError
-from service.metrics import MetricPoint
-from service.models import Job, utcnow
-from service.spec import JobSpec
-from service.states import JobState
+from service.core.errors import ConflictError, StaleAttemptError, StaleStateError
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.db import Database
+from service.store.metrics import MetricPoint
+from service.store.models import Job, utcnow
 
 SPEC = JobSpec(name="j", task="regression")
 

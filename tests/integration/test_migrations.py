@@ -7,11 +7,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from service import jobs, migrate
-from service.db import Database
-from service.errors import SchemaOutOfDateError
-from service.models import Base
-from service.spec import JobSpec
+from service.core.errors import SchemaOutOfDateError
+from service.core.spec import JobSpec
+from service.store import jobs, migrate
+from service.store.db import Database
+from service.store.models import Base
 
 
 def test_up_down_up_on_populated_db(db_url: str) -> None:

@@ -6,13 +6,13 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from service import claims, jobs
-from service.config import Settings
-from service.db import Database
-from service.models import Job, utcnow
-from service.spec import validate_spec
-from service.states import JobState
-from service.workers import register_worker, stop_worker
+from service.core.config import Settings
+from service.core.spec import validate_spec
+from service.core.states import JobState
+from service.store import claims, jobs
+from service.store.db import Database
+from service.store.models import Job, utcnow
+from service.store.workers import register_worker, stop_worker
 from worker.launchers.slurm_attach import adopt_slurm_jobs
 
 

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service import jobs, migrate
-from service.config import Settings
-from service.db import Database
-from service.models import Job, Metric
-from service.spec import validate_spec
+from service.core.config import Settings
+from service.core.spec import validate_spec
+from service.store import jobs, migrate
+from service.store.db import Database
+from service.store.models import Job, Metric
 
 ENABLED = os.environ.get("DDPQ_TEST_SLURM") == "1"
 

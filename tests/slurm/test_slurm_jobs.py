@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from service import jobs, migrate
-from service.db import Database
-from service.models import Metric
-from service.states import JobState
+from service.core.states import JobState
+from service.store import jobs, migrate
+from service.store.db import Database
+from service.store.models import Metric
 from tests.slurm.conftest import (
     SlurmDb,
     count_losses,

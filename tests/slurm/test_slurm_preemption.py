@@ -11,11 +11,11 @@ import subprocess
 import pytest
 from sqlalchemy import func, select
 
-from service import jobs
-from service.config import Settings
-from service.db import Database
-from service.models import Metric
-from service.states import JobState
+from service.core.config import Settings
+from service.core.states import JobState
+from service.store import jobs
+from service.store.db import Database
+from service.store.models import Metric
 from tests.slurm.conftest import (
     SlurmDb,
     count_losses,

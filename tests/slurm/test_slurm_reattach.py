@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from service import jobs
-from service.models import Worker
-from service.states import JobState
+from service.core.states import JobState
+from service.store import jobs
+from service.store.models import Worker
 from tests.slurm.conftest import (
     SlurmDb,
     count_losses,

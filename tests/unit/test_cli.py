@@ -13,8 +13,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from service.cli import app, parse_gpus
-from service.cli_output import field_error_lines, format_bytes, format_metric, format_seconds
+from service.cli.main import app, parse_gpus
+from service.cli.output import field_error_lines, format_bytes, format_metric, format_seconds
 
 runner = CliRunner()
 
@@ -183,7 +183,7 @@ def test_service_does_not_import_worker_at_module_level() -> None:
     import subprocess
 
     code = (
-        "import sys, service.cli, service.app, service.client\n"
+        "import sys, service.cli.main, service.app, service.client\n"
         "bad = [m for m in sys.modules if m == 'worker' or m.startswith('worker.')]\n"
         "assert not bad, bad\n"
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from service.cli_output import (
+from service.cli.output import (
     field_error_lines,
     format_age,
     format_job_summary,

@@ -13,8 +13,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from service.cli import app
-from service.config import Settings
+from service.cli.main import app
+from service.core.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

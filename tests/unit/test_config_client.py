@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from service.client import ApiTokenError, DdpqClient
-from service.config import Settings
-from service.db import Database
+from service.core.config import Settings
+from service.store.db import Database
 
 
 @pytest.mark.parametrize(

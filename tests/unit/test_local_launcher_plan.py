@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Settings
-from service.spec import JobSpec
+from service.core.config import Settings
+from service.core.spec import JobSpec
 from worker.launchers.local import LocalLauncher, bind_gpus
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Settings
-from service.spec import JobSpec
+from service.core.config import Settings
+from service.core.spec import JobSpec
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.local import LocalLauncher
 
@@ -289,8 +289,8 @@ def test_ranks_die_with_the_worker(
             f"""
             import sys, time
             from dataclasses import replace
-            from service.config import Settings
-            from service.spec import JobSpec
+            from service.core.config import Settings
+            from service.core.spec import JobSpec
             from worker.launchers.local import LocalLauncher
             s = Settings(home={str(tmp_path)!r}, artifact_dir={str(artifact_dir)!r})
             launcher = LocalLauncher(s, entry=({str(fake_rank)!r},))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Settings
-from service.jobs import Transition
-from service.states import JobState, can_transition
-from service.workers import HeldJob
+from service.core.config import Settings
+from service.core.states import JobState, can_transition
+from service.store.jobs import Transition
+from service.store.workers import HeldJob
 from worker.decisions import (
     PHASE_DECISIONS,
     Decision,

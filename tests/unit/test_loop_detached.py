@@ -14,14 +14,14 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from service import jobs
-from service.config import Settings
-from service.db import Database
-from service.jobs import Transition
-from service.models import Job, Worker, utcnow
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core.config import Settings
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import jobs
+from service.store.db import Database
+from service.store.jobs import Transition
+from service.store.models import Job, Worker, utcnow
+from service.store.workers import register_worker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from service import claims, jobs
-from service.db import Database
-from service.jobs import WORKER_LOST_REASON, Transition
-from service.models import Job
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import heartbeat, register_worker
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs
+from service.store.db import Database
+from service.store.jobs import WORKER_LOST_REASON, Transition
+from service.store.models import Job
+from service.store.workers import heartbeat, register_worker
 
 
 def _claimed(db: Database, worker_id: str, lease_s: float, launcher: str = "local") -> int:

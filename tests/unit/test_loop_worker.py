@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from service import claims, jobs
-from service.config import Settings
-from service.db import Database
-from service.errors import DatabaseUnavailableError
-from service.jobs import Transition
-from service.models import Job, Worker, utcnow
-from service.spec import JobSpec
-from service.states import JobState
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store import claims, jobs
+from service.store.db import Database
+from service.store.jobs import Transition
+from service.store.models import Job, Worker, utcnow
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop

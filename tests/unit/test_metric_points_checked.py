@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from service import metric_points
-from service.db import Database
-from service.metric_points import CheckedPoint, MetricPoint, checked_point, checked_report
-from service.spec import JobSpec
+from service.core import metric_points
+from service.core.metric_points import CheckedPoint, MetricPoint, checked_point, checked_report
+from service.core.spec import JobSpec
+from service.store.db import Database
 from tests.unit.test_runtime_sink import loss_values, running_job
 from worker.runtime.checkpointing import NullCheckpointer
 from worker.runtime.context import TrainContext

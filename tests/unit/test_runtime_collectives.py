@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.claims import claim_next_job
-from service.db import Database
-from service.jobs import Transition, apply_transition, submit_job
-from service.metrics import query_points
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, submit_job
+from service.store.metrics import query_points
+from service.store.workers import register_worker
 from worker.runtime.distributed import DistContext, StopVote, broadcast_int
 from worker.runtime.sink import make_sink
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from service.artifacts import metrics_spill_path
-from service.claims import claim_next_job
-from service.db import Database
-from service.jobs import Transition, apply_transition, get_job, submit_job
-from service.metrics import query_points
-from service.models import Job
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core.artifacts import metrics_spill_path
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.metrics import query_points
+from service.store.models import Job
+from service.store.workers import register_worker
 from worker.runtime.backlog import decode_point
 from worker.runtime.sink import DatabaseSink, make_sink
 from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS, NullSink, Progress

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.metrics import MetricPoint
+from service.store.metrics import MetricPoint
 from worker.runtime.backlog import MetricBacklog, decode_point, encode_point
 
 

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from sqlalchemy import func, select
 
-from service.claims import claim_next_job
-from service.db import Database
-from service.jobs import Transition, apply_transition, get_job, submit_job
-from service.metrics import MetricPoint, query_points, record_metrics
-from service.models import Metric
-from service.spec import JobSpec
-from service.states import JobState
-from service.workers import register_worker
+from service.core.spec import JobSpec
+from service.core.states import JobState
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.metrics import MetricPoint, query_points, record_metrics
+from service.store.models import Metric
+from service.store.workers import register_worker
 from worker.runtime.backlog import decode_point
 from worker.runtime.distributed import DistContext
 from worker.runtime.sink import DatabaseSink, make_sink

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from service import artifacts
-from service.states import JobState
+from service.core import artifacts
+from service.core.states import JobState
 from worker.decisions import HeldRun, decide_on_status
 from worker.launchers.base import RunPhase, RunStatus
 from worker.launchers.failure_text import earliest_rank_error
@@ -308,7 +308,7 @@ def test_fail_raises_naming_the_step_and_skip_step_counts() -> None:
 
 
 def test_train_context_calls_start_and_pet_the_watchdog(tmp_path: Path) -> None:
-    from service.spec import JobSpec
+    from service.core.spec import JobSpec
     from worker.runtime.checkpointing import NullCheckpointer
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext
@@ -349,7 +349,7 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
 ) -> None:
     """A 0-based step (or a bad epoch or name) fails in the entrypoint's own loop with what to
     fix, instead of the point being dropped later by the rank-0 writer."""
-    from service.spec import JobSpec
+    from service.core.spec import JobSpec
     from worker.runtime.checkpointing import NullCheckpointer
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext

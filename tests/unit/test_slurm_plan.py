@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from service import artifacts
-from service.config import Settings
-from service.spec import JobSpec
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.slurm import SlurmLauncher
 from worker.launchers.slurm_rank import (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Settings
+from service.core.config import Settings
 from worker.launchers.base import RunPhase
 from worker.launchers.slurm import SlurmLauncher
 from worker.launchers.slurm_states import (

@@ -6,8 +6,14 @@ import itertools
 
 import pytest
 
-from service.errors import InvalidTransitionError
-from service.states import TERMINAL_STATES, TRANSITIONS, JobState, can_transition, check_transition
+from service.core.errors import InvalidTransitionError
+from service.core.states import (
+    TERMINAL_STATES,
+    TRANSITIONS,
+    JobState,
+    can_transition,
+    check_transition,
+)
 
 ALLOWED = {
     ("queued", "starting"),

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from service.config import Settings
-from service.errors import SpecValidationError
-from service.spec import validate_spec
-from service.task_configs import RegressionConfig
+from service.core.config import Settings
+from service.core.errors import SpecValidationError
+from service.core.spec import validate_spec
+from service.core.task_configs import RegressionConfig
 
 SETTINGS = Settings()
 

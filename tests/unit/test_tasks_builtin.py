@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.task_configs import BUILTIN_TASK_CONFIGS, CharLMConfig, DigitsConfig, RegressionConfig
+from service.core.task_configs import (
+    BUILTIN_TASK_CONFIGS,
+    CharLMConfig,
+    DigitsConfig,
+    RegressionConfig,
+)
 from worker.runtime.signals import StopFlag, StopRequested
 from worker.tasks import TASKS, charlm, digits, regression
 from worker.tasks.base import TaskSetup

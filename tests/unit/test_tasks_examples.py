@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.config import Settings
-from service.spec import validate_spec
+from service.core.config import Settings
+from service.core.spec import validate_spec
 from worker.runtime.context import EntrypointError, load_entrypoint
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

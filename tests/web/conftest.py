@@ -20,16 +20,16 @@ import httpx
 import pytest
 import uvicorn
 
-from service import migrate
-from service.artifacts import checkpoint_path, rank_log_path
-from service.checkpoints import record_checkpoint
-from service.claims import claim_next_job
-from service.config import Settings
-from service.db import Database
-from service.jobs import Transition, apply_transition
-from service.metrics import MetricPoint, record_metrics
-from service.states import JobState
-from service.workers import register_worker
+from service.core.artifacts import checkpoint_path, rank_log_path
+from service.core.config import Settings
+from service.core.states import JobState
+from service.store import migrate
+from service.store.checkpoints import record_checkpoint
+from service.store.claims import claim_next_job
+from service.store.db import Database
+from service.store.jobs import Transition, apply_transition
+from service.store.metrics import MetricPoint, record_metrics
+from service.store.workers import register_worker
 
 CHROMIUM = Path("/usr/bin/chromium")
 INSTALL_HINT = "install the browser with: bash scripts/install-browser.sh"

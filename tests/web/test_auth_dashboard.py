@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from service import migrate
-from service.config import Settings
-from service.db import Database
-from service.tokens import create_token
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
+from service.store.tokens import create_token
 from tests.web.conftest import LiveServer, OpenPage, _serve
 
 try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.states import JobState
+from service.core.states import JobState
 
 try:
     from playwright.sync_api import expect

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from service import jobs
 from service.app import create_app
-from service.config import Settings
-from service.db import Database
-from service.spec import JobSpec, Training
-from service.task_configs import BUILTIN_TASK_CONFIGS
+from service.core.config import Settings
+from service.core.spec import JobSpec, Training
+from service.core.task_configs import BUILTIN_TASK_CONFIGS
+from service.store import jobs
+from service.store.db import Database
 from service.web import routes
 
 

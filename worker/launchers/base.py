@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from service.spec import JobSpec
+from service.core.spec import JobSpec
 
 
 class RunPhase(StrEnum):

@@ -33,9 +33,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from service import artifacts
-from service.config import Settings
-from service.spec import JobSpec
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import (

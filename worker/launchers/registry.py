@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import get_args
 
-from service.config import Settings
-from service.spec import LauncherName
+from service.core.config import Settings
+from service.core.spec import LauncherName
 from worker.errors import LaunchError
 from worker.launchers.base import Launcher
 

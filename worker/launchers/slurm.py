@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service import artifacts
-from service.config import Settings
-from service.spec import JobSpec
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import earliest_rank_error, tail_lines
@@ -225,9 +225,9 @@ class SlurmLauncher:
         return "; ".join(parts) or "sinfo shows no partition"
 
     def _record_scheduler_job_id(self, job_id: int, attempt: int, handle: str) -> None:
-        from service.db import Database
-        from service.errors import DdpqError
-        from service.jobs import set_scheduler_job_id
+        from service.core.errors import DdpqError
+        from service.store.db import Database
+        from service.store.jobs import set_scheduler_job_id
 
         db = Database.from_url(self.database_url)
         try:

@@ -17,8 +17,8 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.models import Job, Worker, utcnow
-from service.states import ACTIVE_STATES, JobState
+from service.core.states import ACTIVE_STATES, JobState
+from service.store.models import Job, Worker, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def adopt_slurm_jobs(
     stopped (its row has ``stopped_at``). Only jobs already submitted to Slurm (with a
     ``scheduler_job_id``) are adopted; the rest are the reaper's to requeue.
 
-    Call it before ``service.jobs.requeue_expired_jobs`` in a Slurm worker's tick (and at
+    Call it before ``service.store.jobs.requeue_expired_jobs`` in a Slurm worker's tick (and at
     start-up). Each job is one compare-and-set on ``(id, state, attempt, worker_id)``, so two
     workers adopting at once never both get it, and a worker that just renewed its lease keeps
     its job.

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from service.spec import JobSpec
+from service.core.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.slurm_states import PREEMPT_SIGNAL, slurm_job_name
 from worker.runtime import envvars

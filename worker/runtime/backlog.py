@@ -1,7 +1,7 @@
 """Rank 0's metric backlog: points handed to the writer but not yet in the database.
 
 A FIFO, oldest first. At most ``memory_cap`` points stay in memory; past that, newer points
-are appended to a spill file (JSON lines, ``service.artifacts.metrics_spill_path``) and read
+are appended to a spill file (JSON lines, ``service.core.artifacts.metrics_spill_path``) and read
 back in order as the writer catches up, so a long database outage costs disk, not memory,
 and loses nothing. The training thread appends (a list extend; a file append only while
 spilling); the writer thread peeks at the oldest points, writes them, then drops them. One
@@ -22,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import IO
 
-from service.metrics import MetricPoint
+from service.store.metrics import MetricPoint
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Only rank 0 writes (``make_checkpointer``). The training thread copies the state's tensors
 into reused host buffers (``worker.runtime.snapshot``); one background thread writes a temp
 file in the checkpoint directory, fsyncs it, records it with
-``service.checkpoints.record_checkpoint`` (fenced by attempt) and renames it into place inside
+``service.store.checkpoints.record_checkpoint`` (fenced by attempt) and renames it into place inside
 that transaction, then rotates old checkpoints away.
 
 A write that fails (full disk, I/O error) publishes nothing and leaves the previous checkpoint
@@ -29,15 +29,20 @@ from typing import Any
 
 import torch
 
-from service import artifacts
-from service.checkpoints import (
+from service.core import artifacts
+from service.core.errors import (
+    DatabaseUnavailableError,
+    DdpqError,
+    NotFoundError,
+    StaleAttemptError,
+)
+from service.store.checkpoints import (
     list_checkpoints,
     mark_checkpoints_deleted,
     record_checkpoint,
     record_checkpoint_failure,
 )
-from service.db import Database
-from service.errors import DatabaseUnavailableError, DdpqError, NotFoundError, StaleAttemptError
+from service.store.db import Database
 from worker.runtime.distributed import DistContext, broadcast_int
 from worker.runtime.snapshot import Snapshot, SnapshotPool
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from service.config import Settings
-from service.errors import DdpqError
-from service.metric_points import checked_report
-from service.spec import JobSpec
+from service.core.config import Settings
+from service.core.errors import DdpqError
+from service.core.metric_points import checked_report
+from service.core.spec import JobSpec
 from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
     DistContext,
@@ -136,7 +136,7 @@ class TrainContext:
 
         Raises:
             ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
-                metric name over 100 characters (``service.metric_points.checked_report``):
+                metric name over 100 characters (``service.core.metric_points.checked_report``):
                 raised here, in your loop, rather than the point being dropped at the write.
                 Integer numpy scalars and 0-d tensors are fine as ``step`` and ``epoch``.
         """

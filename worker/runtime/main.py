@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.artifacts import rank_log_path
-from service.config import Settings
-from service.db import Database
-from service.errors import StaleAttemptError
-from service.jobs import get_job
-from service.spec import JobSpec
-from service.states import ACTIVE_STATES
+from service.core.artifacts import rank_log_path
+from service.core.config import Settings
+from service.core.errors import StaleAttemptError
+from service.core.spec import JobSpec
+from service.core.states import ACTIVE_STATES
+from service.store.db import Database
+from service.store.jobs import get_job
 from worker.runtime import envvars
 from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, make_checkpointer
 from worker.runtime.context import TrainContext, load_entrypoint

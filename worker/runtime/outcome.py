@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service import artifacts
+from service.core import artifacts
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -63,7 +63,7 @@ def write_result(
     """Rank 0's success record, written after metrics and checkpoints are flushed and before
     teardown: ``{"status": "succeeded", "step", "final_metrics", "checkpoint"}``.
 
-    ``final_metrics`` values must be JSON-safe (see ``service.metrics.json_safe``).
+    ``final_metrics`` values must be JSON-safe (see ``service.store.metrics.json_safe``).
     """
     path = artifacts.result_path(artifact_dir, job_id, attempt)
     write_json_atomic(

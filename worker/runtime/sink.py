@@ -6,7 +6,7 @@ tensor, no host sync). ``flush`` is collective in the trainer: all ranks average
 buffer with one all_reduce, then rank 0 copies it to the host once and appends the points to
 its backlog
 (``worker.runtime.backlog``), which a background thread writes with
-``service.metrics.record_metrics`` (one transaction per batch, duplicates ignored). While the
+``service.store.metrics.record_metrics`` (one transaction per batch, duplicates ignored). While the
 database is down the backlog grows (in memory, then in a spill file) and the thread retries
 with backoff; training goes on.
 """
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from service.artifacts import metrics_spill_path
-from service.db import Database
-from service.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
-from service.metric_points import CheckedPoint, MetricPoint, json_safe, split_points
-from service.metrics import record_metrics
-from service.models import utcnow
+from service.core.artifacts import metrics_spill_path
+from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
+from service.core.metric_points import CheckedPoint, MetricPoint, json_safe, split_points
+from service.store.db import Database
+from service.store.metrics import record_metrics
+from service.store.models import utcnow
 from worker.runtime.backlog import MetricBacklog
 from worker.runtime.distributed import DistContext
 from worker.runtime.outcome import write_result

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from service.metric_points import CheckedPoint, MetricPoint, json_safe
+from service.core.metric_points import CheckedPoint, MetricPoint, json_safe
 from worker.runtime.distributed import DistContext, all_reduce_sum_
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.errors import DdpqError
+from service.core.errors import DdpqError
 from worker.runtime import envvars
 
 DEFAULT_PG_TIMEOUT_S = 300.0

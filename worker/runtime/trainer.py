@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from service.spec import JobSpec, Training
+from service.core.spec import JobSpec, Training
 from worker.runtime.checkpointing import NullCheckpointer, load_checkpoint_file
 from worker.runtime.distributed import (
     DistContext,

@@ -1,4 +1,4 @@
-"""The built-in training tasks: name → builder (configs live in service.task_configs)."""
+"""The built-in training tasks: name → builder (configs live in service.core.task_configs)."""
 
 from __future__ import annotations
 

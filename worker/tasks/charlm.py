@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from service.task_configs import CharLMConfig
+from service.core.task_configs import CharLMConfig
 from worker.tasks.base import TaskParts, TaskSetup
 
 VOCAB_SIZE = 256  # bytes

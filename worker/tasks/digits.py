@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from service.task_configs import DigitsConfig
+from service.core.task_configs import DigitsConfig
 from worker.tasks.base import TaskParts, TaskSetup
 
 NUM_CLASSES = 10

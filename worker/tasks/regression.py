@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from service.task_configs import RegressionConfig
+from service.core.task_configs import RegressionConfig
 from worker.runtime.signals import StopFlag, StopRequested
 from worker.tasks.base import TaskParts, TaskSetup
 

@@ -9,9 +9,9 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.errors import NotFoundError
-from service.models import Job, Worker, utcnow
-from service.states import ACTIVE_STATES, JobState
+from service.core.errors import NotFoundError
+from service.core.states import ACTIVE_STATES, JobState
+from service.store.models import Job, Worker, utcnow
 
 # A worker is live while its last heartbeat is younger than this many heartbeat intervals.
 LIVE_HEARTBEATS = 3

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from service.errors import InvalidTransitionError
+from service.core.errors import InvalidTransitionError
 
 
 class JobState(StrEnum):

@@ -19,7 +19,7 @@ class Settings(BaseSettings):
 
     With nothing set, ddpq runs its embedded default: SQLite (WAL) at ``./.ddpq/ddpq.db``,
     artifacts under ``./.ddpq/artifacts``, the API on 127.0.0.1:8000.
-    Nothing here opens a file or a connection; see ``service.db`` for that.
+    Nothing here opens a file or a connection; see ``service.store.db`` for that.
     """
 
     model_config = SettingsConfigDict(env_prefix="DDPQ_", extra="ignore")

@@ -10,10 +10,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-from service.db import redact_url
-from service.errors import SchemaOutOfDateError
+from service.core.errors import SchemaOutOfDateError
+from service.store.db import redact_url
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
 def alembic_config(url: str) -> Config:

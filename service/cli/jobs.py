@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from service.cli_common import (
+from service.cli.common import (
     EXIT_FAILED,
     TERMINAL,
     app,
@@ -21,7 +21,7 @@ from service.cli_common import (
     make_client,
     out,
 )
-from service.cli_output import (
+from service.cli.output import (
     cell,
     format_job_summary,
     format_metric,
@@ -30,8 +30,8 @@ from service.cli_output import (
     short_time,
 )
 from service.client import ApiUnreachableError, DdpqClient
-from service.config import Settings
-from service.spec_text import SpecTextError, parse_spec_text
+from service.core.config import Settings
+from service.core.spec_text import SpecTextError, parse_spec_text
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.errors import NotFoundError
-from service.metrics import check_attempt
-from service.models import Checkpoint, JobEvent, utcnow
+from service.core.errors import NotFoundError
+from service.store.metrics import check_attempt
+from service.store.models import Checkpoint, JobEvent, utcnow
 
 
 def record_checkpoint(

@@ -11,10 +11,10 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
 
-from service.cli_output import field_error_lines, printable
+from service.cli.output import field_error_lines, printable
 from service.client import ApiError, ApiUnreachableError, DdpqClient
-from service.config import Settings
-from service.errors import DatabaseUnavailableError, DdpqError, SchemaOutOfDateError
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError, DdpqError, SchemaOutOfDateError
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 EXIT_FAILED = 1  # the job failed or was cancelled; or the server refused (409, 5xx)

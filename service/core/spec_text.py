@@ -219,7 +219,7 @@ def parse_spec_text(text: str, *, json_only: bool = False) -> dict[str, Any]:
     aliases may expand to at most ``MAX_YAML_NODES`` values and whose nesting may reach
     ``MAX_SPEC_DEPTH`` levels. The result must be a mapping of JSON values only: dates,
     binary data, sets, NaN/Infinity, non-text keys, NUL or lone surrogates are refused,
-    naming the field. This parses only; ``service.spec.validate_spec`` validates.
+    naming the field. This parses only; ``service.core.spec.validate_spec`` validates.
 
     Args:
         text: the document.

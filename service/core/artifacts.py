@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.errors import NotFoundError
+from service.core.errors import NotFoundError
 
 
 def job_dir(artifact_dir: Path, job_id: int) -> Path:

@@ -13,10 +13,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from service.cli_common import app, err, fail, friendly_errors, load_settings, out
-from service.cli_output import cell, short_time
-from service.db import Database
-from service.tokens import InvalidOwnerError, create_token, list_tokens, revoke_token
+from service.cli.common import app, err, fail, friendly_errors, load_settings, out
+from service.cli.output import cell, short_time
+from service.store.db import Database
+from service.store.tokens import InvalidOwnerError, create_token, list_tokens, revoke_token
 
 token_app = typer.Typer(
     help="API tokens (stored hashed; the server checks them when its auth is on).",

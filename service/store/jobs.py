@@ -1,4 +1,4 @@
-"""Job operations: submit, get, list, transition, cancel, reap (the claim is in service/claims.py).
+"""Job operations: submit, get, list, transition, cancel, reap (the claim is in claims.py).
 
 Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``) plus a
 ``job_events`` row in the same transaction (procrastinate's pattern).
@@ -15,10 +15,10 @@ from sqlalchemy import ColumnElement, Connection, Row, bindparam, func, or_, sel
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from service.errors import ConflictError, NotFoundError, StaleStateError
-from service.models import Job, JobEvent, utcnow
-from service.spec import JobSpec
-from service.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+from service.core.errors import ConflictError, NotFoundError, StaleStateError
+from service.core.spec import JobSpec
+from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+from service.store.models import Job, JobEvent, utcnow
 
 CANCEL_REQUESTED_REASON = "cancel requested"
 CANCEL_TRIES = 5  # cancel_job's compare-and-set rounds against a job that keeps moving

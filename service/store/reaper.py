@@ -13,9 +13,9 @@ import logging
 
 from starlette.concurrency import run_in_threadpool
 
-from service import jobs
-from service.db import Database
-from service.errors import DatabaseUnavailableError
+from service.core.errors import DatabaseUnavailableError
+from service.store import jobs
+from service.store.db import Database
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.errors import DdpqError, NotFoundError
-from service.models import ApiToken, utcnow
+from service.core.errors import DdpqError, NotFoundError
+from service.store.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "ddpq_"  # lets secret scanners and people recognise a leaked token
 TOKEN_BYTES = 32

@@ -11,10 +11,10 @@ from sqlalchemy import CursorResult, Row, and_, func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from service.errors import NotFoundError, StaleAttemptError
-from service.metric_points import MetricPoint, checked_point, json_safe
-from service.models import Job, Metric, utcnow
-from service.states import ACTIVE_STATES
+from service.core.errors import NotFoundError, StaleAttemptError
+from service.core.metric_points import MetricPoint, checked_point, json_safe
+from service.core.states import ACTIVE_STATES
+from service.store.models import Job, Metric, utcnow
 
 _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 

@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.config import Settings
-from service.errors import SpecValidationError
-from service.metric_points import MAX_STEP
-from service.spec_text import display_text, json_value_problems
-from service.task_configs import BUILTIN_TASK_CONFIGS
+from service.core.config import Settings
+from service.core.errors import SpecValidationError
+from service.core.metric_points import MAX_STEP
+from service.core.spec_text import display_text, json_value_problems
+from service.core.task_configs import BUILTIN_TASK_CONFIGS
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 LauncherName = Literal["local", "slurm"]

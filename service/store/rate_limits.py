@@ -16,8 +16,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.errors import DdpqError
-from service.models import Job, utcnow
+from service.core.errors import DdpqError
+from service.store.models import Job, utcnow
 
 WINDOW_S = 60.0
 

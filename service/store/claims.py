@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy import String, bindparam, exists, insert, select, update
 from sqlalchemy.orm import Session, aliased
 
-from service.models import Job, JobEvent, UTCDateTime, utcnow
-from service.states import JobState
+from service.core.states import JobState
+from service.store.models import Job, JobEvent, UTCDateTime, utcnow
 
 
 def has_claimable_job(session: Session, *, launcher: str, max_gpus_per_node: int) -> bool:

@@ -16,7 +16,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.errors import ConflictError, DatabaseUnavailableError, DdpqError
+from service.core.errors import ConflictError, DatabaseUnavailableError, DdpqError
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Database:
         reads only: on PostgreSQL it runs in autocommit (each statement its own snapshot, as
         under READ COMMITTED), so a write there would not be rolled back on error.
         ``one_statement=True`` is a write scope for work that is a single self-contained
-        statement on PostgreSQL (``service.metrics.record_metrics``): it runs in autocommit
+        statement on PostgreSQL (``service.store.metrics.record_metrics``): it runs in autocommit
         there, saving the BEGIN and COMMIT round trips (bench #6); on SQLite it is the plain
         write scope. Driver errors are turned into ddpq errors here and nowhere else.
 

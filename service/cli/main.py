@@ -11,10 +11,11 @@ from typing import Annotated
 
 import typer
 
-from service import cli_jobs, cli_tokens
-from service.cli_common import app, db_app, fail, friendly_errors, load_settings, out
-from service.config import Settings
-from service.errors import DatabaseUnavailableError
+from service.cli import jobs as cli_jobs
+from service.cli import tokens as cli_tokens
+from service.cli.common import app, db_app, fail, friendly_errors, load_settings, out
+from service.core.config import Settings
+from service.core.errors import DatabaseUnavailableError
 
 # Importing cli_jobs and cli_tokens registers the job commands (submit, ls, show, …) and
 # `ddpq token …` on ``app``.
@@ -45,7 +46,7 @@ def _migration_errors(url: str) -> Iterator[None]:
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
-    from service.db import redact_url
+    from service.store.db import redact_url
 
     try:
         yield
@@ -64,8 +65,8 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Migrate the database up to REVISION (default: head)."""
-    from service import migrate
-    from service.db import Database, redact_url
+    from service.store import migrate
+    from service.store.db import Database, redact_url
 
     url = load_settings().resolved_database_url
     with friendly_errors(), _migration_errors(url):
@@ -80,8 +81,8 @@ def db_downgrade(
     revision: Annotated[str, typer.Argument(help="Target ('base' empties it).")],
 ) -> None:
     """Migrate the database down to REVISION."""
-    from service import migrate
-    from service.db import Database, redact_url
+    from service.store import migrate
+    from service.store.db import Database, redact_url
 
     url = load_settings().resolved_database_url
     with friendly_errors(), _migration_errors(url):
@@ -95,8 +96,8 @@ def db_downgrade(
 @db_app.command("current")
 def db_current() -> None:
     """Show the database's revision and the code's head revision."""
-    from service import migrate
-    from service.db import Database, redact_url
+    from service.store import migrate
+    from service.store.db import Database, redact_url
 
     url = load_settings().resolved_database_url
     with friendly_errors(), _migration_errors(url):
@@ -125,7 +126,7 @@ def serve(
 
     from service.api.health import check_database
     from service.app import create_app
-    from service.db import Database, redact_url
+    from service.store.db import Database, redact_url
 
     settings = server_settings(host, port)
     url = settings.resolved_database_url

@@ -1,0 +1,1 @@
+"""The `ddpq` command line (Typer): ``service.cli.main`` assembles it."""
