@@ -1,0 +1,94 @@
+"""Process plumbing shared by the worker and its ranks (Linux): the parent-death signal, the
+``/proc/<pid>/environ`` tag scan that finds an attempt's processes, and leaving a process
+without interpreter teardown.
+
+Imports nothing of ddpq's, so both sides of the worker–rank contract may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_parent_death_signal(sig: signal.Signals) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent (thread) exits.
+
+    Returns:
+        True when armed; False off Linux or when ``prctl`` refused (logged).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def parent_death_preexec(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent *thread* dies.
+
+    Call ``Popen`` from a long-lived thread: Linux sends the signal when the thread that
+    forked exits. If the parent is already gone when the child runs, it signals itself.
+    """
+    parent_pid = os.getpid()
+
+    def _preexec() -> None:
+        set_parent_death_signal(sig)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), sig)
+
+    return _preexec
+
+
+def environ_entries(pid: int) -> set[bytes] | None:
+    """The ``NAME=value`` entries of process ``pid``'s initial environment, or None when it
+    cannot be read (gone, another user's, or a zombie's empty one reads as an empty set)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return set(f.read().split(b"\0"))
+    except OSError:
+        return None
+
+
+def has_tags(pid: int, tags: frozenset[bytes]) -> bool:
+    """Whether process ``pid``'s environment holds every entry of ``tags``."""
+    entries = environ_entries(pid)
+    return entries is not None and tags <= entries
+
+
+def find_tagged_processes(tags: frozenset[bytes]) -> list[int]:
+    """Pids of live processes (other than this one) whose initial environment holds every
+    entry of ``tags`` (see ``worker.attempt.attempt_tags``).
+
+    Only our own user's processes are readable; zombies have an empty environment and are
+    skipped.
+    """
+    me = os.getpid()
+    return [
+        int(entry.name)
+        for entry in os.scandir("/proc")
+        if entry.name.isdigit() and int(entry.name) != me and has_tags(int(entry.name), tags)
+    ]
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush logging and the standard streams, then leave with ``code`` without interpreter
+    teardown (``os._exit``): torch/gloo destructors sometimes abort a process at exit, and a
+    stuck thread would block a normal exit."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
