@@ -1,4 +1,4 @@
-"""Benchmark #1 on one GPU: steps/s of a small bf16 transformer with ddpq's sink vs anchors.
+"""Reporting on one GPU: steps/s of a small bf16 transformer with ddpq's sink vs anchors.
 
 Single process (world_size 1, no process group); ``bench/gpu.sh`` runs it. The sink's
 ``report`` keeps the loss on the GPU; the naive anchor syncs with ``.item()`` every step.

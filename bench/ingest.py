@@ -87,8 +87,9 @@ def _count_rows(conninfo: str, schema: str, name: str) -> int:
 def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
     """One writer process: ``batches`` batches of ``batch`` points; returns its seconds."""
     mode, url, job_id, step0, batches, batch = args
+    from service.core.metric_points import MetricPoint, checked_point
     from service.store.db import Database
-    from service.store.metrics import MetricPoint, record_metrics
+    from service.store.metrics import record_metrics
     from service.store.models import utcnow
 
     if mode == "ddpq":
@@ -98,8 +99,9 @@ def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
         t0 = time.perf_counter()
         for b in range(batches):
             now = utcnow()
-            points = [
-                MetricPoint("loss", step0 + b * batch + i, 0.5, 0, now) for i in range(1, batch + 1)
+            points = [  # checked in the timed part, as the rank-0 sink does before a write
+                checked_point(MetricPoint("loss", step0 + b * batch + i, 0.5, 0, now))
+                for i in range(1, batch + 1)
             ]
             with db.session(one_statement=True) as session:  # as the rank-0 sink writes
                 record_metrics(session, job_id, 1, points)

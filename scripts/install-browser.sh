@@ -5,11 +5,8 @@
 set -euo pipefail
 
 if [[ ! -x /usr/bin/chromium ]]; then
-    SUDO=""
-    if [[ "$(id -u)" != "0" ]]; then SUDO="sudo"; fi
-    export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq
-    $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends chromium chromium-driver fonts-dejavu-core
+    echo "install-browser: installing Chromium (apt-get)"
+    "$(dirname "$0")/apt-install.sh" chromium chromium-driver fonts-dejavu-core
 fi
 
 PYTHON="${PYTHON:-python3}"

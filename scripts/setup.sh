@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create ./.venv with torch and ddpq (editable, with the dev tools). Safe to run again: it
 # reinstalls only when pyproject.toml changed.
-# torch goes in first, pinned, so pip takes the local CPU wheel (2.13.0) instead of pulling a
-# multi-GB CUDA build to satisfy a loose requirement. Override with DDPQ_TORCH_SPEC.
+# torch goes in first, pinned (2.13.0), so a loose requirement never pulls a build nobody
+# chose: scripts/torch-install-args.sh picks DDPQ_TORCH_SPEC/DDPQ_TORCH_INDEX_URL, else a
+# local wheel pip finds, else the CPU build on a machine without a CUDA GPU, else the CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,8 +29,11 @@ pipq() {
 }
 pipq --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
-  echo "setup: installing ${DDPQ_TORCH_SPEC:-torch==2.13.0}"
-  pipq "${DDPQ_TORCH_SPEC:-torch==2.13.0}"
+  # An array: a spec with pip options (an index URL) reaches pip as separate arguments.
+  torch_args=()
+  mapfile -t torch_args < <(scripts/torch-install-args.sh)
+  [ "${#torch_args[@]}" -gt 0 ] || { echo "setup: no torch install arguments" >&2; exit 1; }
+  pipq "${torch_args[@]}"
 fi
 echo "setup: installing ddpq[dev]"
 pipq -e '.[dev]'

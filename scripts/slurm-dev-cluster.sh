@@ -89,9 +89,7 @@ install_packages() {
     command -v mysql >/dev/null || missing+=(mariadb-client)
     ((${#missing[@]} == 0)) && return 0
     log "installing ${missing[*]} (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh" "${missing[@]}"
 }
 
 mysql_ok() { mysql -h "$MYSQL_HOST" -P "$MYSQL_PORT" -u root -e 'SELECT 1' >/dev/null 2>&1; }

@@ -21,12 +21,14 @@ if [ -x scripts/slurm-dev-cluster.sh ] && [ "${DDPQ_TEST_SLURM:-1}" = "1" ]; the
   scripts/slurm-dev-cluster.sh up && export DDPQ_TEST_SLURM=1
 fi
 
-echo "test: ruff + mypy"
+echo "test: ruff + mypy + lint-imports"
 ruff check .
 mypy
+lint-imports
 
 set +e
-python -m pytest "$@"
+# The 15 slowest tests, so a test that got slow shows up; a later --durations=N wins.
+python -m pytest --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

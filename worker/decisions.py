@@ -13,9 +13,10 @@ from typing import Any
 
 from service.core.states import TERMINAL_STATES, JobState
 from service.store.jobs import CANCEL_REQUESTED_REASON, Transition
+from service.store.leases import AdoptedJob
 from service.store.workers import HeldJob
+from worker.attempt import FailureReason
 from worker.launchers.base import RunPhase, RunStatus
-from worker.runtime.outcome import REASON_NONFINITE_LOSS, REASON_SETUP, failure_reason
 
 REASON_LAUNCHED = "launched"
 REASON_SUCCEEDED = "succeeded"
@@ -23,10 +24,10 @@ REASON_CANCELLED = CANCEL_REQUESTED_REASON
 REASON_WORKER_STOPPED = "worker stopped"
 REASON_ORPHANED = "held by this worker but not running here"
 SUMMARY_CHARS = 300
-# Failure reasons (the job error's first word, see worker.runtime.outcome) never retried: a
-# resume replays the same data, seed and weights into the same non-finite loss. A "stalled"
-# attempt is retried like any other failure after its first step.
-NOT_RETRIED_REASONS = frozenset({REASON_NONFINITE_LOSS, REASON_SETUP})
+# Failure reasons (``RunStatus.failure``) never retried: a resume replays the same data, seed
+# and weights into the same non-finite loss, and a failure before the first step (bad config,
+# import error) would fail the same way. A stalled attempt is retried like any other failure.
+NOT_RETRIED_REASONS = frozenset({FailureReason.NONFINITE_LOSS, FailureReason.SETUP})
 
 
 @dataclass
@@ -43,6 +44,19 @@ class HeldRun:
     launch_error: str | None = None
     cancel_requested: bool = False
     cancel_sent: bool = False
+
+    @classmethod
+    def adopted(cls, job: AdoptedJob) -> HeldRun:
+        """The run of a detached job this worker adopted, followed by its scheduler id."""
+        return cls(
+            job_id=job.job_id,
+            attempt=job.attempt,
+            state=job.state,
+            restarts=job.restarts,
+            max_restarts=job.max_restarts,
+            handle=job.scheduler_job_id,
+            cancel_requested=job.cancel_requested,
+        )
 
 
 @dataclass(frozen=True)
@@ -100,7 +114,10 @@ def _on_failed(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.cancel_requested:
         return _to(run, JobState.CANCELLED, REASON_CANCELLED)
     error = status.reason or "failed"
-    if run.restarts < run.max_restarts and failure_reason(error) not in NOT_RETRIED_REASONS:
+    # The policy reads the reason as a value, never the message: rewording one must not change
+    # whether a job is retried.
+    failure = status.failure or FailureReason.ERROR
+    if run.restarts < run.max_restarts and failure not in NOT_RETRIED_REASONS:
         n = run.restarts + 1
         reason = f"retry {n}/{run.max_restarts}: {summarize(error)}"
         return _to(run, JobState.QUEUED, reason, values={"restarts": n})
@@ -130,8 +147,10 @@ def decide_on_status(run: HeldRun, status: RunStatus) -> Decision | None:
 
 
 def decide_on_launch_error(run: HeldRun, message: str) -> Decision:
-    """A job whose attempt could not be started fails (retried if restarts are left)."""
-    return decide_on_status(run, RunStatus(RunPhase.FAILED, message)) or _to(
+    """A job whose attempt could not be started fails (retried if restarts are left: the
+    reason is ``FailureReason.ERROR``)."""
+    status = RunStatus(RunPhase.FAILED, message, failure=FailureReason.ERROR)
+    return decide_on_status(run, status) or _to(
         run, JobState.FAILED, summarize(message), error=message
     )
 

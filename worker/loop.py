@@ -2,13 +2,16 @@
 
 Plan, then act: every state change is first a ``Decision`` made by a pure function of what
 the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
-applies it with ``service.store.jobs.apply_transition``. The loop knows launchers only through
-``worker.launchers.base.Launcher``.
+applies it through ``worker.records`` (one store call per session). The loop knows a
+launcher only through the ``worker.launchers.base.Launcher`` interface and the launcher's row in
+``service.core.launchers.LAUNCHER_TRAITS``: ``host_gpus`` (hand out this host's GPUs, bound
+to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
 
-A detached launcher (Slurm: ``launcher.detached``) runs jobs that outlive the worker: a Slurm
-worker adopts such jobs from lost or stopped workers at start and on every tick
-(``worker.launchers.slurm_attach``), follows them by their ``scheduler_job_id``, and on a clean
-shutdown leaves its own running for the next worker to adopt instead of cancelling them.
+A detached launcher (Slurm) runs jobs that outlive the worker: the loop records each start's
+handle as the job's ``scheduler_job_id``, and on a clean shutdown leaves its jobs running for
+the next worker to adopt instead of cancelling them. A launcher that ``adopts`` takes over
+such jobs from lost or stopped workers on every tick (``service.store.leases``) and follows
+them by their ``scheduler_job_id``.
 """
 
 from __future__ import annotations
@@ -20,11 +23,16 @@ from dataclasses import replace
 from typing import Any
 
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
+from service.core.errors import (
+    DatabaseUnavailableError,
+    DdpqError,
+    NotFoundError,
+    StaleStateError,
+)
+from service.core.launchers import launcher_traits
 from service.core.spec import JobSpec
-from service.core.states import JobState
-from service.store import claims, jobs, workers
 from service.store.db import Database, redact_url
+from worker.attempt import DATABASE_URL
 from worker.decisions import (
     Decision,
     GpuPool,
@@ -34,27 +42,24 @@ from worker.decisions import (
     decide_on_status,
     reconcile,
 )
-from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus, is_detached
-from worker.launchers.local import bind_gpus
-from worker.launchers.slurm_attach import adopt_slurm_jobs
-from worker.runtime import envvars
+from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus
+from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
 # With a free slot, look for queued work this often between ticks (seconds): a job starts
-# within ~0.2 s of its submission, not a whole tick later (issue 7 #3, launch latency).
+# within ~0.2 s of its submission, not a whole tick later.
 CLAIM_POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
-SLURM = "slurm"  # the launcher whose jobs a worker adopts (worker.launchers.slurm_attach)
 
 
 def render_for_log(plan: LaunchPlan) -> str:
     """``plan.render()`` with the database password masked."""
-    url = plan.env.get(envvars.DATABASE_URL)
+    url = plan.env.get(DATABASE_URL)
     if url is None:
         return plan.render()
-    return replace(plan, env={**plan.env, envvars.DATABASE_URL: redact_url(url)}).render()
+    return replace(plan, env={**plan.env, DATABASE_URL: redact_url(url)}).render()
 
 
 def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
@@ -71,9 +76,13 @@ def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
 class WorkerLoop:
     """One worker: holds up to ``slots`` jobs at once on one launcher.
 
-    ``host_gpus`` says whether this worker hands out its own ``gpus`` to jobs (the local
-    launcher); otherwise GPU placement is the backend's business (Slurm). Jobs adopted from
-    other workers count against ``slots`` like claimed ones.
+    The launcher's traits (``service.core.launchers``) decide whether this worker hands out
+    its own ``gpus`` to jobs (``host_gpus``: the local launcher); otherwise GPU placement is
+    the backend's business (Slurm). Jobs adopted from other workers count against ``slots``
+    like claimed ones.
+
+    Raises:
+        KeyError: the launcher's name has no row in ``LAUNCHER_TRAITS``.
     """
 
     def __init__(
@@ -87,7 +96,6 @@ class WorkerLoop:
         pid: int,
         slots: int = 1,
         gpus: list[int] | None = None,
-        host_gpus: bool = True,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -98,13 +106,19 @@ class WorkerLoop:
         self.slots = max(1, slots)
         self.gpu_ids = list(gpus or [])
         self.pool = GpuPool(self.gpu_ids)
-        self.host_gpus = host_gpus
-        self.detached = is_detached(launcher)
-        self.adopts = self.detached and launcher.name == SLURM
+        traits = launcher_traits(launcher.name)
+        self.host_gpus = traits.host_gpus
+        self.detached = traits.detached
+        self.adopts = traits.adopts
         self.runs: dict[int, HeldRun] = {}
         self.registered = False
         self.stopping = False
         self._next_reap = 0.0
+
+    @property
+    def records(self) -> WorkerRecords:
+        """This worker's reads and writes, on whatever ``db`` is now (tests swap it)."""
+        return WorkerRecords(self.db, self.worker_id, self.launcher.name, self.settings.lease_s)
 
     @property
     def tick_s(self) -> float:
@@ -119,15 +133,8 @@ class WorkerLoop:
 
     def register(self) -> None:
         """Insert (or revive) this worker's row."""
-        with self.db.session() as s:
-            workers.register_worker(
-                s,
-                worker_id=self.worker_id,
-                host=self.host,
-                pid=self.pid,
-                launcher=self.launcher.name,
-                capacity={"slots": self.slots, "gpus": self.gpu_ids},
-            )
+        capacity = {"slots": self.slots, "gpus": self.gpu_ids}
+        self.records.register(host=self.host, pid=self.pid, capacity=capacity)
         self.registered = True
         log.info("worker %s registered: launcher=%s slots=%d gpus=%s",
                  self.worker_id, self.launcher.name, self.slots, self.gpu_ids)  # fmt: skip
@@ -187,15 +194,12 @@ class WorkerLoop:
         return self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
 
     def _claimable(self) -> bool:
-        with self.db.session(write=False) as s:
-            return claims.has_claimable_job(
-                s, launcher=self.launcher.name, max_gpus_per_node=self._max_gpus
-            )
+        return self.records.claimable(self._max_gpus)
 
     def tick(self) -> None:
-        """One round: heartbeat, reconcile, adopt (Slurm), watch every held job, claim, reap
-        lost workers. Adoption comes before the reaper so a Slurm job whose worker is gone is
-        followed, never requeued as a second copy.
+        """One round: heartbeat, reconcile, adopt (a launcher that ``adopts``), watch every
+        held job, claim, reap lost workers. Adoption comes before the reaper so a detached
+        job whose worker is gone is followed, never requeued as a second copy.
 
         Raises:
             DatabaseUnavailableError: the database could not be reached (nothing is killed).
@@ -211,9 +215,7 @@ class WorkerLoop:
         now = time.monotonic()
         if now >= self._next_reap:
             self._next_reap = now + self.settings.heartbeat_interval_s
-            with self.db.session() as s:
-                reaped = jobs.requeue_expired_jobs(s)
-            for t in reaped:
+            for t in self.records.requeue_expired():
                 log.warning("job_id=%d %s → %s: %s", t.job_id, t.expected, t.target, t.reason)
 
     def shutdown(self) -> None:
@@ -234,8 +236,7 @@ class WorkerLoop:
             self._stop_runs()
         if self.registered:
             try:
-                with self.db.session() as s:
-                    workers.stop_worker(s, self.worker_id)
+                self.records.stop()
             except DatabaseUnavailableError as exc:
                 log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
         log.info("worker %s stopped", self.worker_id)
@@ -281,8 +282,7 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         try:
-            with self.db.session() as s:
-                held = workers.heartbeat(s, self.worker_id, lease_s=self.settings.lease_s)
+            held = self.records.heartbeat()
         except NotFoundError:
             log.warning("worker %s was not registered; registering again", self.worker_id)
             self.register()
@@ -311,32 +311,12 @@ class WorkerLoop:
         detached job must keep running. None when the job was requeued or ended instead."""
         if not self.detached or run.handle is None:
             return None
-        with self.db.session(write=False) as s:
-            try:
-                job = jobs.get_job(s, run.job_id)
-            except NotFoundError:
-                return None
-            adopted = (
-                job.attempt == run.attempt
-                and not JobState(job.state).is_terminal
-                and job.worker_id not in (None, self.worker_id)
-            )
-            return job.worker_id if adopted else None
+        return self.records.adopter_of(run)
 
     def _adopt(self) -> None:
-        """Follow the Slurm jobs of lost or stopped workers (by their scheduler_job_id)."""
-        with self.db.session() as s:
-            adopted = adopt_slurm_jobs(s, worker_id=self.worker_id, lease_s=self.settings.lease_s)
-        for job in adopted:
-            self.runs[job.job_id] = HeldRun(
-                job_id=job.job_id,
-                attempt=job.attempt,
-                state=job.state,
-                restarts=job.restarts,
-                max_restarts=job.max_restarts,
-                handle=job.scheduler_job_id,
-                cancel_requested=job.cancel_requested,
-            )
+        """Follow the detached jobs of lost or stopped workers (by their scheduler_job_id)."""
+        for run in self.records.adopt():
+            self.runs[run.job_id] = run
 
     def _watch_all(self) -> None:
         """Watch every held job; pending cancels first, then one batched poll where the
@@ -373,25 +353,10 @@ class WorkerLoop:
 
     def _claim_and_launch(self) -> None:
         while len(self.runs) < self.slots:
-            with self.db.session() as s:
-                job = claims.claim_next_job(
-                    s,
-                    worker_id=self.worker_id,
-                    launcher=self.launcher.name,
-                    max_gpus_per_node=self._max_gpus,
-                    lease_s=self.settings.lease_s,
-                )
-                if job is None:
-                    return
-                run = HeldRun(
-                    job_id=job.id,
-                    attempt=job.attempt,
-                    state=JobState.STARTING,
-                    restarts=job.restarts,
-                    max_restarts=int(job.spec.get("max_restarts", 0)),
-                )
-                spec_data = job.spec
-            self._launch(run, spec_data)
+            claimed = self.records.claim(self._max_gpus)
+            if claimed is None:
+                return
+            self._launch(*claimed)
 
     def _launch(self, run: HeldRun, spec_data: dict[str, Any]) -> None:
         stale = self.runs.get(run.job_id)
@@ -408,27 +373,31 @@ class WorkerLoop:
                 run.gpus = gpus
             plan = self.launcher.plan(spec, run.job_id, run.attempt)
             if run.gpus:
-                plan = bind_gpus(plan, run.gpus)
+                plan = self.launcher.bind_gpus(plan, run.gpus)
             _jlog(logging.INFO, run, "launch plan:\n%s", render_for_log(plan))
-            run.handle = self.launcher.start(plan)
+            handle = self.launcher.start(plan)
+            if self.detached:
+                self._record_scheduler_job_id(run, handle)
+            run.handle = handle
         except Exception as exc:  # any launch problem fails this job, not the worker
             _jlog(logging.ERROR, run, "launch failed: %s", exc)
             run.launch_error = f"launch failed: {type(exc).__name__}: {exc}"
         self._watch(run)
 
+    def _record_scheduler_job_id(self, run: HeldRun, handle: str) -> None:
+        """Store a detached launcher's handle on the job, so that any worker can adopt and
+        follow it; a failure is logged, not fatal (the job runs on, this worker follows it)."""
+        try:
+            self.records.record_handle(run, handle)
+        except DdpqError as exc:
+            _jlog(logging.WARNING, run, "could not record %s job %s: %s",
+                  self.launcher.name, handle, exc)  # fmt: skip
+
     def _apply(self, run: HeldRun | None, decision: Decision) -> bool:
         """Apply ``decision``; False when the job had moved on (logged, not fatal)."""
         t = decision.transition
         try:
-            with self.db.session() as s:
-                job = jobs.apply_transition(
-                    s,
-                    t,
-                    worker_id=self.worker_id,
-                    error=decision.error,
-                    values=dict(decision.values) or None,
-                )
-                applied = JobState(job.state)  # a requeue of a cancelled job ends cancelled
+            applied = self.records.apply(decision)
         except StaleStateError as exc:
             log.warning("job_id=%d: %s; the next heartbeat reconciles", t.job_id, exc)
             return False

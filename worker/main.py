@@ -19,8 +19,9 @@ from pathlib import Path
 from types import FrameType
 
 from service.core.config import Settings
+from service.core.launchers import launcher_names, uses_host_gpus
 from service.store.db import Database
-from worker.launchers.registry import LAUNCHER_NAMES, make_launcher, uses_host_gpus
+from worker.launchers.registry import make_launcher
 from worker.loop import WorkerLoop
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,6 @@ def run_worker(
         pid=os.getpid(),
         slots=slots,
         gpus=gpus,
-        host_gpus=uses_host_gpus(launcher),
     )
     try:
         with stop_on_signals(stop):
@@ -139,7 +139,7 @@ def run_worker(
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m worker.main``: parse flags, then ``run_worker`` with ``Settings()``."""
     parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
-    parser.add_argument("--launcher", choices=LAUNCHER_NAMES, default="local")
+    parser.add_argument("--launcher", choices=launcher_names(), default="local")
     parser.add_argument("--gpus", default="auto", help="0,1 | none | auto (default)")
     parser.add_argument("--slots", type=int, default=1)
     args = parser.parse_args(argv)

@@ -83,11 +83,16 @@ def find_tagged_processes(tags: frozenset[bytes]) -> list[int]:
     ]
 
 
-def exit_now(code: int) -> NoReturn:
+def exit_now(code: int, *, shutdown_logging: bool = True) -> NoReturn:
     """Flush logging and the standard streams, then leave with ``code`` without interpreter
     teardown (``os._exit``): torch/gloo destructors sometimes abort a process at exit, and a
-    stuck thread would block a normal exit."""
-    logging.shutdown()
+    stuck thread would block a normal exit.
+
+    ``shutdown_logging=False`` skips ``logging.shutdown`` (a watchdog leaving for a stuck
+    thread: that thread may hold a handler's lock).
+    """
+    if shutdown_logging:
+        logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -24,8 +24,8 @@ from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
 from worker.errors import ChildExitedError, PortInUseError
-from worker.launchers.local import parent_death_preexec
 from worker.main import ensure_logging, stop_on_signals
+from worker.processes import parent_death_preexec
 
 log = logging.getLogger(__name__)
 

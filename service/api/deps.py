@@ -57,7 +57,7 @@ def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
 class RequestContext:
     """What a route needs besides its own parameters: the app's Database and Settings and
     who is calling. One dependency instead of four: FastAPI 0.165 re-solves every node of a
-    route's dependency tree on every request (12 nodes were ~15% of a GET's CPU, bench #5)."""
+    route's dependency tree on every request (12 nodes were ~15% of a GET's CPU)."""
 
     db: Database
     settings: Settings

@@ -11,13 +11,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic_core import PydanticSerializationError
-from sqlalchemy import Row
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
 from service.core.artifacts import artifact_relative_path
+from service.core.main_metric import main_metric_name
 from service.core.metric_points import JsonNumber, json_safe
 from service.core.spec import JobSpec
 from service.core.spec_text import display_text
+from service.store.job_view import JobRow
 from service.store.metrics import PointRow
 from service.store.models import Checkpoint, Job, JobEvent, Worker, utcnow
 
@@ -52,6 +53,13 @@ class JobOut(_Out):
     spec: dict[str, Any]
     progress: ProgressOut | None
     latest_metrics: dict[str, JsonNumber] = Field(description="Newest value of each metric.")
+    main_metric: str = Field(
+        description="The metric that sums the job up for its task (eval_accuracy for digits, "
+        "else loss); see service.core.main_metric."
+    )
+    main_metric_value: JsonNumber = Field(
+        default=None, description="Newest value of ``main_metric``; null until reported."
+    )
     error: str | None
     scheduler_job_id: str | None
     worker_id: str | None
@@ -228,13 +236,15 @@ def dump_json(model: BaseModel) -> bytes:
         return type(model).model_validate(_escaped(model.model_dump())).model_dump_json().encode()
 
 
-def job_out(job: Job | Row[Any], queue_reason: str | None = None) -> JobOut:
+def job_out(job: Job | JobRow, queue_reason: str | None = None) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
-    a Core row from ``service.store.jobs.get_job_row`` works as well as a ``Job``."""
+    a Core row from ``service.store.job_view.get_job_row`` works as well as a ``Job``."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     for name, entry in sorted(metrics.items()):  # one order on both databases
         latest[str(name)] = _number(entry.get("value") if isinstance(entry, dict) else entry)
+    spec = job.spec if isinstance(job.spec, dict) else {}
+    main = main_metric_name(str(spec.get("task", "")))
     return JobOut(
         id=job.id,
         name=job.name,
@@ -242,9 +252,11 @@ def job_out(job: Job | Row[Any], queue_reason: str | None = None) -> JobOut:
         state=job.state,
         attempt=job.attempt,
         cancel_requested=bool(job.cancel_requested),
-        spec=job.spec if isinstance(job.spec, dict) else {},
+        spec=spec,
         progress=progress_out(job.progress if isinstance(job.progress, dict) else None),
         latest_metrics=latest,
+        main_metric=main,
+        main_metric_value=latest.get(main),
         error=job.error,
         scheduler_job_id=job.scheduler_job_id,
         worker_id=job.worker_id,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -19,6 +21,8 @@ from service.core.errors import DatabaseUnavailableError, DdpqError, SchemaOutOf
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 EXIT_FAILED = 1  # the job failed or was cancelled; or the server refused (409, 5xx)
 EXIT_USAGE = 2  # bad input, unreachable API, unmigrated database: fix and retry
+# `--json` of the commands that can print the API's response bodies instead of tables.
+JSON_OPTION = typer.Option("--json", help="Print the API's response body as JSON (for jq).")
 
 # Help is click's plain layout (rich_markup_mode=None). Typer's rich help panel prints a
 # type after every option, flags included (`--wait <bool>`, `--help <bool>`): it calls
@@ -41,7 +45,9 @@ db_app = typer.Typer(
 app.add_typer(db_app, name="db")
 
 out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: a message stays one line however it is read. Without a terminal (a pipe, a log,
+# CI) rich would otherwise break every message at 80 columns, mid-URL.
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, fix: str | None = None, code: int = EXIT_USAGE) -> NoReturn:
@@ -68,13 +74,32 @@ def friendly_errors() -> Iterator[None]:
                 err.print(Text(f"  {line}"))
             raise typer.Exit(EXIT_USAGE) from None
         code = EXIT_USAGE if 400 <= exc.status_code < 500 and exc.status_code != 409 else 1
-        fail(f"HTTP {exc.status_code}: {exc.detail}", code=code)
+        fail(f"HTTP {exc.status_code}: {exc.detail}", _fix_for(exc), code=code)
     except DatabaseUnavailableError as exc:
         fail(str(exc.detail), "check that the database runs and DDPQ_DATABASE_URL points at it")
     except SchemaOutOfDateError as exc:
         fail(str(exc.detail))
     except DdpqError as exc:
         fail(str(exc.detail), code=EXIT_USAGE if exc.status_code < 500 else EXIT_FAILED)
+
+
+def _fix_for(exc: ApiError) -> str | None:
+    """How to recover from an API refusal, where there is a usual way."""
+    detail = str(exc.detail)
+    if exc.status_code == 404 and detail.startswith("job ") and detail.endswith("not found"):
+        return "list jobs and their ids with `ddpq ls`"
+    return None
+
+
+def print_json(body: Any) -> None:
+    """Write an API response body to stdout as indented JSON, for scripts and ``jq``.
+
+    Plain ``sys.stdout``, not rich: no markup, colour or wrapping may touch the text. ASCII
+    only: control and bidi characters (and lone surrogates) in server data become ``\\u``
+    escapes, so they cannot act on a terminal; ``jq`` decodes them back.
+    """
+    sys.stdout.write(json.dumps(body, indent=2, ensure_ascii=True) + "\n")
+    sys.stdout.flush()
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -1,4 +1,5 @@
-"""The `ddpq` job commands (submit, ls, show, cancel, metrics, logs), registered on the app."""
+"""The `ddpq` job commands (submit, ls, show, cancel, metrics, logs), registered on the app;
+events, checkpoints and workers are in cli.job_data."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.table import Table
 
 from service.cli.common import (
     EXIT_FAILED,
+    JSON_OPTION,
     TERMINAL,
     app,
     err,
@@ -20,14 +22,16 @@ from service.cli.common import (
     load_settings,
     make_client,
     out,
+    print_json,
 )
 from service.cli.output import (
     cell,
+    events_table,
     format_job_summary,
     format_metric,
     job_progress,
     jobs_table,
-    short_time,
+    metric_points_csv,
 )
 from service.client import ApiUnreachableError, DdpqClient
 from service.core.config import Settings
@@ -150,31 +154,37 @@ def wait_for_job(
 def list_command(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="Most jobs to show.")] = 20,
+    as_json: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
     """List jobs, newest first; with an owner column when they belong to more than one owner
-    (an admin token, or auth off with several owners' jobs)."""
+    (an admin token, or auth off with several owners' jobs). --json: the page
+    {"jobs": [...], "next_cursor": ...}."""
     with friendly_errors():
         page = make_client().list_jobs(state=state, limit=limit)
+    if as_json:
+        print_json(page)
+        return
     out.print(jobs_table(page["jobs"]))
 
 
 @app.command()
-def show(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
-    """Show one job: state, why it waits, progress, metrics, error, events and checkpoints."""
+def show(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    as_json: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Show one job: state, why it waits, progress, metrics, error, events and checkpoints.
+    --json: the job's body alone (`ddpq events`/`ddpq checkpoints --json` give the rest)."""
     with friendly_errors():
         settings = load_settings()
         client = make_client(settings)
         job = client.get_job(job_id)
+        if as_json:
+            print_json(job)
+            return
         events = client.events(job_id)
         summary = _summary(client, settings, job)
     out.print(summary)
-    table = Table("time", "attempt", "from", "to", "reason", "worker", title="events")
-    for e in events:
-        table.add_row(
-            cell(short_time(e["created_at"])), cell(e["attempt"]), cell(e["from_state"] or ""),
-            cell(e["to_state"]), cell(e["reason"] or ""), cell(e["worker_id"] or ""),
-        )  # fmt: skip
-    out.print(table)
+    out.print(events_table(events))
 
 
 @app.command()
@@ -194,9 +204,16 @@ def metrics(
     name: Annotated[str, typer.Option(help="Metric name.")] = "loss",
     limit: Annotated[int, typer.Option(min=1, help="Most points to show.")] = 100,
     after_step: Annotated[int, typer.Option(min=0, help="Only steps after this one.")] = 0,
+    as_json: Annotated[bool, JSON_OPTION] = False,
+    as_csv: Annotated[
+        bool, typer.Option("--csv", help="Print step,epoch,value,time,name rows (epoch 0-based).")
+    ] = False,
 ) -> None:
     """Print a metric's points (step, epoch, value) in step order; exit 2 naming the job's
-    metrics if it has none called NAME."""
+    metrics if it has none called NAME. --json: the API's body {"name", "points",
+    "next_after_step"}; --csv: one row per point (both as the API gives them, epoch 0-based)."""
+    if as_json and as_csv:
+        fail("--json and --csv are two formats: pass one")
     with friendly_errors():
         client = make_client()
         result = client.metrics(job_id, name, after_step=after_step, limit=limit)
@@ -204,6 +221,12 @@ def metrics(
     if name not in names:
         reports = f"it reports: {', '.join(names)}" if names else "it has reported none yet"
         fail(f"job {job_id} has no metric {name!r}; {reports}")
+    if as_json:
+        print_json(result)
+        return
+    if as_csv:
+        sys.stdout.write(metric_points_csv(name, result["points"]))
+        return
     table = Table("step", "epoch", "value", title=cell(f"job {job_id} {name}"))
     for p in result["points"]:
         epoch = "" if p["epoch"] is None else str(p["epoch"] + 1)

@@ -6,27 +6,28 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 from typing import Annotated
 
 import typer
 
+from service.cli import job_data as cli_job_data  # noqa: F401 (registers its commands)
 from service.cli import jobs as cli_jobs
 from service.cli import tokens as cli_tokens
 from service.cli.common import app, db_app, fail, friendly_errors, load_settings, out
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError
+from service.core.errors import DatabaseUnavailableError, MigrationError
+from service.core.launchers import launcher_names
 
 # Importing cli_jobs and cli_tokens registers the job commands (submit, ls, show, …) and
 # `ddpq token …` on ``app``.
 __all__ = ["app", "cli_jobs", "cli_tokens", "main", "parse_gpus", "server_settings"]
 
 
-class LauncherChoice(StrEnum):
-    """Launchers a worker can run."""
-
-    local = "local"
-    slurm = "slurm"
+def _launcher_choice(value: str) -> str:
+    """``--launcher``: one of the names in ``service.core.launchers.LAUNCHER_TRAITS``."""
+    if value not in launcher_names():
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(launcher_names())}")
+    return value
 
 
 def server_settings(host: str | None, port: int | None) -> Settings:
@@ -43,21 +44,13 @@ def server_settings(host: str | None, port: int | None) -> Settings:
 
 @contextmanager
 def _migration_errors(url: str) -> Iterator[None]:
-    from alembic.util import CommandError
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from service.store.db import redact_url
+    from service.store.migrate import migration_errors
 
     try:
-        yield
-    except CommandError as exc:
-        fail(f"migration failed: {exc}", "list revisions with `ddpq db current`")
-    except SQLAlchemyError as exc:
-        reason = getattr(exc, "orig", None) or exc
-        fail(
-            f"database {redact_url(url)}: {type(reason).__name__}: {reason}",
-            "check that the database runs and DDPQ_DATABASE_URL points at it",
-        )
+        with migration_errors(url):
+            yield
+    except MigrationError as exc:
+        fail(str(exc.detail), exc.hint)
 
 
 @db_app.command("upgrade")
@@ -124,9 +117,9 @@ def serve(
     """Serve the API and the dashboard (uvicorn) once the database is at head."""
     import uvicorn
 
-    from service.api.health import check_database
     from service.app import create_app
     from service.store.db import Database, redact_url
+    from service.store.migrate import check_database
 
     settings = server_settings(host, port)
     url = settings.resolved_database_url
@@ -192,9 +185,13 @@ def parse_gpus(value: str | None) -> list[int] | None:
 
 @app.command()
 def worker(
-    launcher: Annotated[LauncherChoice, typer.Option(help="Which jobs to claim.")] = (
-        LauncherChoice.local
-    ),
+    launcher: Annotated[
+        str,
+        typer.Option(
+            callback=_launcher_choice,
+            help=f"Which jobs to claim: {' | '.join(launcher_names())}.",
+        ),
+    ] = "local",
     gpus: Annotated[
         str | None, typer.Option(help="GPU indices this worker may use: 0,1 or none.")
     ] = None,
@@ -206,7 +203,7 @@ def worker(
     from worker.main import run_worker
 
     with friendly_errors():
-        run_worker(settings, launcher=launcher.value, gpus=gpu_list, slots=slots)
+        run_worker(settings, launcher=launcher, gpus=gpu_list, slots=slots)
 
 
 @app.command()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -317,3 +319,31 @@ def jobs_table(jobs: list[dict[str, Any]], now: datetime | None = None) -> Table
     if not jobs:
         table.caption = "no jobs"
     return table
+
+
+def events_table(events: list[dict[str, Any]]) -> Table:
+    """A job's events (state changes), oldest first: time, attempt, from, to, reason, worker."""
+    table = Table("time", "attempt", "from", "to", "reason", "worker", title="events")
+    for e in events:
+        table.add_row(
+            cell(short_time(e["created_at"])), cell(e["attempt"]), cell(e["from_state"] or ""),
+            cell(e["to_state"]), cell(e["reason"] or ""), cell(e["worker_id"] or ""),
+        )  # fmt: skip
+    return table
+
+
+def metric_points_csv(name: str, points: list[dict[str, Any]]) -> str:
+    """Metric points as CSV with a header: ``step,epoch,value,time,name``.
+
+    Values are the API's: ``epoch`` 0-based (empty when the job gave none), ``value`` a
+    number or ``NaN``/``Infinity``/``-Infinity``, ``time`` ISO 8601 UTC. Text is written
+    through ``printable``, so no cell can carry a terminal escape.
+    """
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["step", "epoch", "value", "time", "name"])
+    for p in points:
+        value = "NaN" if p["value"] is None else p["value"]
+        epoch = "" if p["epoch"] is None else p["epoch"]
+        writer.writerow([p["step"], epoch, printable(str(value)), p["time"], printable(name)])
+    return buffer.getvalue()

@@ -30,7 +30,7 @@ app.add_typer(token_app, name="token")
 def _database() -> Iterator[Database]:
     """The settings' database, checked to be reachable and at head (else exit 2 saying how
     to fix it; the URL's password is never printed)."""
-    from service.api.health import check_database
+    from service.store.migrate import check_database
 
     db = Database.from_url(load_settings().resolved_database_url)
     try:

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     # Worker liveness.
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     lease_s: float = Field(default=30.0, gt=0, description="A job's lease; renewed each heartbeat.")
+    worker_retention_s: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        description="Seconds a stopped worker's row is kept (default 7 days): the API's reaper "
+        "deletes rows whose stopped_at is older, never a live worker or one that holds a job.",
+    )
     default_owner: str = Field(default="local", min_length=1, max_length=100)
     token: SecretStr | None = Field(
         default=None, description="API token the CLI and DdpqClient send (Authorization: Bearer)."

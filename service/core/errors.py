@@ -6,14 +6,25 @@ from typing import Any
 
 
 class DdpqError(Exception):
-    """Base of every ddpq error. ``status_code`` is what the API answers with."""
+    """Base of every ddpq error. ``status_code`` is what the API answers with.
+
+    ``detail`` is the full message (logs, CLI); ``public``, when set, replaces it in an API
+    answer: the store sets it when it translates a driver error, whose text (SQL, values,
+    server messages) stays in the server's log.
+    """
 
     status_code: int = 400
     code: str = "error"
 
-    def __init__(self, detail: Any = None) -> None:
+    def __init__(self, detail: Any = None, *, public: str | None = None) -> None:
         self.detail = detail if detail is not None else self.__class__.__doc__
+        self.public = public
         super().__init__(str(self.detail))
+
+    @property
+    def client_detail(self) -> Any:
+        """What an API client is told: ``public`` when set, else ``detail``."""
+        return self.public if self.public is not None else self.detail
 
 
 class NotFoundError(DdpqError):
@@ -79,3 +90,14 @@ class SchemaOutOfDateError(DdpqError):
 
     status_code = 503
     code = "schema_out_of_date"
+
+
+class MigrationError(DdpqError):
+    """A schema migration could not run; ``hint`` says what to try."""
+
+    status_code = 500
+    code = "migration"
+
+    def __init__(self, detail: str, *, hint: str) -> None:
+        super().__init__(detail)
+        self.hint = hint

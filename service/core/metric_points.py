@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import SupportsIndex
@@ -40,14 +40,13 @@ def json_safe(value: float | None) -> JsonNumber:
 
 
 class CheckedPoint(MetricPoint):
-    """A point already in the form ``checked_point`` returns, which ``checked_point`` (and so
-    ``record_metrics``) passes through as it is: each point is checked once on its way in.
+    """A point as both databases store it alike: the only type ``record_metrics`` takes.
 
-    Build one only from values that passed these checks: ``checked_point`` does, and the
-    rank-0 sink does for what ``TrainContext.report`` checked (``checked_report``). Points
-    from outside (the API, a spill file) arrive as plain ``MetricPoint``s and are checked.
-    Compares equal to a ``MetricPoint`` with the same fields. ``dataclasses.replace`` would
-    keep the class without a check: build a ``MetricPoint`` to change a field.
+    Build one only with ``checked_point`` (the one place the rules are applied); every
+    writer (the rank-0 sink, the ingest benchmark, the API) turns what it got into these
+    before it writes. Compares equal to a ``MetricPoint`` with the same fields.
+    ``dataclasses.replace`` would keep the class without a check: build a ``MetricPoint`` and
+    check it again to change a field.
     """
 
     def __eq__(self, other: object) -> bool:
@@ -86,25 +85,34 @@ def _checked_step_epoch(
     return step_, epoch_
 
 
+# How many good names a caller's ``known_names`` remembers (a loop that makes up names must
+# not grow it without end).
+MAX_KNOWN_NAMES = 10_000
+
+
 def checked_report(
-    step: SupportsIndex, epoch: SupportsIndex | None, names: Collection[str]
+    step: SupportsIndex,
+    epoch: SupportsIndex | None,
+    names: Collection[str],
+    known_names: set[str] | None = None,
 ) -> tuple[int, int | None]:
     """The (step, epoch) of one ``TrainContext.report`` call as Python ints, after checking
-    them once and every one of ``names`` (the call's metric names) by ``checked_point``'s
-    rules. Values are not checked here: the sink makes them floats (-0.0 as 0.0).
+    them and every one of ``names`` (the call's metric names) by ``checked_point``'s rules,
+    so a bad report raises in the caller's loop. Values are not checked here.
 
-    Called on every training step: names that passed once are remembered, and plain ints in
-    range take no further call.
+    Called on every training step: ``known_names`` is the caller's own record of names that
+    passed (a str is immutable: once good, always good); good names are added to it, up to
+    ``MAX_KNOWN_NAMES``. Plain ints in range take no further call.
 
     Raises:
         ValueError: a name, step or epoch ``checked_point`` would refuse (same message; the
             step and epoch are named after the first name, or "step" when there is none).
     """
     for name in names:
-        if name not in _names_ok:
+        if known_names is None or name not in known_names:
             _check_name(name)
-            if len(_names_ok) < _NAMES_OK_MAX:
-                _names_ok.add(name)
+            if known_names is not None and len(known_names) < MAX_KNOWN_NAMES:
+                known_names.add(name)
     if (
         type(step) is int
         and 1 <= step <= MAX_STEP
@@ -114,16 +122,11 @@ def checked_report(
     return _checked_step_epoch(next(iter(names), "step"), step, epoch)
 
 
-# Names that passed ``_check_name`` (a str is immutable: once good, always good); bounded so
-# a loop that makes up names cannot grow it without end.
-_names_ok: set[str] = set()
-_NAMES_OK_MAX = 10_000
-
-
 def checked_point(point: MetricPoint) -> CheckedPoint:
     """``point`` as both databases store it alike: ``step``/``epoch`` as Python ints (numpy
     integers accepted), ``value`` as a float with -0.0 as 0.0 (SQLite cannot keep the sign),
-    ``time`` converted to UTC. A ``CheckedPoint`` is returned as it is (checked already).
+    ``time`` converted to UTC. The one constructor of ``CheckedPoint``s; one given is
+    returned as it is (checking is idempotent).
 
     Raises:
         ValueError: a name that is empty, over ``MAX_NAME_CHARS`` characters, or holds NUL or
@@ -158,10 +161,10 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
-def split_points(points: list[MetricPoint]) -> tuple[list[MetricPoint], list[str]]:
+def split_points(points: Iterable[MetricPoint]) -> tuple[list[CheckedPoint], list[str]]:
     """``points`` through ``checked_point``: the storable ones, and why each other one was
     refused (for a writer that must keep going past a bad point, e.g. the rank-0 sink)."""
-    good: list[MetricPoint] = []
+    good: list[CheckedPoint] = []
     refused: list[str] = []
     for point in points:
         try:

@@ -17,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
+from service.core.launchers import launcher_traits, multi_node_launchers
 from service.core.metric_points import MAX_STEP
 from service.core.spec_text import display_text, json_value_problems
 from service.core.task_configs import BUILTIN_TASK_CONFIGS
 
 ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-LauncherName = Literal["local", "slurm"]
+LauncherName = Literal["local", "slurm"]  # LAUNCHER_TRAITS' keys, for OpenAPI (a test checks)
 BackendName = Literal["auto", "nccl", "gloo"]
 # Most errors one SpecValidationError reports.
 MAX_REPORTED_ERRORS = 100
@@ -170,10 +171,9 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
         problems.append(
             (("strategy",), "strategy dp runs one process: set nnodes=1 and nproc_per_node=1")
         )
-    if spec.launcher == "local" and r.nnodes != 1:
-        problems.append(
-            (("resources", "nnodes"), "launcher local runs on one host: set nnodes=1 or use slurm")
-        )
+    if not launcher_traits(spec.launcher).multi_node and r.nnodes != 1:
+        one_host = f"launcher {spec.launcher} runs on one host: set nnodes=1 or use "
+        problems.append((("resources", "nnodes"), one_host + " or ".join(multi_node_launchers())))
     if spec.slurm is not None and spec.launcher != "slurm":
         problems.append((("slurm",), "the slurm section applies only to launcher 'slurm'"))
     world_size = r.nnodes * r.nproc_per_node

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 DIGITS_IMAGES = 1797  # scikit-learn's bundled 8×8 digits
 # Both splits of the digits must hold at least one batch on every rank, whatever the seed.
@@ -16,6 +17,18 @@ MIN_TEST_FRACTION = 0.05
 MAX_TEST_FRACTION = 0.5
 # Values (float32) of the regression dataset each rank builds: 2^28 values = 1 GiB.
 MAX_REGRESSION_VALUES = 2**28
+
+
+# Marks a config field as a fault-injection knob for tests (json_schema_extra): the
+# dashboard tucks these away under "fault injection (testing)"; the OpenAPI schema shows
+# ``"testing": true`` on them.
+TESTING: dict[str, Any] = {"testing": True}
+
+
+def is_testing_field(info: FieldInfo) -> bool:
+    """Whether a task config field is a fault-injection knob (marked with ``TESTING``)."""
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and extra.get("testing") is True
 
 
 class _TaskConfig(BaseModel):
@@ -30,15 +43,30 @@ class RegressionConfig(_TaskConfig):
     hidden: int = Field(default=32, ge=1, le=100_000)
     out_features: int = Field(default=5, ge=1, le=100_000)
     num_samples: int = Field(default=1024, ge=1, le=10_000_000)
-    fail_rank: int | None = Field(default=None, ge=0, description="Rank that raises.")
-    fail_at_step: int | None = Field(default=None, ge=1)
-    hang_rank: int | None = Field(default=None, ge=0, description="Rank that stops stepping.")
-    hang_at_step: int | None = Field(default=None, ge=1)
-    nan_at_step: int | None = Field(default=None, ge=1, description="Step whose loss is NaN.")
-    nan_rank: int | None = Field(
-        default=None, ge=0, description="The one rank whose loss is NaN (default: every rank)."
+    fail_rank: int | None = Field(
+        default=None, ge=0, description="Rank that raises.", json_schema_extra=TESTING
     )
-    sleep_per_step_ms: float = Field(default=0.0, ge=0, le=60_000)
+    fail_at_step: int | None = Field(default=None, ge=1, json_schema_extra=TESTING)
+    hang_rank: int | None = Field(
+        default=None, ge=0, description="Rank that stops stepping.", json_schema_extra=TESTING
+    )
+    hang_at_step: int | None = Field(default=None, ge=1, json_schema_extra=TESTING)
+    nan_at_step: int | None = Field(
+        default=None, ge=1, description="Step whose loss is NaN.", json_schema_extra=TESTING
+    )
+    nan_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="The one rank whose loss is NaN (default: every rank).",
+        json_schema_extra=TESTING,
+    )
+    sleep_per_step_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=60_000,
+        description="Milliseconds each step sleeps (slows a job down for tests).",
+        json_schema_extra=TESTING,
+    )
 
     @model_validator(mode="after")
     def _dataset_fits_in_memory(self) -> RegressionConfig:

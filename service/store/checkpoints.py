@@ -6,7 +6,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import NotFoundError
-from service.store.metrics import check_attempt
+from service.store.leases import check_attempt
 from service.store.models import Checkpoint, JobEvent, utcnow
 
 

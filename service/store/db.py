@@ -77,7 +77,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # A pooled connection the server has closed (restart, pg_terminate_backend, idle timeout)
     # is dropped at checkout by `_drop_if_closed_by_server`, a local poll of its socket
     # (~1 µs); pool_pre_ping's SELECT round trip cost ~100 µs of client CPU per scope, a
-    # quarter of a GET /jobs/{id} (bench #5). Without poll() (Windows), pre-ping as before.
+    # quarter of a GET /jobs/{id}. Without poll() (Windows), pre-ping as before.
     kwargs.setdefault("pool_pre_ping", not hasattr(select, "poll"))
     if "connect_timeout" not in parsed.query:
         kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S} | dict(
@@ -149,6 +149,15 @@ def redact_url(url: str) -> str:
         return "<unparseable database URL>"
 
 
+def scrub_password(message: str, url: str) -> str:
+    """``message`` with the password of database ``url`` (if any) replaced by ``***``."""
+    try:
+        password = make_url(url).password
+    except sa_exc.ArgumentError:
+        return message
+    return message.replace(str(password), "***") if password else message
+
+
 @dataclass
 class Database:
     """An engine plus its session factories; build one per process with ``Database.from_url``."""
@@ -194,7 +203,7 @@ class Database:
         under READ COMMITTED), so a write there would not be rolled back on error.
         ``one_statement=True`` is a write scope for work that is a single self-contained
         statement on PostgreSQL (``service.store.metrics.record_metrics``): it runs in autocommit
-        there, saving the BEGIN and COMMIT round trips (bench #6); on SQLite it is the plain
+        there, saving the BEGIN and COMMIT round trips; on SQLite it is the plain
         write scope. Driver errors are turned into ddpq errors here and nowhere else.
 
         Raises:
@@ -251,21 +260,32 @@ class Database:
                 raise _translated(exc) from exc
         raise AssertionError("unreachable")  # the loop returns or raises
 
+    def scrubbed(self, message: str) -> str:
+        """``message`` with this database's password (if any) replaced by ``***``."""
+        return scrub_password(message, self.engine.url.render_as_string(hide_password=False))
+
     def dispose(self) -> None:
         """Close every pooled connection (call before fork and at shutdown)."""
         self.engine.dispose()
 
 
+# What an API client is told when the database cannot be reached (the driver's text is logged).
+UNAVAILABLE_PUBLIC = "database unavailable: try again later"
+
+
 def _translated(exc: sa_exc.DBAPIError) -> DdpqError:
     """The ddpq error a driver error stands for (the one place they are translated)."""
     if isinstance(exc, sa_exc.IntegrityError):
-        return ConflictError(f"conflicts with stored data: {exc.orig}")
+        return ConflictError(
+            f"conflicts with stored data: {exc.orig}", public="conflicts with stored data"
+        )
     if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
         log.warning("database error: %s", exc.orig)
         return DatabaseUnavailableError(
-            f"database unavailable: {type(exc.orig).__name__}: {exc.orig}"
+            f"database unavailable: {type(exc.orig).__name__}: {exc.orig}",
+            public=UNAVAILABLE_PUBLIC,
         )
-    return DatabaseUnavailableError(f"database error: {exc.orig}")
+    return DatabaseUnavailableError(f"database error: {exc.orig}", public="database error")
 
 
 def _safe_rollback(session: Session) -> None:

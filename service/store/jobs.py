@@ -1,4 +1,5 @@
-"""Job operations: submit, get, list, transition, cancel, reap (the claim is in claims.py).
+"""Job operations: submit, get, list, transition, cancel (the claim is in claims.py; leases,
+requeue of lost workers' jobs and adoption in leases.py).
 
 Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``) plus a
 ``job_events`` row in the same transaction (procrastinate's pattern).
@@ -11,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Row, bindparam, func, or_, select, update
+from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from service.core.errors import ConflictError, NotFoundError, StaleStateError
 from service.core.spec import JobSpec
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+from service.store.job_filters import has_tag, name_or_tag
 from service.store.models import Job, JobEvent, utcnow
 
 CANCEL_REQUESTED_REASON = "cancel requested"
@@ -91,45 +93,6 @@ def get_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:
     return job
 
 
-# What GET /jobs/{id} shows (schemas.JobOut), plus gpus_per_node for queue_reason. Built
-# once with a bound parameter: SQLAlchemy memoises a statement's cache key on the object, and
-# building `.where(Job.id == job_id)` per call cost more than the ORM lookup saved.
-_JOB_VIEW = select(
-    Job.id,
-    Job.name,
-    Job.owner,
-    Job.state,
-    Job.attempt,
-    Job.cancel_requested,
-    Job.spec,
-    Job.progress,
-    Job.latest_metrics,
-    Job.error,
-    Job.scheduler_job_id,
-    Job.worker_id,
-    Job.priority,
-    Job.launcher,
-    Job.gpus_per_node,
-    Job.created_at,
-    Job.started_at,
-    Job.finished_at,
-).where(Job.id == bindparam("job_id"))
-
-
-def get_job_row(conn: Connection, job_id: int, *, owner: str | None = None) -> Row[Any]:
-    """``get_job`` as a Core row of the columns the API shows (attribute names as on
-    ``Job``), for the hot GET path: no ORM object or identity map (~40% less client CPU
-    than ``Session.get`` on PostgreSQL).
-
-    Raises:
-        NotFoundError: no such job (or not the owner's).
-    """
-    row = conn.execute(_JOB_VIEW, {"job_id": job_id}).one_or_none()
-    if row is None or (owner is not None and row.owner != owner):
-        raise NotFoundError(f"job {job_id} not found")
-    return row
-
-
 def list_jobs(
     session: Session,
     *,
@@ -137,8 +100,12 @@ def list_jobs(
     owner: str | None = None,
     limit: int = 50,
     before_id: int | None = None,
+    q: str | None = None,
+    tag: str | None = None,
 ) -> tuple[list[Job], int | None]:
     """Jobs newest first, ``limit`` at a time; page on with the returned cursor.
+    ``q``: only jobs whose name contains it (case-insensitive) or with it as a tag; ``tag``:
+    only jobs with exactly this tag. Every filter is ANDed with ``owner``'s.
 
     Returns:
         ``(jobs, next_before_id)``; the cursor is None on the last page.
@@ -148,6 +115,11 @@ def list_jobs(
         stmt = stmt.where(Job.state == state.value)
     if owner is not None:
         stmt = stmt.where(Job.owner == owner)
+    dialect = session.get_bind().dialect.name
+    if q is not None:
+        stmt = stmt.where(name_or_tag(dialect, q))
+    if tag is not None:
+        stmt = stmt.where(has_tag(dialect, tag))
     if before_id is not None:
         stmt = stmt.where(Job.id < before_id)
     jobs = list(session.scalars(stmt))
@@ -195,10 +167,10 @@ def apply_transition(
         StaleStateError: the job was not in ``expected`` any more (someone else moved it).
         NotFoundError: no such job.
     """
-    return _apply_transition(session, t, worker_id=worker_id, error=error, values=values)[0]
+    return apply_transition_where(session, t, worker_id=worker_id, error=error, values=values)[0]
 
 
-def _apply_transition(
+def apply_transition_where(
     session: Session,
     t: Transition,
     *,
@@ -207,8 +179,16 @@ def _apply_transition(
     values: dict[str, Any] | None = None,
     where: Sequence[ColumnElement[bool]] = (),
 ) -> tuple[Job, Transition]:
-    """``apply_transition`` with extra compare-and-set ``where`` conditions; also returns the
-    transition actually applied (``t``, or its cancel instead of a requeue)."""
+    """``apply_transition`` with extra compare-and-set ``where`` conditions (e.g. the lease
+    still expired, for the reaper in ``service.store.leases``).
+
+    Returns:
+        The job and the transition actually applied (``t``, or its cancel instead of a
+        requeue).
+    Raises:
+        The errors of ``apply_transition``; StaleStateError also when ``where`` no longer
+        holds.
+    """
     check_transition(t.expected, t.target)
     if t.target != JobState.QUEUED:
         job = _compare_and_set(session, t, worker_id, error, values, where)
@@ -361,47 +341,3 @@ def set_scheduler_job_id(
         .where(Job.id == job_id, Job.attempt == attempt)
         .values(scheduler_job_id=scheduler_job_id, updated_at=utcnow())
     )
-
-
-WORKER_LOST_REASON = "worker lost: lease expired"
-
-
-def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transition]:
-    """Requeue active jobs whose worker stopped renewing their lease (a lost worker).
-
-    Each job moves ``starting|running → queued`` (attempt + 1, restarts unchanged) in one
-    compare-and-set that also re-checks the lease, so a worker that just renewed it keeps
-    its job. A job whose cancel was requested ends ``cancelled`` instead (as in
-    ``apply_transition``). At most ``limit`` jobs per call.
-
-    Slurm jobs already submitted (``launcher == 'slurm'`` with a ``scheduler_job_id``) are
-    skipped: they keep running in Slurm without their worker, and a Slurm worker adopts them
-    (``worker.launchers.slurm_attach``); requeueing would start a second copy as attempt + 1.
-
-    It also cancels queued jobs that carry ``cancel_requested`` (``cancel_flagged_queued_jobs``).
-
-    Returns:
-        The transitions applied (target ``queued``, or ``cancelled`` for a flagged job).
-    """
-    now = utcnow()
-    active = [JobState.STARTING.value, JobState.RUNNING.value]
-    not_adoptable = or_(Job.launcher != "slurm", Job.scheduler_job_id.is_(None))
-    rows = session.execute(
-        select(Job.id, Job.state)
-        .where(Job.state.in_(active), Job.lease_expires_at < now, not_adoptable)
-        .order_by(Job.id)
-        .limit(limit)
-    ).all()
-    done: list[Transition] = []
-    for job_id, state in rows:
-        t = Transition(job_id, JobState(state), JobState.QUEUED, WORKER_LOST_REASON)
-        try:
-            _, applied = _apply_transition(
-                session, t, where=[Job.lease_expires_at < now, not_adoptable]
-            )
-        except (StaleStateError, NotFoundError):
-            continue  # renewed, moved or deleted since the select
-        done.append(applied)
-    done += cancel_flagged_queued_jobs(session, limit=limit)
-    session.flush()
-    return done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeAlias, cast
 
@@ -11,9 +12,10 @@ from sqlalchemy import CursorResult, Row, and_, func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotFoundError, StaleAttemptError
-from service.core.metric_points import MetricPoint, checked_point, json_safe
+from service.core.metric_points import CheckedPoint, checked_point, json_safe
+from service.core.metric_points import MetricPoint as MetricPoint  # re-exported for callers
 from service.core.states import ACTIVE_STATES
+from service.store.leases import fence_attempt, lock_attempt
 from service.store.models import Job, Metric, utcnow
 
 _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
@@ -21,11 +23,11 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 
 # PostgreSQL: a whole ``record_metrics`` in one statement, so it needs no transaction of its
 # own (``Database.session(one_statement=True)`` runs it in autocommit). The CTE ``job`` takes
-# the row lock that ``check_attempt`` takes; the insert and the job update happen only while
-# the attempt is current and active (``ok``), and the caller gets the fence columns back to
-# raise the same errors as ``check_attempt``. The batch travels as one JSON text parameter
-# read by ``json_to_recordset``: json.dumps is C, where psycopg dumped 5 array parameters
-# element by element (half the client CPU of a 1,000-point batch, bench #6) and SQLAlchemy
+# the row lock that ``leases.check_attempt`` takes; the insert and the job update happen only
+# while the attempt is current and active (``ok``), and the caller gets the fence columns back
+# to raise the same errors as ``leases.check_attempt``. The batch travels as one JSON text
+# parameter read by ``json_to_recordset``: json.dumps is C, where psycopg dumped 5 array
+# parameters element by element (half the client CPU of a 1,000-point batch) and SQLAlchemy
 # would compile a 7-parameters-per-row VALUES list anew for every batch. ``latest_metrics`` is
 # merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
 # step keeps its first value, as the metrics table does).
@@ -54,44 +56,7 @@ _PG_RECORD = text(
 _SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
 
 
-def _fence(job_id: int, attempt: int, row: Row[Any] | None) -> Row[Any]:
-    """``row`` (the job's attempt, state, …) if it passes the fence, else the error."""
-    if row is None:
-        raise NotFoundError(f"job {job_id} not found")
-    if row.attempt != attempt or row.state not in _ACTIVE:
-        raise StaleAttemptError(
-            f"job {job_id} attempt {attempt} is stale (job is {row.state}, attempt {row.attempt})"
-        )
-    return row
-
-
-def _locked_job(session: Session, job_id: int, attempt: int) -> Row[Any]:
-    """The fence of ``check_attempt`` on the few columns a write needs (no ORM entity):
-    ``(attempt, state, latest_metrics)``, row-locked on PostgreSQL.
-
-    Raises:
-        NotFoundError / StaleAttemptError: see ``check_attempt``.
-    """
-    stmt = select(Job.attempt, Job.state, Job.latest_metrics).where(Job.id == job_id)
-    return _fence(job_id, attempt, session.execute(stmt.with_for_update()).one_or_none())
-
-
-def check_attempt(session: Session, job_id: int, attempt: int) -> Job:
-    """Fence: the job must exist, hold ``attempt`` as its current attempt and be active.
-
-    Takes the row lock on PostgreSQL so a concurrent requeue waits for this write.
-
-    Raises:
-        NotFoundError: no such job.
-        StaleAttemptError: ``attempt`` is not current, or the job is not starting/running.
-    """
-    _locked_job(session, job_id, attempt)
-    job = session.get(Job, job_id)
-    assert job is not None  # locked above
-    return job
-
-
-def _points_params(points: list[MetricPoint]) -> dict[str, list[Any]]:
+def _points_params(points: Sequence[CheckedPoint]) -> dict[str, list[Any]]:
     """Checked points (``checked_point``) as columns: ``names``, ``steps``, ``epochs``,
     ``values`` (None for NaN) and ``times`` (a point without one gets now)."""
     now = utcnow()
@@ -104,7 +69,7 @@ def _points_params(points: list[MetricPoint]) -> dict[str, list[Any]]:
     }
 
 
-def _points_json(points: list[MetricPoint]) -> str:
+def _points_json(points: Sequence[CheckedPoint]) -> str:
     """Checked points (``checked_point``) as the JSON array of records that ``_PG_RECORD``
     reads: NaN → null, ±inf → "±Infinity" (PostgreSQL's float8 input reads both), times as
     ISO 8601 UTC (a point without one gets now)."""
@@ -124,19 +89,19 @@ def _points_json(points: list[MetricPoint]) -> str:
 
 
 def _insert_points_sqlite(
-    session: Session, job_id: int, attempt: int, points: list[MetricPoint]
+    session: Session, job_id: int, attempt: int, points: Sequence[CheckedPoint]
 ) -> tuple[Row[Any], int]:
     """Fence the attempt, then insert ``points`` (duplicates ignored) as one executemany.
 
     Returns:
-        ``(job, inserted)``: the job's fence columns (see ``_locked_job``) and the number of
-        rows inserted.
+        ``(job, inserted)``: the job's fence columns (see ``leases.lock_attempt``) and the
+        number of rows inserted.
     Raises:
-        NotFoundError / StaleAttemptError: see ``check_attempt`` (nothing is inserted).
+        NotFoundError / StaleAttemptError: see ``leases.check_attempt`` (nothing is inserted).
         ValueError: a naive point ``time``.
     """
     cols = _points_params(points)
-    job = _locked_job(session, job_id, attempt)
+    job = lock_attempt(session, job_id, attempt)
     rows = [
         {"job_id": job_id, "attempt": attempt, "name": n, "step": s, "epoch": e}
         | {"value": v, "time": t}
@@ -146,9 +111,9 @@ def _insert_points_sqlite(
     return job, int(cast(CursorResult[Any], result).rowcount)
 
 
-def _newest(points: list[MetricPoint]) -> dict[str, dict[str, Any]]:
+def _newest(points: Sequence[CheckedPoint]) -> dict[str, dict[str, Any]]:
     """Each name's newest point of the batch as a ``latest_metrics`` entry."""
-    newest: dict[str, MetricPoint] = {}
+    newest: dict[str, CheckedPoint] = {}
     for p in points:
         if p.name not in newest or p.step > newest[p.name].step:  # the table keeps the first
             newest[p.name] = p
@@ -176,14 +141,17 @@ def record_metrics(
     session: Session,
     job_id: int,
     attempt: int,
-    points: list[MetricPoint],
+    points: Sequence[CheckedPoint],
     *,
     progress: dict[str, Any] | None = None,
 ) -> int:
     """Insert ``points`` for the current attempt; duplicates of (job, name, step) are ignored.
 
-    Points are checked first (``metric_points.checked_point``), so both databases refuse the
-    same points with the same error and store the rest alike; a refused batch stores nothing.
+    ``points`` are ``CheckedPoint``s (built by ``metric_points.checked_point``), so both
+    databases store them alike. Callers outside the type checker's reach (scripts, tests) may
+    still hand plain ``MetricPoint``s: those are checked here, so both databases refuse the
+    same points with the same error (a refused batch stores nothing); a ``CheckedPoint``
+    passes through as it is.
     Also merges each name's newest value into ``jobs.latest_metrics`` and, when given,
     replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``). The
     fence, the insert and the job update run in the caller's transaction: one statement on
@@ -192,10 +160,10 @@ def record_metrics(
     Returns:
         The number of rows actually inserted.
     Raises:
-        StaleAttemptError / NotFoundError: see ``check_attempt``.
+        StaleAttemptError / NotFoundError: see ``leases.check_attempt``.
         ValueError: a point neither database could store alike (see ``checked_point``).
     """
-    points = [checked_point(p) for p in points]
+    points = [checked_point(p) for p in points]  # a CheckedPoint: returned as it is
     newest = _newest(points)
     if session.get_bind().dialect.name == "postgresql":
         params = {
@@ -208,12 +176,12 @@ def record_metrics(
             "progress": json.dumps(_json_progress(progress)) if progress is not None else None,
             "newest": json.dumps(newest),
         }
-        row = _fence(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
+        row = fence_attempt(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
         return int(row.inserted)
     if points:
         job, inserted = _insert_points_sqlite(session, job_id, attempt, points)
     else:
-        job, inserted = _locked_job(session, job_id, attempt), 0
+        job, inserted = lock_attempt(session, job_id, attempt), 0
     values: dict[str, Any] = {"updated_at": utcnow()}
     if newest:
         values["latest_metrics"] = _merge_latest(job.latest_metrics, newest)
@@ -252,7 +220,7 @@ def query_points(
         ``after_step`` when nothing new has arrived.
     """
     # On the session's connection: a Core execution skips the ORM's result loading, which
-    # cost as much as the query itself for 1,000 plain rows (bench #5 poll profile).
+    # cost as much as the query itself for 1,000 plain rows (profiled on the metrics poll).
     # ``.all()``: one fetchall (iterating the result fetched row by row, 6 µs each).
     rows: list[PointRow] = list(
         session.connection()
@@ -312,8 +280,3 @@ def downsample_points(
             .order_by(Metric.step)
         )
     )
-
-
-def update_progress(session: Session, job_id: int, attempt: int, progress: dict[str, Any]) -> None:
-    """Replace the job's progress snapshot (fenced on ``attempt``)."""
-    record_metrics(session, job_id, attempt, [], progress=progress)

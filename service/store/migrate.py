@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from alembic.util import CommandError
+from sqlalchemy import Engine, text
+from sqlalchemy import exc as sa_exc
 
-from service.core.errors import SchemaOutOfDateError
-from service.store.db import redact_url
+from service.core.errors import DatabaseUnavailableError, MigrationError, SchemaOutOfDateError
+from service.store.db import UNAVAILABLE_PUBLIC, Database, redact_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+@contextmanager
+def migration_errors(url: str) -> Iterator[None]:
+    """Translate what Alembic and the driver raise while migrating ``url`` into
+    ``MigrationError`` (its message names the database without its password).
+
+    Raises:
+        MigrationError: Alembic refused (unknown revision, …) or the database failed.
+    """
+    try:
+        yield
+    except CommandError as exc:
+        raise MigrationError(
+            f"migration failed: {exc}", hint="list revisions with `ddpq db current`"
+        ) from exc
+    except sa_exc.SQLAlchemyError as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise MigrationError(
+            f"database {redact_url(url)}: {type(reason).__name__}: {reason}",
+            hint="check that the database runs and DDPQ_DATABASE_URL points at it",
+        ) from exc
 
 
 def alembic_config(url: str) -> Config:
@@ -64,3 +90,22 @@ def check_at_head(engine: Engine) -> None:
             f"database {redact_url(engine.url.render_as_string(hide_password=False))} is at "
             f"revision {current or 'none (empty)'}, code expects {head}: run `ddpq db upgrade`"
         )
+
+
+def check_database(db: Database) -> None:
+    """Raise unless the database answers and its schema is at the head revision (what
+    ``/readyz``, ``ddpq serve`` and the token commands check before they go on).
+
+    Raises:
+        DatabaseUnavailableError: the database cannot be reached (503).
+        SchemaOutOfDateError: not migrated to head; the message says to run `ddpq db upgrade`.
+    """
+    with db.session(write=False) as session:
+        session.execute(text("SELECT 1"))
+    try:
+        check_at_head(db.engine)
+    except sa_exc.SQLAlchemyError as exc:
+        # The database went away between the two checks; same answer as the first one.
+        raise DatabaseUnavailableError(
+            f"database unavailable: {type(exc).__name__}", public=UNAVAILABLE_PUBLIC
+        ) from exc

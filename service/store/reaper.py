@@ -1,7 +1,7 @@
 """The API's reaper: lost workers' jobs are requeued even when no worker is running.
 
 Workers reap on every tick too (``worker.loop``); the API runs the same
-``jobs.requeue_expired_jobs`` every ``heartbeat_interval_s`` seconds so that a job whose only
+``leases.requeue_expired_jobs`` every ``heartbeat_interval_s`` seconds so that a job whose only
 worker died goes back to ``queued`` (and ``ddpq show`` says so) without waiting for another
 worker to start. Both call the same compare-and-set, so running several reapers is safe.
 """
@@ -13,26 +13,45 @@ import logging
 
 from starlette.concurrency import run_in_threadpool
 
+from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
-from service.store import jobs
+from service.store import jobs, leases
 from service.store.db import Database
+from service.store.worker_rows import prune_stopped_workers
 
 log = logging.getLogger(__name__)
 
+# Settings.worker_retention_s's default (7 days), for callers that pass no setting.
+DEFAULT_WORKER_RETENTION_S: float = Settings.model_fields["worker_retention_s"].default
 
-def reap_once(db: Database) -> list[jobs.Transition]:
-    """Requeue (or cancel, if flagged) the jobs whose lease expired; the transitions made."""
+
+def reap_once(
+    db: Database, *, worker_retention_s: float = DEFAULT_WORKER_RETENTION_S
+) -> list[jobs.Transition]:
+    """Requeue (or cancel, if flagged) the jobs whose lease expired; the transitions made.
+    Then delete the rows of workers stopped more than ``worker_retention_s`` seconds ago
+    (``worker_rows.prune_stopped_workers``), in a transaction of its own so a failed prune
+    never undoes a requeue."""
     with db.session() as session:
-        return jobs.requeue_expired_jobs(session)
+        reaped = leases.requeue_expired_jobs(session)
+    with db.session() as session:
+        pruned = prune_stopped_workers(session, retention_s=worker_retention_s)
+    if pruned:
+        log.info("reaper: deleted %d stopped worker row(s): %s", len(pruned), ", ".join(pruned))
+    return reaped
 
 
-async def reap_forever(db: Database, interval_s: float) -> None:
+async def reap_forever(
+    db: Database, interval_s: float, *, worker_retention_s: float = DEFAULT_WORKER_RETENTION_S
+) -> None:
     """``reap_once`` every ``interval_s`` seconds until cancelled; a database outage is
     logged and retried at the next interval, never raised."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            reaped = await run_in_threadpool(reap_once, db)
+            reaped = await run_in_threadpool(
+                lambda: reap_once(db, worker_retention_s=worker_retention_s)
+            )
         except DatabaseUnavailableError as exc:
             log.warning("reaper: database unavailable (%s); retrying in %.1f s", exc, interval_s)
             continue

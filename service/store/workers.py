@@ -1,22 +1,21 @@
-"""Workers: registration, heartbeats (renewing their jobs' leases), why a queued job waits."""
+"""Workers: registration, listing, why a queued job waits (heartbeats and leases are in
+leases.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, func, or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotFoundError
+from service.core.launchers import uses_host_gpus
 from service.core.states import ACTIVE_STATES, JobState
 from service.store.models import Job, Worker, utcnow
 
 # A worker is live while its last heartbeat is younger than this many heartbeat intervals.
 LIVE_HEARTBEATS = 3
-# Launchers whose workers hand out their own host's GPUs (others leave GPUs to Slurm).
-HOST_GPU_LAUNCHERS = frozenset({"local"})
 
 
 @dataclass(frozen=True)
@@ -49,35 +48,6 @@ def register_worker(
     worker.stopped_at = None
     session.flush()
     return worker
-
-
-def heartbeat(session: Session, worker_id: str, *, lease_s: float) -> list[HeldJob]:
-    """Stamp the worker alive and extend to now + ``lease_s`` seconds the lease of every
-    active job it holds.
-
-    Returns:
-        The jobs the database says this worker holds (a job moved away from it, e.g. requeued
-        by a reaper, is absent: the worker must stop it).
-    Raises:
-        NotFoundError: the worker is not registered.
-    """
-    now = utcnow()
-    result = session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now))
-    updated = cast(CursorResult[Any], result).rowcount
-    if not updated:
-        raise NotFoundError(f"worker {worker_id} is not registered")
-    active = [s.value for s in ACTIVE_STATES]
-    session.execute(
-        update(Job)
-        .where(Job.worker_id == worker_id, Job.state.in_(active))
-        .values(lease_expires_at=now + timedelta(seconds=lease_s))
-    )
-    rows = session.execute(
-        select(Job.id, Job.attempt, Job.state, Job.cancel_requested).where(
-            Job.worker_id == worker_id, Job.state.in_(active)
-        )
-    )
-    return [HeldJob(r.id, r.attempt, r.state, bool(r.cancel_requested)) for r in rows]
 
 
 def stop_worker(session: Session, worker_id: str) -> None:
@@ -124,7 +94,8 @@ def queue_reason(
 
     Considers the live workers of the job's launcher (not stopped, heartbeat younger than
     ``LIVE_HEARTBEATS × heartbeat_interval_s`` seconds), their ``capacity`` (slots, GPUs)
-    and the active jobs they hold; GPUs count only for launchers in ``HOST_GPU_LAUNCHERS``.
+    and the active jobs they hold; GPUs count only for launchers whose traits say
+    ``host_gpus`` (``service.core.launchers``).
 
     Returns:
         e.g. ``"no live worker for launcher local"``, ``"waiting for a worker with 1 free
@@ -154,7 +125,8 @@ def queue_reason(
     if not live:
         hint = f"`ddpq worker --launcher {launcher}`"
         return f"no live worker for launcher {launcher} (start one: {hint})"
-    wants_gpus = gpus_per_node if launcher in HOST_GPU_LAUNCHERS else 0
+    host_gpus = uses_host_gpus(launcher)
+    wants_gpus = gpus_per_node if host_gpus else 0
     free_slots, free_gpus, total_gpus = [], [], []
     for _wid, capacity, jobs_held, gpus_held in live:
         total = _capacity_int(capacity, "gpus", 0)
@@ -180,7 +152,7 @@ def queue_reason(
         Job.launcher == launcher,
         or_(Job.priority > priority, (Job.priority == priority) & (Job.id < job_id)),
     ]
-    if launcher in HOST_GPU_LAUNCHERS:
+    if host_gpus:
         ahead_filter.append(Job.gpus_per_node <= max(fitting))
     ahead = session.scalar(select(func.count()).where(*ahead_filter))
     if ahead:

@@ -28,8 +28,8 @@ from service.api.jobs import MAX_INT64
 from service.core.errors import NotFoundError
 from service.core.spec import JobSpec
 from service.core.spec_text import SpecTextError, display_text, parse_spec_text
-from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState
-from service.core.task_configs import BUILTIN_TASK_CONFIGS
+from service.core.states import JobState
+from service.core.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
 from service.store.jobs import get_job
 
 WEB_DIR = Path(__file__).resolve().parent
@@ -85,6 +85,7 @@ class FormField:
     choices: tuple[tuple[str, str], ...] = ()  # a <select>'s (value, text) pairs
     hint: bool = False  # show the description under the input (else only as its title)
     bounds: str = ""  # for people: "≥ 10, ≤ 604800"; spec fields only
+    testing: bool = False  # a task's fault-injection knob (shown under "fault injection")
 
 
 # The spec fields the form offers, as (legend, [(path, label, show the description?)]).
@@ -125,6 +126,8 @@ SPEC_FORM_GROUPS: tuple[tuple[str, tuple[tuple[str, str, bool], ...]], ...] = (
 )
 # Form defaults that differ from the spec's on purpose: the form is for trying DDP, so 2 ranks.
 FORM_DEFAULTS = {"resources.nproc_per_node": "2"}
+# The task the form starts on: a real model and dataset (regression is a smoke test).
+DEFAULT_FORM_TASK = "digits"
 
 
 def _bound(info: FieldInfo, *names: str) -> str:
@@ -249,6 +252,7 @@ def task_form_fields() -> dict[str, list[FormField]]:
                     maximum=_bound(info, "le", "lt"),
                     pattern=_bound(info, "pattern"),
                     description=info.description or "",
+                    testing=is_testing_field(info),
                 )
             )
         out[task] = fields
@@ -265,18 +269,10 @@ def _page(request: Request, template: str, **context: Any) -> HTMLResponse:
     return response
 
 
-def _state_lists() -> dict[str, list[str]]:
-    return {
-        "states": [s.value for s in JobState],
-        "live_states": sorted({JobState.QUEUED.value} | {s.value for s in ACTIVE_STATES}),
-        "terminal_states": sorted(s.value for s in TERMINAL_STATES),
-    }
-
-
 @router.get("/", response_class=HTMLResponse)
 def jobs_page(request: Request) -> HTMLResponse:
     """The job list (filter by state, newest first, cursor paging)."""
-    return _page(request, "jobs.html", title="Jobs", **_state_lists())
+    return _page(request, "jobs.html", title="Jobs", states=[s.value for s in JobState])
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
@@ -298,19 +294,23 @@ def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) ->
         )
         page.status_code = 404
         return page
-    return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id, **_state_lists())
+    return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id)
 
 
 @router.get("/submit", response_class=HTMLResponse)
 def submit_page(request: Request) -> HTMLResponse:
-    """Submit a built-in task from a form, or a pasted YAML/JSON spec."""
+    """Submit a built-in task from a form, or a pasted YAML/JSON spec; ``?from=<job id>``
+    pre-fills both from that job's spec (its script reads the job from the API). The spec's
+    defaults ride along (``data-spec-defaults``) so the script can tell whether a cloned spec
+    sets anything the form has no input for."""
     return _page(
         request,
         "submit.html",
         title="Submit a job",
         task_fields=task_form_fields(),
         spec_groups=spec_form_fields(),
-        default_task="regression",
+        default_task=DEFAULT_FORM_TASK,
+        spec_defaults=JobSpec(name="x", task=DEFAULT_FORM_TASK).model_dump(mode="json"),
     )
 
 

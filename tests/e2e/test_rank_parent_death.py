@@ -22,7 +22,9 @@ from service.store import claims, jobs
 from service.store.db import Database
 from service.store.metrics import query_points
 from service.store.workers import register_worker
-from worker.launchers.local import LocalLauncher, attempt_tags, find_tagged_processes
+from worker.attempt import attempt_tags
+from worker.launchers.local import LocalLauncher
+from worker.processes import find_tagged_processes
 from worker.runtime.main import die_with_parent
 
 SLOW_BOX_S = 180.0  # start-up on a loaded 2-core machine; only reached when something is wrong

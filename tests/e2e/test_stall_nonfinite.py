@@ -1,6 +1,7 @@
 """Stall detection and the non-finite loss policy with real torchrun ranks (gloo, CPU): a hung
 rank fails the job ``stalled`` through a real worker; NaN losses on one rank or on all of them
-fail the job or skip the step on every rank alike, and never hang."""
+fail the job or skip the step on every rank alike, and never hang; a custom entrypoint whose
+reported loss goes NaN fails the job ``nonfinite_loss`` like a built-in task."""
 
 from __future__ import annotations
 
@@ -105,9 +106,12 @@ def _start(db: Database, spec: dict[str, Any]) -> int:
     return job_id
 
 
-def _run_ranks(settings: Settings, job_id: int, timeout_s: float = 180) -> int:
+def _run_ranks(
+    settings: Settings, job_id: int, timeout_s: float = 180, extra_env: dict[str, str] | None = None
+) -> int:
     env = dict(
         os.environ,
+        **(extra_env or {}),
         DDPQ_JOB_ID=str(job_id),
         DDPQ_ATTEMPT="1",
         DDPQ_DATABASE_URL=settings.resolved_database_url,
@@ -195,3 +199,64 @@ def test_nonfinite_skip_step_skips_on_every_rank_and_succeeds(
     adam_steps = {float(v["step"]) for v in state["optimizer"]["state"].values()}
     assert adam_steps == {STEPS - 1.0}, "the optimizer stepped on every step but the NaN one"
     assert all(torch.isfinite(t).all() for t in state["model"].values()), "weights stay finite"
+
+
+# A custom loop whose loss becomes NaN at step 4 on every rank (its gradients stay finite, so
+# only the policy on what it reports can catch it); its own optimizer keeps stepping.
+NAN_LOOP = """
+import math
+import torch
+from torch import nn
+
+
+def train(ctx):
+    torch.manual_seed(0)
+    model = ctx.wrap_model(nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for step in range(1, 11):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step == 4:
+            loss = loss.detach() + math.nan
+        ctx.report(step, 0, loss=loss.detach())
+        if ctx.should_stop():
+            return
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_custom_entrypoint_nonfinite_loss_fails_the_job_like_a_builtin(
+    db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    package = tmp_path / "entrypoints"
+    package.mkdir()
+    (package / "nanloop_e2e.py").write_text(NAN_LOOP)
+    spec = {
+        "name": "custom-nan",
+        "task": "nanloop_e2e:train",
+        "resources": {"nproc_per_node": 2},
+        "training": {"nonfinite_loss": "fail"},
+    }
+    job_id = _start(db, spec)
+    extra = {
+        "DDPQ_ALLOWED_ENTRYPOINTS": '["nanloop_*:*"]',
+        "PYTHONPATH": os.pathsep.join([str(package), str(REPO)]),
+    }
+    code = _run_ranks(settings, job_id, extra_env=extra)
+    assert code != 0, _logs(settings, job_id)
+    folder = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
+    errors = {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
+              for p in folder.glob("error-rank-*.json")}  # fmt: skip
+    assert errors, _logs(settings, job_id)
+    for rank, error in errors.items():
+        assert error["reason"] == "nonfinite_loss", (rank, error)
+        assert error["exc_type"] == "NonFiniteLossError", error
+        assert "at step 4 (training.nonfinite_loss=fail)" in error["message"], error
+    assert 0 in errors, "rank 0 (whose values are recorded) fails with the reason"
+    assert not artifacts.result_path(settings.resolved_artifact_dir, job_id, 1).exists()
+    losses = [p.step for p in _points(db, job_id, "loss")]
+    assert losses[:4] == [1, 2, 3, 4], f"the losses up to the bad one are recorded: {losses}"

@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import func, select
 
 from service.store.models import Metric
-from worker.launchers.local import attempt_tags, find_tagged_processes
+from worker.attempt import attempt_tags
+from worker.processes import find_tagged_processes
 
 
 def loss_steps(dep: Any, job_id: int) -> tuple[list[int], int | None]:

@@ -20,7 +20,8 @@ from service.core.errors import DatabaseUnavailableError, NotFoundError
 from service.core.states import JobState
 from service.store import claims, workers
 from service.store.db import Database
-from service.store.jobs import get_job, get_job_row
+from service.store.job_view import get_job_row
+from service.store.jobs import get_job
 from service.store.models import Job
 from service.store.workers import queue_reason
 

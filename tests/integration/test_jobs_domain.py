@@ -11,7 +11,7 @@ from sqlalchemy import delete, update
 from service.core.errors import ConflictError, StaleAttemptError, StaleStateError
 from service.core.spec import JobSpec
 from service.core.states import JobState
-from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store import checkpoints, claims, jobs, leases, metrics, workers
 from service.store.db import Database
 from service.store.metrics import MetricPoint
 from service.store.models import Job, utcnow
@@ -116,7 +116,7 @@ def test_heartbeat_renews_leases_and_lists_held_jobs(db: Database) -> None:
     with db.session() as s:
         s.get(Job, job_id).lease_expires_at = utcnow() - timedelta(seconds=1)  # type: ignore[union-attr]
     with db.session() as s:
-        held = workers.heartbeat(s, "w", lease_s=60)
+        held = leases.heartbeat(s, "w", lease_s=60)
     assert [(h.job_id, h.attempt, h.state) for h in held] == [(job_id, 1, "running")]
     with db.session(write=False) as s:
         job = s.get(Job, job_id)
@@ -185,7 +185,7 @@ def test_claim_never_drops_a_cancel_request(db: Database) -> None:
         )
         assert claimed is not None and claimed.id == plain.id, "the flagged job was claimed"
     with db.session() as s:
-        reaped = jobs.requeue_expired_jobs(s)
+        reaped = leases.requeue_expired_jobs(s)
         assert [(t.job_id, t.target) for t in reaped] == [(flagged.id, JobState.CANCELLED)]
     with db.session(write=False) as s:
         job = jobs.get_job(s, flagged.id)

@@ -14,7 +14,7 @@ import pytest
 
 from service.core.config import Settings
 from service.core.spec import JobSpec
-from worker.launchers.local import LocalLauncher, bind_gpus
+from worker.launchers.local import LocalLauncher, LocalRequest
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -59,7 +59,7 @@ def test_cpu_plan_matches_golden(launcher: LocalLauncher, tmp_path: Path) -> Non
     )
     plan = launcher.plan(spec, 7, 3)
     _check_golden("local_plan_cpu.txt", _normalise(plan.render(), tmp_path))
-    assert plan.extra == {"timeout_s": "300"}
+    assert plan.request == LocalRequest(timeout_s=300.0)
     assert plan.log_dir == str(tmp_path.resolve() / "artifacts/jobs/7/attempt-3")
 
 
@@ -71,7 +71,7 @@ def test_gpu_plan_with_bound_gpus_matches_golden(launcher: LocalLauncher, tmp_pa
             "resources": {"nproc_per_node": 2, "gpus_per_node": 2},
         }
     )
-    plan = bind_gpus(launcher.plan(spec, 12, 1), [2, 3])
+    plan = launcher.bind_gpus(launcher.plan(spec, 12, 1), [2, 3])
     _check_golden("local_plan_gpu.txt", _normalise(plan.render(), tmp_path))
 
 

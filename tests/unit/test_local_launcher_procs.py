@@ -22,9 +22,11 @@ import pytest
 
 from service.core.config import Settings
 from service.core.spec import JobSpec
+from worker.attempt import FailureReason
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.local import LocalLauncher
+from worker.launchers.local import LocalLauncher, LocalRequest
 
+REPO = Path(__file__).resolve().parents[2]  # the fake rank imports worker.attempt from here
 SLOW_BOX_S = 180.0  # seconds any wait may take on a loaded machine before the test fails
 FAKE_RANK = textwrap.dedent(
     """
@@ -63,6 +65,14 @@ FAKE_RANK = textwrap.dedent(
         if rank == 0:
             write("result.json", {"status": "succeeded"})
         os.abort()
+    if mode == "reason":  # the real writer, with the reason FAKE_REASON names
+        from pathlib import Path
+        from worker.attempt import write_rank_error
+        exc = RuntimeError("loss is nan at step 3")
+        exc.reason = os.environ["FAKE_REASON"]
+        write_rank_error(Path(os.environ["DDPQ_ARTIFACT_DIR"]), int(os.environ["DDPQ_JOB_ID"]),
+                         int(os.environ["DDPQ_ATTEMPT"]), rank, exc, time.time())
+        sys.exit(1)
     if mode == "fail" and rank == 1:
         time.sleep(0.5)
         error("RuntimeError", "boom at step 5", time.time())
@@ -203,6 +213,16 @@ def test_a_silent_rank_is_named_not_the_peer_that_lost_it(
     assert status.reason.startswith("rank 1 exit code 3 without an error report"), status.reason
 
 
+@pytest.mark.parametrize("reason", [FailureReason.NONFINITE_LOSS, FailureReason.SETUP])
+def test_the_error_files_reason_becomes_the_status_failure(
+    make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], reason: FailureReason
+) -> None:
+    launcher, plan = make_plan("reason", nproc=1, FAKE_REASON=str(reason), PYTHONPATH=str(REPO))
+    status = _wait_end(launcher, launcher.start(plan))
+    assert status.phase == RunPhase.FAILED and status.failure == reason, status
+    assert (status.reason or "").startswith(f"{reason}: "), status.reason
+
+
 def test_failure_without_error_file_reports_exit_code_and_log_tail(
     make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]],
 ) -> None:
@@ -269,7 +289,7 @@ def test_timeout_fails_the_attempt(
     make_plan: Callable[..., tuple[LocalLauncher, LaunchPlan]], settings: Settings
 ) -> None:
     launcher, plan = make_plan("sleep", nproc=1)
-    handle = launcher.start(replace(plan, extra={"timeout_s": "1"}))
+    handle = launcher.start(replace(plan, request=LocalRequest(timeout_s=1.0)))
     status = _wait_end(launcher, handle)
     assert status.phase == RunPhase.FAILED
     assert status.reason is not None and "timed out" in status.reason

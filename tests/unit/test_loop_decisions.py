@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import random
+import string
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from service.core.config import Settings
 from service.core.states import JobState, can_transition
 from service.store.jobs import Transition
 from service.store.workers import HeldJob
+from worker.attempt import FailureReason, error_headline
 from worker.decisions import (
     PHASE_DECISIONS,
     Decision,
@@ -196,3 +199,40 @@ def test_settings_env_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert Settings() == original
+
+
+# -- the retry policy reads FailureReason, never the message ------------------------------
+
+NEVER_RETRIED = {FailureReason.NONFINITE_LOSS, FailureReason.SETUP}
+
+
+def _reworded(reason: FailureReason, rng: random.Random) -> list[str | None]:
+    """The message a launcher writes for ``reason``, and rewordings of it: random text, no text,
+    and text that starts like another reason's message."""
+    headline = error_headline(
+        {"rank": 1, "reason": str(reason), "exc_type": "RuntimeError", "message": "boom"}
+    )
+    noise = "".join(rng.choice(string.printable) for _ in range(rng.randint(1, 80)))
+    others = [f"{other}: {noise}" for other in FailureReason if other != reason]
+    return [headline, noise, "", None, headline.replace(str(reason), "x"), *others]
+
+
+@pytest.mark.parametrize("reason", list(FailureReason))
+@pytest.mark.parametrize(("restarts", "max_restarts"), [(0, 2), (1, 2), (2, 2), (0, 0)])
+def test_rewording_a_failure_message_never_changes_the_retry_decision(
+    reason: FailureReason, restarts: int, max_restarts: int
+) -> None:
+    rng = random.Random(f"{reason}-{restarts}-{max_restarts}")
+    run = _run(restarts=restarts, max_restarts=max_restarts)
+    retried = restarts < max_restarts and reason not in NEVER_RETRIED
+    for text in _reworded(reason, rng):
+        d = decide_on_status(run, RunStatus(RunPhase.FAILED, text, failure=reason))
+        assert d is not None
+        assert d.transition.target == (JobState.QUEUED if retried else JobState.FAILED), text
+        assert dict(d.values) == ({"restarts": restarts + 1} if retried else {}), text
+
+
+def test_a_failure_without_a_reason_is_retried_whatever_its_text_says() -> None:
+    for text in ("setup: rank 0 failed before its first step: E: x", "nonfinite_loss: nan"):
+        d = decide_on_status(_run(max_restarts=1), RunStatus(RunPhase.FAILED, text))
+        assert d is not None and d.transition.target == JobState.QUEUED, text

@@ -3,12 +3,14 @@ adoption of jobs whose worker is gone, clean shutdown that leaves jobs running, 
 poll per tick, and a job adopted elsewhere that must not be cancelled.
 
 The launcher is a fake of our own ``Launcher`` interface that behaves like ``SlurmLauncher``
-where the loop can tell (``detached``, ``poll_many``, handles that any instance can poll); the
-real one runs against real Slurm in tests/slurm/.
+where the loop can tell (its name, hence the "slurm" row of the traits table: ``detached``,
+``adopts``; ``poll_many``; handles that any instance can poll); the real one runs against real
+Slurm in tests/slurm/.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,7 +36,6 @@ class FakeSlurm:
     backend: dict[str, RunStatus]
     db: Database
     name: str = "slurm"
-    detached: bool = True
     next_id: int = 1000
     cancelled: list[str] = field(default_factory=list)
     polled: list[str] = field(default_factory=list)  # single polls
@@ -43,13 +44,14 @@ class FakeSlurm:
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
         return LaunchPlan(self.name, job_id, attempt, ["sbatch"], {}, "/", "/tmp")
 
+    def bind_gpus(self, plan: LaunchPlan, gpus: Sequence[int]) -> LaunchPlan:
+        return plan
+
     def start(self, plan: LaunchPlan) -> str:
         self.next_id += 1
         handle = str(self.next_id)
         self.backend[handle] = RunStatus(RunPhase.RUNNING)
-        with self.db.session() as s:  # as SlurmLauncher.start does
-            jobs.set_scheduler_job_id(s, plan.job_id, plan.attempt, handle)
-        return handle
+        return handle  # the loop records it as the job's scheduler_job_id
 
     def poll(self, handle: str) -> RunStatus:
         self.polled.append(handle)

@@ -6,11 +6,12 @@ import time
 
 from service.core.spec import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs
+from service.store import claims, jobs, leases
 from service.store.db import Database
-from service.store.jobs import WORKER_LOST_REASON, Transition
+from service.store.jobs import Transition
+from service.store.leases import WORKER_LOST_REASON, heartbeat
 from service.store.models import Job
-from service.store.workers import heartbeat, register_worker
+from service.store.workers import register_worker
 
 
 def _claimed(db: Database, worker_id: str, lease_s: float, launcher: str = "local") -> int:
@@ -36,7 +37,7 @@ def test_expired_lease_requeues_without_counting_a_restart(db: Database) -> None
     alive = _claimed(db, "alive", lease_s=60)
     time.sleep(0.05)
     with db.session() as s:
-        reaped = jobs.requeue_expired_jobs(s)
+        reaped = leases.requeue_expired_jobs(s)
     assert reaped == [Transition(lost, JobState.RUNNING, JobState.QUEUED, WORKER_LOST_REASON)]
     with db.session(write=False) as s:
         job = s.get(Job, lost)
@@ -53,7 +54,7 @@ def test_expired_lease_requeues_without_counting_a_restart(db: Database) -> None
     with db.session() as s:  # the lost worker comes back: the job is no longer its own
         assert heartbeat(s, "lost", lease_s=30) == []
     with db.session() as s:
-        assert jobs.requeue_expired_jobs(s) == [], "reaping is idempotent"
+        assert leases.requeue_expired_jobs(s) == [], "reaping is idempotent"
 
 
 def test_submitted_slurm_jobs_are_left_for_a_slurm_worker_to_adopt(db: Database) -> None:
@@ -66,7 +67,7 @@ def test_submitted_slurm_jobs_are_left_for_a_slurm_worker_to_adopt(db: Database)
         jobs.set_scheduler_job_id(s, on_slurm, 1, "4242")
     time.sleep(0.05)
     with db.session() as s:
-        reaped = jobs.requeue_expired_jobs(s)
+        reaped = leases.requeue_expired_jobs(s)
     assert reaped == [
         Transition(not_submitted, JobState.STARTING, JobState.QUEUED, WORKER_LOST_REASON)
     ], "only the Slurm job without a scheduler_job_id may be requeued"
@@ -91,7 +92,7 @@ def test_lost_job_with_a_cancel_request_ends_cancelled(db: Database) -> None:
     time.sleep(0.05)
     reason = f"cancel requested (instead of: {WORKER_LOST_REASON})"
     with db.session() as s:
-        reaped = jobs.requeue_expired_jobs(s)
+        reaped = leases.requeue_expired_jobs(s)
     assert reaped == [Transition(lost, JobState.RUNNING, JobState.CANCELLED, reason)]
     with db.session(write=False) as s:
         job = s.get(Job, lost)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
 from service.core.spec import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs
+from service.store import claims, jobs, leases
 from service.store.db import Database
 from service.store.jobs import Transition
 from service.store.models import Job, Worker, utcnow
@@ -45,6 +45,10 @@ class ScriptedLauncher:
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
         env = {"CUDA_VISIBLE_DEVICES": ""}
         return LaunchPlan(self.name, job_id, attempt, ["true"], env, "/", "/tmp")
+
+    def bind_gpus(self, plan: LaunchPlan, gpus: Sequence[int]) -> LaunchPlan:
+        env = {**plan.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        return replace(plan, env=env)
 
     def start(self, plan: LaunchPlan) -> str:
         if self.fail_start:
@@ -356,7 +360,7 @@ def test_requeued_during_an_outage_stops_the_stale_attempt(
         with db.session() as s:  # the lease ran out meanwhile; a reaper elsewhere requeues it
             s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow()))
         with db.session() as s:
-            assert [t.job_id for t in jobs.requeue_expired_jobs(s)] == [job_id]
+            assert [t.job_id for t in leases.requeue_expired_jobs(s)] == [job_id]
         assert launcher.cancelled == [], "nothing may be stopped while the database is down"
         loop.db = db
         _wait(lambda: f"{job_id}.1" in launcher.cancelled, 30, "attempt 1 to be stopped")
@@ -388,7 +392,7 @@ def test_outage_shorter_than_the_lease_keeps_the_job(db: Database, tmp_path: Pat
         deadline = time.monotonic() + 3.0  # past the lease of the last heartbeat before
         while time.monotonic() < deadline:
             with db.session() as s:  # another worker's reaper, every 0.1 s
-                assert jobs.requeue_expired_jobs(s) == [], "the lease ran out: job requeued"
+                assert leases.requeue_expired_jobs(s) == [], "the lease ran out: job requeued"
             time.sleep(0.1)
         job = _job(db, job_id)
         assert (job.state, job.attempt) == ("running", 1)

@@ -1,6 +1,7 @@
-"""Each reported point is checked once on its way in: ``checked_report`` in ``ctx.report``
-(the Trainer's points at the sink's flush), then ``CheckedPoint`` passes the later checks
-(the sink's ``split_points``, ``record_metrics``). Points from anywhere else keep every check."""
+"""Points are checked on their way in: ``checked_report`` in ``ctx.report`` (so a bad report
+raises in the loop; each context remembers the names it checked), and ``checked_point``, the
+one constructor of the ``CheckedPoint``s ``record_metrics`` takes, when rank 0 publishes a
+batch (a bad Trainer point is dropped there). A ``CheckedPoint`` passes later checks as it is."""
 
 from __future__ import annotations
 
@@ -60,13 +61,14 @@ def test_checked_report_refuses_what_checked_point_refuses(
 
 
 def test_checked_report_remembers_good_names_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(metric_points, "_names_ok", set())
-    monkeypatch.setattr(metric_points, "_NAMES_OK_MAX", 2)
-    checked_report(1, None, ["a", "b", "c"])
-    assert metric_points._names_ok == {"a", "b"}, "bounded"
+    monkeypatch.setattr(metric_points, "MAX_KNOWN_NAMES", 2)
+    known: set[str] = set()  # the caller's own (a TrainContext holds one): no module state
+    checked_report(1, None, ["a", "b", "c"], known)
+    assert known == {"a", "b"}, "bounded"
     for _ in range(2):  # a refused name is never remembered
         with pytest.raises(ValueError, match="metric name"):
-            checked_report(1, None, ["x" * 101])
+            checked_report(1, None, ["x" * 101], known)
+    assert known == {"a", "b"}
 
 
 def test_checked_report_gives_plain_ints() -> None:
@@ -84,7 +86,6 @@ def _counting_name_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         check(name)
 
     monkeypatch.setattr(metric_points, "_check_name", counted)
-    monkeypatch.setattr(metric_points, "_names_ok", set())
     return seen
 
 
@@ -101,10 +102,13 @@ def test_ctx_report_points_are_checked_once_and_all_written(
     checks = _counting_name_checks(monkeypatch)
     for step in range(1, 31):
         ctx.report(step, 0, loss=torch.tensor(-0.0 if step == 1 else float(step)), acc=-0.0)
-    assert checks == ["loss", "acc"], "a name is checked once, then remembered"
+    # Once per name by report, then remembered; the first report flushes its two points,
+    # and publishing builds each CheckedPoint with checked_point.
+    assert checks == ["loss", "acc"] * 2, "a name is checked once, then remembered"
     ctx.flush()
     sink.close()
-    assert checks == ["loss", "acc"], "nothing is checked again at flush or write"
+    # Publishing builds each CheckedPoint with checked_point (once); the write checks nothing.
+    assert checks[:2] == ["loss", "acc"] and len(checks) == 2 + 60
     loss, acc = loss_values(db, job_id), loss_values(db, job_id, "acc")
     assert loss == {s: float(s) for s in range(1, 31)} | {1: 0.0}
     assert acc == dict.fromkeys(range(1, 31), 0.0)

@@ -21,6 +21,7 @@ from torch import nn
 
 from service.core import artifacts
 from service.core.states import JobState
+from worker.attempt import FailureReason, error_headline
 from worker.decisions import HeldRun, decide_on_status
 from worker.launchers.base import RunPhase, RunStatus
 from worker.launchers.failure_text import earliest_rank_error
@@ -30,7 +31,6 @@ from worker.runtime.nonfinite import (
     gradients_finite,
     poison_gradients,
 )
-from worker.runtime.outcome import error_headline, failure_reason
 from worker.runtime.watchdog import StallReport, StallWatchdog, waiting_on_peers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_a_stalled_rank_dumps_every_stack_writes_its_error_and_exits(tmp_path: P
     # What the worker makes of it: the job's error and its reason.
     text = earliest_rank_error(error_file.parent)
     assert text is not None and text.startswith("stalled: rank 1 finished no step for ")
-    assert "stuck_in_user_code" in text and failure_reason(text) == "stalled"
+    assert "stuck_in_user_code" in text and FailureReason.of(error["reason"]) == "stalled"
 
 
 # -- failure reasons -----------------------------------------------------------------------------
@@ -201,9 +201,10 @@ def test_error_headlines_lead_with_the_reason_and_older_files_still_read() -> No
     nan = {"rank": 0, "exc_type": "NonFiniteLossError", "message": "at step 4",
            "reason": "nonfinite_loss"}  # fmt: skip
     assert error_headline(nan) == "nonfinite_loss: at step 4"
-    assert failure_reason("nonfinite_loss: at step 4\nTraceback") == "nonfinite_loss"
-    assert failure_reason("rank 1 failed: RuntimeError: stalled: no") == "error"
-    assert failure_reason(None) == "error"
+    # The policy reads the reason field, never the text: anything else reads as "error".
+    assert FailureReason.of(nan["reason"]) == "nonfinite_loss"
+    assert FailureReason.of("rank 1 failed: RuntimeError: stalled: no") == "error"
+    assert FailureReason.of(None) == "error"
 
 
 def _held(restarts: int = 0, max_restarts: int = 2) -> HeldRun:
@@ -223,7 +224,8 @@ def test_a_stall_is_retried_while_restarts_are_left_and_then_fails_stalled() -> 
 
 def test_a_nonfinite_loss_failure_is_not_retried() -> None:
     error = "nonfinite_loss: non-finite loss or gradients at step 4"
-    d = decide_on_status(_held(max_restarts=5), RunStatus(RunPhase.FAILED, error))
+    failed = RunStatus(RunPhase.FAILED, error, failure=FailureReason.NONFINITE_LOSS)
+    d = decide_on_status(_held(max_restarts=5), failed)
     assert d is not None and d.transition.target == JobState.FAILED, "a resume would replay it"
     assert d.transition.reason == error and d.error == error and not d.values
 
@@ -233,8 +235,9 @@ def test_a_failure_before_the_first_step_is_not_retried() -> None:
              "reason": "setup"}  # fmt: skip
     error = error_headline(setup)
     assert error == "setup: rank 0 failed before its first step: EntrypointError: cannot import 'x'"
-    assert failure_reason(error) == "setup"
-    d = decide_on_status(_held(max_restarts=5), RunStatus(RunPhase.FAILED, error))
+    assert FailureReason.of(setup["reason"]) == "setup"
+    failed = RunStatus(RunPhase.FAILED, error, failure=FailureReason.SETUP)
+    d = decide_on_status(_held(max_restarts=5), failed)
     assert d is not None and d.transition.target == JobState.FAILED, "it would fail the same way"
 
 

@@ -7,6 +7,7 @@ Regenerate the golden files after an intended change:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -76,7 +77,8 @@ def test_one_node_two_ranks_plan_matches_golden(launcher: SlurmLauncher, tmp_pat
     plan = launcher.plan(spec, 7, 1)
     _check_golden("slurm_plan_1x2.txt", _normalise(plan.render(), tmp_path))
     assert plan.launcher == "slurm" and plan.argv == ["sbatch"]
-    assert plan.extra["slurm_dir"] == str(artifacts.slurm_dir(tmp_path / "artifacts", 7, 1))
+    assert plan.request is not None
+    assert plan.request.folder == str(artifacts.slurm_dir(tmp_path / "artifacts", 7, 1))
 
 
 def test_two_nodes_with_gpus_and_placement_matches_golden(
@@ -123,7 +125,8 @@ def test_database_url_never_appears_in_the_script(tmp_path: Path) -> None:
     )
     plan = SlurmLauncher(settings, cwd=tmp_path).plan(_spec(), 1, 1)
     assert "s3cret" not in plan.render()
-    assert "s3cret" not in json.dumps(plan.extra)
+    assert plan.request is not None
+    assert "s3cret" not in json.dumps(dataclasses.asdict(plan.request))
 
 
 def test_default_partition_applies_only_when_the_spec_names_none(tmp_path: Path) -> None:

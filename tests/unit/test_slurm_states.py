@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from service.core.config import Settings
+from worker.attempt import ExitCode, FailureReason, write_rank_error
 from worker.launchers.base import RunPhase
 from worker.launchers.slurm import SlurmLauncher
 from worker.launchers.slurm_states import (
-    PREEMPT_EXIT_CODE,
     SLURM_STATE_TO_PHASE,
-    TIME_LIMIT_EXIT_CODE,
     UNKNOWN_STATE_FALLBACK,
     SacctRecord,
     parse_job_name,
@@ -111,7 +110,7 @@ def test_status_from_records(job: str, phase: RunPhase, reason_part: str | None)
 
 def test_exit_codes_are_distinct_and_below_128() -> None:
     # Slurm's accounting garbles exit codes above 128; the runtime's own codes are 0, 1, 75.
-    codes = {PREEMPT_EXIT_CODE, TIME_LIMIT_EXIT_CODE}
+    codes = {ExitCode.PREEMPTED, ExitCode.TIME_LIMIT}
     assert len(codes) == 2 and max(codes) < 128
     assert not codes & {0, 1, 75}
 
@@ -176,3 +175,27 @@ def test_rows_of_an_older_job_with_a_reused_id_are_ignored(tmp_path: Path) -> No
     fake.chmod(0o755)
     launcher = _launcher(tmp_path, sacct=str(fake))
     assert launcher.poll("5").phase == RunPhase.RUNNING
+
+
+def test_every_slurm_failure_carries_a_failure_reason() -> None:
+    for state in ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "FAILED"):
+        status = status_from_records([SacctRecord("9", "ddpq-1-1", state, 1, 0, None)])
+        assert status.phase == RunPhase.FAILED and status.failure == FailureReason.ERROR, state
+    limit = SacctRecord("9", "ddpq-1-1", "FAILED", int(ExitCode.TIME_LIMIT), 0, None)
+    assert status_from_records([limit]).failure == FailureReason.ERROR
+
+
+@pytest.mark.parametrize("reason", [FailureReason.NONFINITE_LOSS, FailureReason.SETUP])
+def test_a_rank_error_files_reason_becomes_the_status_failure(
+    tmp_path: Path, reason: FailureReason
+) -> None:
+    fake = tmp_path / "sacct"  # sacct's stand-in at the process boundary
+    fake.write_text("#!/bin/sh\necho '5|ddpq-3-1|FAILED|1:0|None'\n")
+    fake.chmod(0o755)
+    launcher = _launcher(tmp_path, sacct=str(fake))
+    exc = RuntimeError("loss is nan at step 3")
+    exc.reason = reason  # type: ignore[attr-defined]
+    write_rank_error(launcher.artifact_dir, 3, 1, 0, exc, 1.0)
+    status = launcher.poll("5")
+    assert status.phase == RunPhase.FAILED and status.failure == reason, status
+    assert (status.reason or "").startswith(f"{reason}: "), status.reason

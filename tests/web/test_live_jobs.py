@@ -84,6 +84,7 @@ def test_form_submission_runs_to_success_while_the_curve_grows(
     page.fill('[data-path="training.log_every_steps"]', "1")
     page.fill('[data-path="training.checkpoint_every_steps"]', "20")
     regression = page.locator('fieldset[data-task="regression"]')
+    regression.locator("details.fault-injection summary").click()  # the knob is folded away
     regression.locator('input[data-path="config.sleep_per_step_ms"]').fill("150")
     page.click("#submit-form")
     page.wait_for_url("**/jobs/*")

@@ -224,6 +224,7 @@ def test_bad_spec_in_form_shows_field_errors_and_stores_nothing(
     w = open_page("/submit")
     w.allow_console(UNPROCESSABLE)
     page = w.page
+    page.select_option("#in-task", "regression")
     page.fill('[data-path="resources.nproc_per_node"]', "0")
     page.fill('[data-path="training.epochs"]', "two")
     regression = page.locator('fieldset[data-task="regression"]')

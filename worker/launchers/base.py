@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from service.core.spec import JobSpec
+from worker.attempt import FailureReason
 
 
 class RunPhase(StrEnum):
@@ -22,20 +24,32 @@ class RunPhase(StrEnum):
 
 @dataclass(frozen=True)
 class RunStatus:
-    """A launcher's observation: the phase plus a human-readable reason when it ended badly."""
+    """A launcher's observation: the phase plus a human-readable reason when it ended badly.
+
+    ``failure`` is why a FAILED attempt failed, as a value: the retry policy reads it, never
+    ``reason`` (text for people, free to be reworded). None when the phase is not FAILED;
+    a FAILED status without one counts as ``FailureReason.ERROR``.
+    """
 
     phase: RunPhase
     reason: str | None = None
     exit_code: int | None = None
+    failure: FailureReason | None = None
+
+
+# What a launcher needs beyond argv/env to start its plan: a frozen dataclass of its own
+# (``LocalRequest``, ``SlurmBatchRequest``), the launcher's half of the plan's type.
+RequestT = TypeVar("RequestT")
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchPlan(Generic[RequestT]):
     """Everything needed to start one attempt, as plain values (printable, golden-tested).
 
     ``argv``/``env``/``cwd`` start the processes; ``script`` holds a rendered batch script
     where the backend has one (Slurm). ``env`` holds only what the launcher adds to the
-    worker's environment.
+    worker's environment. ``request`` is the launcher's own typed part of the plan (e.g. a
+    timeout, the sbatch parameters); None only in plans no launcher made (tests' fakes).
     """
 
     launcher: str
@@ -46,7 +60,7 @@ class LaunchPlan:
     cwd: str
     log_dir: str
     script: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
+    request: RequestT | None = None
 
     def render(self) -> str:
         """The plan as text: environment, command line, and the script if any."""
@@ -64,11 +78,17 @@ class Launcher(Protocol):
 
     name: str
 
-    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[Any]:
         """Build the plan for one attempt; touches nothing."""
         ...
 
-    def start(self, plan: LaunchPlan) -> str:
+    def bind_gpus(self, plan: LaunchPlan[Any], gpus: Sequence[int]) -> LaunchPlan[Any]:
+        """``plan`` bound to the host GPU ids the worker assigned to the attempt (only called
+        for launchers whose traits say ``host_gpus``, with a non-empty ``gpus``); touches
+        nothing. A launcher whose backend places GPUs itself returns ``plan`` unchanged."""
+        ...
+
+    def start(self, plan: LaunchPlan[Any]) -> str:
         """Start the attempt; returns a handle id (a process group id or Slurm job id)."""
         ...
 
@@ -88,9 +108,3 @@ class BatchPoller(Protocol):
     def poll_many(self, handles: list[str]) -> dict[str, RunStatus]:
         """The status of every handle in ``handles``."""
         ...
-
-
-def is_detached(launcher: Launcher) -> bool:
-    """Whether the launcher's attempts keep running when its worker stops (a launcher says so
-    with a true ``detached`` attribute, as Slurm's does); such jobs are adopted, not stopped."""
-    return bool(getattr(launcher, "detached", False))

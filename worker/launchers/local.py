@@ -19,7 +19,6 @@ the attempt started (by the file system's clock).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -27,24 +26,26 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
+from worker.attempt import ARTIFACT_DIR, DATABASE_URL, FailureReason, attempt_tags, rank_env
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import (
+    RankFailure,
     blames_a_silent_rank,
     describe_exit,
-    earliest_rank_error,
+    earliest_failure,
     tail_lines,
 )
-from worker.runtime import envvars
+from worker.processes import find_tagged_processes, parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -62,57 +63,15 @@ MAX_FINISHED_RUNS = 1000
 ROOT_CAUSE_RE = re.compile(
     r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<exitcode>-?\d+)", re.S
 )
-_PR_SET_PDEATHSIG = 1
 
 
-def parent_death_preexec(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent *thread* dies.
+@dataclass(frozen=True)
+class LocalRequest:
+    """The local launcher's part of a plan: what ``start`` and ``poll`` need besides the
+    command line. ``timeout_s``: seconds the attempt may run (``resources.timeout_min``),
+    None for no limit."""
 
-    Call ``Popen`` from a long-lived thread: Linux sends the signal when the thread that
-    forked exits. If the parent is already gone when the child runs, it signals itself.
-    """
-    parent_pid = os.getpid()
-
-    def _preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), sig)
-
-    return _preexec
-
-
-def attempt_tags(job_id: int, attempt: int, artifact_dir: str) -> frozenset[bytes]:
-    """The ``NAME=value`` environment entries that mark one attempt's processes."""
-    return frozenset(
-        f"{k}={v}".encode()
-        for k, v in (
-            (envvars.JOB_ID, job_id),
-            (envvars.ATTEMPT, attempt),
-            (envvars.ARTIFACT_DIR, artifact_dir),
-        )
-    )
-
-
-def find_tagged_processes(tags: frozenset[bytes]) -> list[int]:
-    """Pids of live processes whose initial environment holds every entry of ``tags``.
-
-    Reads ``/proc/<pid>/environ`` (only our own user's processes are readable; zombies have
-    an empty environment and are skipped).
-    """
-    pids: list[int] = []
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = set(f.read().split(b"\0"))
-        except OSError:
-            continue
-        if tags <= env:
-            pids.append(int(entry.name))
-    return pids
+    timeout_s: float | None = None
 
 
 def move_aside_stale_attempt(attempt_dir: Path) -> Path | None:
@@ -133,11 +92,6 @@ def move_aside_stale_attempt(attempt_dir: Path) -> Path | None:
     target = attempt_dir.with_name(f"{attempt_dir.name}.stale-{stamp}")
     attempt_dir.rename(target)
     return target
-
-
-def bind_gpus(plan: LaunchPlan, gpus: Sequence[int]) -> LaunchPlan:
-    """The plan with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids the worker assigned."""
-    return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
 
 
 @dataclass
@@ -192,7 +146,18 @@ class LocalLauncher:
         self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
         self._runs: dict[str, _LocalRun] = {}
 
-    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """The launcher of a worker of this deployment (all defaults; ``settings`` decide)."""
+        return cls(settings)
+
+    def bind_gpus(
+        self, plan: LaunchPlan[LocalRequest], gpus: Sequence[int]
+    ) -> LaunchPlan[LocalRequest]:
+        """The plan with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids the worker assigned."""
+        return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[LocalRequest]:
         """The torchrun command line and environment for one attempt; touches nothing.
 
         GPU jobs see GPUs ``0..gpus_per_node-1`` unless the worker rebinds them with
@@ -208,14 +173,11 @@ class LocalLauncher:
             *self.entry,
         ]  # fmt: skip
         env = {
-            envvars.JOB_ID: str(job_id),
-            envvars.ATTEMPT: str(attempt),
-            envvars.DATABASE_URL: self.database_url,
-            envvars.ARTIFACT_DIR: str(self.artifact_dir),
-            "OMP_NUM_THREADS": str(r.cpus_per_task),
+            **rank_env(job_id, attempt, artifact_dir=self.artifact_dir,
+                       cpus_per_task=r.cpus_per_task),
+            DATABASE_URL: self.database_url,
             CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
-            "PYTHONUNBUFFERED": "1",
-        }
+        }  # fmt: skip
         return LaunchPlan(
             launcher=NAME,
             job_id=job_id,
@@ -224,10 +186,10 @@ class LocalLauncher:
             env=env,
             cwd=str(self.cwd),
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
-            extra={"timeout_s": str(r.timeout_min * 60)},
+            request=LocalRequest(timeout_s=float(r.timeout_min * 60)),
         )
 
-    def start(self, plan: LaunchPlan) -> str:
+    def start(self, plan: LaunchPlan[LocalRequest]) -> str:
         """Start torchrun in a new session, its output appended to ``launcher.log``.
 
         Returns:
@@ -260,15 +222,15 @@ class LocalLauncher:
         except OSError as exc:
             log_file.close()
             raise LaunchError(f"could not start {plan.argv[0]}: {exc}") from exc
-        timeout = plan.extra.get("timeout_s")
+        request = plan.request if plan.request is not None else LocalRequest()
         handle = str(popen.pid)
         self._runs[handle] = _LocalRun(
             plan=plan,
             popen=popen,
             log_file=log_file,
-            tags=attempt_tags(plan.job_id, plan.attempt, plan.env[envvars.ARTIFACT_DIR]),
+            tags=attempt_tags(plan.job_id, plan.attempt, plan.env[ARTIFACT_DIR]),
             started_mono=time.monotonic(),
-            timeout_s=float(timeout) if timeout else None,
+            timeout_s=request.timeout_s,
             started_fs_ns=started_fs_ns,
         )
         self._prune()
@@ -283,7 +245,11 @@ class LocalLauncher:
         """
         run = self._runs.get(handle)
         if run is None:
-            return RunStatus(RunPhase.FAILED, f"no local run {handle} (the worker restarted?)")
+            return RunStatus(
+                RunPhase.FAILED,
+                f"no local run {handle} (the worker restarted?)",
+                failure=FailureReason.ERROR,
+            )
         if run.final is not None:
             return run.final
         if run.popen.poll() is None:
@@ -370,21 +336,26 @@ class LocalLauncher:
         elif run.timed_out:
             minutes = (run.timeout_s or 0) / 60
             status = RunStatus(
-                RunPhase.FAILED, f"timed out after {minutes:g} min (resources.timeout_min)", rc
+                RunPhase.FAILED,
+                f"timed out after {minutes:g} min (resources.timeout_min)",
+                rc,
+                failure=FailureReason.ERROR,
             )
         else:
-            status = RunStatus(RunPhase.FAILED, self._failure_reason(run, rc), rc)
+            failure = self._failure(run, rc)
+            status = RunStatus(RunPhase.FAILED, failure.text, rc, failure=failure.reason)
         run.final = status
         return status
 
-    def _failure_reason(self, run: _LocalRun, rc: int) -> str:
-        """The earliest rank error; else the rank torchrun names as root cause, with the tail
-        of that rank's log; else torchrun's exit code and the tail of launcher.log."""
+    def _failure(self, run: _LocalRun, rc: int) -> RankFailure:
+        """The earliest rank error (with its reason); else the rank torchrun names as root
+        cause, with the tail of that rank's log; else torchrun's exit code and the tail of
+        launcher.log (both ``FailureReason.ERROR``: no rank said why)."""
         job_id, attempt = run.plan.job_id, run.plan.attempt
         attempt_dir = Path(run.plan.log_dir)
         log_path = artifacts.launcher_log_path(self.artifact_dir, job_id, attempt)
         cause = ROOT_CAUSE_RE.search(tail_lines(log_path, n=200))
-        error = earliest_rank_error(attempt_dir)
+        error = earliest_failure(attempt_dir)
         # Ranks that only saw a peer vanish are not the story when torchrun names the rank
         # that exited first without an error report (killed, or sys.exit in user code).
         silent = cause is not None and blames_a_silent_rank(attempt_dir, int(cause["rank"]))
@@ -396,7 +367,8 @@ class LocalLauncher:
             head = f"rank {rank} {describe_exit(code)} without an error report"
             rank_log = artifacts.rank_log_path(self.artifact_dir, job_id, attempt, rank)
             log_path = rank_log if rank_log.exists() else log_path
-        return f"{head}; last lines of {log_path.name}:\n{tail_lines(log_path)}"
+        text = f"{head}; last lines of {log_path.name}:\n{tail_lines(log_path)}"
+        return RankFailure(FailureReason.ERROR, text)
 
     def _prune(self) -> None:
         finished = [h for h, r in self._runs.items() if r.final is not None]

@@ -1,43 +1,53 @@
-"""Launcher names → launcher objects (the Slurm launcher is imported only when asked for)."""
+"""Launcher names → launcher classes, imported only when a worker asks for one.
+
+Each class builds itself from settings (``from_settings``); what the rest of ddpq may assume
+about a launcher is its row in ``service.core.launchers.LAUNCHER_TRAITS``. Adding a launcher
+means one module with its class, one row here and one row in that table.
+"""
 
 from __future__ import annotations
 
-import sys
-from typing import get_args
+import importlib
+from typing import Protocol, cast
 
 from service.core.config import Settings
-from service.core.spec import LauncherName
+from service.core.launchers import launcher_names
 from worker.errors import LaunchError
 from worker.launchers.base import Launcher
 
-LAUNCHER_NAMES: tuple[str, ...] = get_args(LauncherName)
-# Launchers whose ranks run on the worker's own host: the worker hands out its GPUs to them.
-HOST_LAUNCHERS = frozenset({"local"})
+# "module:ClassName" per launcher name; the keys are LAUNCHER_TRAITS' keys (a unit test checks).
+LAUNCHER_CLASSES: dict[str, str] = {
+    "local": "worker.launchers.local:LocalLauncher",
+    "slurm": "worker.launchers.slurm:SlurmLauncher",
+}
 
 
-def make_launcher(name: str, settings: Settings) -> Launcher:
-    """Build the launcher called ``name``; Slurm's gets its ``slurm_*`` settings.
+class LauncherClass(Protocol):
+    """A launcher class: builds its launcher from the deployment's settings."""
+
+    def from_settings(self, settings: Settings) -> Launcher:
+        """The launcher configured by ``settings`` (e.g. Slurm's ``slurm_*`` settings)."""
+        ...
+
+
+def launcher_class(name: str) -> LauncherClass:
+    """Import and return the class of the launcher called ``name``.
 
     Raises:
         LaunchError: unknown name (the message lists the valid ones).
     """
-    if name == "local":
-        from worker.launchers.local import LocalLauncher
-
-        return LocalLauncher(settings)
-    if name == "slurm":
-        from worker.launchers.slurm import SlurmLauncher  # type: ignore[import-not-found,unused-ignore]
-
-        launcher: Launcher = SlurmLauncher(
-            settings,
-            python=settings.slurm_python or sys.executable,
-            partition=settings.slurm_partition,
-            signal_delay_s=settings.slurm_signal_delay_s,
-        )
-        return launcher
-    raise LaunchError(f"unknown launcher {name!r}; choose one of: {', '.join(LAUNCHER_NAMES)}")
+    path = LAUNCHER_CLASSES.get(name)
+    if path is None:
+        choices = ", ".join(launcher_names())
+        raise LaunchError(f"unknown launcher {name!r}; choose one of: {choices}")
+    module, _, attr = path.partition(":")
+    return cast(LauncherClass, getattr(importlib.import_module(module), attr))
 
 
-def uses_host_gpus(name: str) -> bool:
-    """Whether jobs of this launcher run on the worker's host and need GPUs from its pool."""
-    return name in HOST_LAUNCHERS
+def make_launcher(name: str, settings: Settings) -> Launcher:
+    """Build the launcher called ``name`` from ``settings`` (its class's ``from_settings``).
+
+    Raises:
+        LaunchError: unknown name (the message lists the valid ones).
+    """
+    return launcher_class(name).from_settings(settings)

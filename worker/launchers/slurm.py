@@ -6,7 +6,7 @@ and a ``SlurmRank`` per task; ``poll`` reads every followed job's state with one
 per poll interval (``SLURM_STATE_TO_PHASE`` decides; rank 0's result.json decides success);
 ``cancel`` is ``scancel``. The handle is Slurm's job id, and the Slurm job name
 (``ddpq-<job_id>-<attempt>``) ties it back to its ddpq attempt, so a restarted worker can
-poll a job it did not start. Slurm jobs outlive the worker (``detached``).
+poll a job it did not start. Slurm jobs outlive the worker (its traits say ``detached``).
 
 Preemption: sbatch gets ``--signal=USR1@<signal_delay_s>``; the ranks checkpoint at the next
 step and exit ``128+USR1``, which ``poll`` reports as PREEMPTED (ddpq requeues the job as
@@ -17,24 +17,26 @@ ddpq's relaunch runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
+from worker.attempt import DATABASE_URL, FailureReason
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.failure_text import earliest_rank_error, tail_lines
+from worker.launchers.failure_text import earliest_failure, tail_lines
 from worker.launchers.slurm_params import (
     DEFAULT_SIGNAL_DELAY_S,
+    SlurmBatchRequest,
     rank_environment,
     sbatch_parameters,
 )
@@ -47,7 +49,7 @@ from worker.launchers.slurm_states import (
     slurm_job_name,
     status_from_records,
 )
-from worker.runtime import envvars
+from worker.launchers.submitit_adapter import sbatch_script, submission_script, task_command
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,6 @@ class SlurmLauncher:
     """Runs attempts as Slurm jobs through submitit (see the module docstring)."""
 
     name = NAME
-    # Slurm jobs keep running when the worker stops; a restarted worker re-attaches to them.
-    detached = True
 
     def __init__(
         self,
@@ -120,14 +120,29 @@ class SlurmLauncher:
 
     # -- plan ----------------------------------------------------------------------------
 
-    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan:
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """The launcher of a Slurm worker of this deployment: its ``slurm_python`` (default:
+        this interpreter), ``slurm_partition`` and ``slurm_signal_delay_s`` settings."""
+        return cls(
+            settings,
+            python=settings.slurm_python or sys.executable,
+            partition=settings.slurm_partition,
+            signal_delay_s=settings.slurm_signal_delay_s,
+        )
+
+    def bind_gpus(
+        self, plan: LaunchPlan[SlurmBatchRequest], gpus: Sequence[int]
+    ) -> LaunchPlan[SlurmBatchRequest]:
+        """``plan`` unchanged: Slurm places GPUs itself (``--gpus-per-node``)."""
+        return plan
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[SlurmBatchRequest]:
         """The sbatch script submitit will submit for this attempt; touches nothing.
 
         Raises:
             LaunchError: ``spec.slurm.extra`` sets an option ddpq manages.
         """
-        from submitit.slurm.slurm import _make_sbatch_string
-
         folder = artifacts.slurm_dir(self.artifact_dir, job_id, attempt)
         params = sbatch_parameters(
             spec,
@@ -138,7 +153,7 @@ class SlurmLauncher:
             default_partition=self.partition,
             signal_delay_s=self.signal_delay_s,
         )
-        script = _make_sbatch_string(command=self._command(folder), folder=folder, **params)
+        script = sbatch_script(task_command(self.python, folder), folder, params)
         return LaunchPlan(
             launcher=NAME,
             job_id=job_id,
@@ -148,28 +163,28 @@ class SlurmLauncher:
             cwd=str(self.cwd),
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
             script=script,
-            extra={"slurm_dir": str(folder), "sbatch_parameters": json.dumps(params)},
+            request=SlurmBatchRequest(folder=str(folder), parameters=params),
         )
-
-    def _command(self, folder: Path) -> str:
-        """The per-task command, as submitit's executor builds it."""
-        return f"{shlex.quote(self.python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
     # -- start ---------------------------------------------------------------------------
 
-    def start(self, plan: LaunchPlan) -> str:
-        """Submit the plan's script through submitit; record the Slurm job id on the job.
+    def start(self, plan: LaunchPlan[SlurmBatchRequest]) -> str:
+        """Submit the plan's script through submitit (the worker loop records the handle as
+        the job's ``scheduler_job_id``: this launcher writes nothing to the database).
 
         Returns:
             The handle: Slurm's job id.
         Raises:
-            LaunchError: Slurm is not installed, or sbatch refused the job (its message, plus
-                what the partition's nodes offer).
+            LaunchError: Slurm is not installed, sbatch refused the job (its message, plus
+                what the partition's nodes offer), or the plan was not made by ``plan``.
         """
         from submitit.slurm.slurm import SlurmExecutor
 
-        folder = Path(plan.extra["slurm_dir"])
-        params = json.loads(plan.extra["sbatch_parameters"])
+        if plan.request is None:
+            raise LaunchError("a Slurm plan needs its SlurmBatchRequest (made by plan())")
+        folder = Path(plan.request.folder)
+        # A copy: submitit's executor and the plan must not share a mutable dict.
+        params = dict(plan.request.parameters)
         folder.parent.mkdir(parents=True, exist_ok=True)
         # submitit's pickle carries the database URL (maybe with a password): owner only.
         folder.mkdir(mode=0o700, exist_ok=True)
@@ -178,10 +193,9 @@ class SlurmLauncher:
         except RuntimeError as exc:
             raise LaunchError(f"cannot submit to Slurm: {exc}") from exc
         executor.update_parameters(**params)
-        rendered = executor._make_submission_file_text(executor._submitit_command_str, "")
-        if rendered != plan.script:
+        if submission_script(executor) != plan.script:
             raise LaunchError("the sbatch script submitit would submit differs from the plan")
-        rank = SlurmRank(env={**plan.env, envvars.DATABASE_URL: self.database_url})
+        rank = SlurmRank(env={**plan.env, DATABASE_URL: self.database_url})
         try:
             job = executor.submit(rank)
         except Exception as exc:  # submitit wraps sbatch's failure in several types
@@ -193,7 +207,6 @@ class SlurmLauncher:
         )
         log.info("job_id=%d attempt=%d submitted as Slurm job %s", plan.job_id, plan.attempt,
                  handle, extra={"job_id": plan.job_id, "attempt": plan.attempt})  # fmt: skip
-        self._record_scheduler_job_id(plan.job_id, plan.attempt, handle)
         return handle
 
     def _refusal(self, params: dict[str, Any], exc: Exception) -> str:
@@ -223,20 +236,6 @@ class SlurmLauncher:
                 p, n, cpus, mem, gres = fields
                 parts.append(f"partition {p}: {n} node(s) × {cpus} CPUs, {mem} MB, gres {gres}")
         return "; ".join(parts) or "sinfo shows no partition"
-
-    def _record_scheduler_job_id(self, job_id: int, attempt: int, handle: str) -> None:
-        from service.core.errors import DdpqError
-        from service.store.db import Database
-        from service.store.jobs import set_scheduler_job_id
-
-        db = Database.from_url(self.database_url)
-        try:
-            with db.session() as s:
-                set_scheduler_job_id(s, job_id, attempt, handle)
-        except DdpqError as exc:
-            log.warning("job_id=%d: could not record Slurm job %s: %s", job_id, handle, exc)
-        finally:
-            db.dispose()
 
     # -- poll ----------------------------------------------------------------------------
 
@@ -301,7 +300,9 @@ class SlurmLauncher:
             return self._end(
                 followed,
                 RunStatus(
-                    RunPhase.FAILED, f"Slurm has no record of job {handle} after {waited:.0f} s"
+                    RunPhase.FAILED,
+                    f"Slurm has no record of job {handle} after {waited:.0f} s",
+                    failure=FailureReason.ERROR,
                 ),
             )
         status = status_from_records(followed.records)
@@ -326,18 +327,21 @@ class SlurmLauncher:
         self, handle: str, job_id: int, attempt: int, status: RunStatus
     ) -> RunStatus:
         """result.json (written before teardown) beats the exit code; a rank's error file is
-        the best reason for a failure, else the tail of task 0's stderr."""
+        the best reason for a failure (its text and its ``FailureReason``), else the tail of
+        task 0's stderr (with the state's reason, ``FailureReason.ERROR``)."""
         result = artifacts.result_path(self.artifact_dir, job_id, attempt)
         if status.phase in (RunPhase.SUCCEEDED, RunPhase.FAILED) and result.exists():
             return RunStatus(RunPhase.SUCCEEDED, exit_code=status.exit_code)
         if status.phase != RunPhase.FAILED:
             return status
         attempt_dir = artifacts.attempt_dir(self.artifact_dir, job_id, attempt)
-        reason = earliest_rank_error(attempt_dir)
-        if reason is None:
-            stderr = artifacts.slurm_dir(self.artifact_dir, job_id, attempt) / f"{handle}_0_log.err"
-            reason = f"{status.reason}; last lines of {stderr.name}:\n{tail_lines(stderr)}"
-        return RunStatus(RunPhase.FAILED, reason, status.exit_code)
+        error = earliest_failure(attempt_dir)
+        if error is not None:
+            return RunStatus(RunPhase.FAILED, error.text, status.exit_code, failure=error.reason)
+        stderr = artifacts.slurm_dir(self.artifact_dir, job_id, attempt) / f"{handle}_0_log.err"
+        reason = f"{status.reason}; last lines of {stderr.name}:\n{tail_lines(stderr)}"
+        failure = status.failure or FailureReason.ERROR
+        return RunStatus(RunPhase.FAILED, reason, status.exit_code, failure=failure)
 
     # -- cancel --------------------------------------------------------------------------
 

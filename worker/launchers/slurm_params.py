@@ -1,16 +1,19 @@
 """The sbatch parameters of one Slurm attempt, from its spec: a pure function, golden-tested
-through ``SlurmLauncher.plan``."""
+through ``SlurmLauncher.plan``, and ``SlurmBatchRequest``, the Slurm launcher's typed part of a
+plan."""
 
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from service.core.spec import JobSpec
+from worker.attempt import rank_env
 from worker.errors import LaunchError
 from worker.launchers.slurm_states import PREEMPT_SIGNAL, slurm_job_name
-from worker.runtime import envvars
+from worker.launchers.submitit_adapter import convert_mem
 
 DEFAULT_SIGNAL_DELAY_S = 60  # Slurm's USR1 warning, seconds before the time limit
 # sbatch options ddpq sets itself; a spec's slurm.extra may not override them.
@@ -18,6 +21,20 @@ RESERVED_SBATCH_OPTIONS = frozenset(
     {"job-name", "nodes", "ntasks-per-node", "ntasks", "output", "error", "signal", "chdir",
      "open-mode", "array", "wrap"}
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SlurmBatchRequest:
+    """What ``SlurmLauncher.start`` submits, besides the plan's script and environment.
+
+    ``folder``: submitit's folder for the attempt (the job's pickles and task logs).
+    ``parameters``: ``SlurmExecutor.update_parameters`` keyword arguments (submitit's names,
+    as ``sbatch_parameters`` builds them); the rendered script is made from exactly these.
+    Holds no database URL (the ranks get it through submitit's pickle).
+    """
+
+    folder: str
+    parameters: dict[str, Any]
 
 
 def sbatch_parameters(
@@ -35,8 +52,6 @@ def sbatch_parameters(
     Raises:
         LaunchError: ``spec.slurm.extra`` tries to set an option ddpq manages.
     """
-    from submitit.slurm.slurm import _convert_mem
-
     r = spec.resources
     opts = spec.slurm
     extra: dict[str, Any] = {}
@@ -65,7 +80,7 @@ def sbatch_parameters(
     if r.gpus_per_node:
         params["gpus_per_node"] = r.gpus_per_node
     if r.mem_gb is not None:
-        params["mem"] = _convert_mem(r.mem_gb)
+        params["mem"] = convert_mem(r.mem_gb)
     partition = (opts.partition if opts else None) or default_partition
     named: tuple[tuple[str, str | None], ...] = (
         ("partition", partition),
@@ -82,12 +97,9 @@ def sbatch_parameters(
 def rank_environment(
     spec: JobSpec, job_id: int, attempt: int, *, artifact_dir: Path
 ) -> dict[str, str]:
-    """ddpq's variables every rank gets, exported by the sbatch script (the database URL,
-    which may hold a password, and the topology are added inside the task)."""
-    return {
-        envvars.JOB_ID: str(job_id),
-        envvars.ATTEMPT: str(attempt),
-        envvars.ARTIFACT_DIR: str(artifact_dir),
-        "OMP_NUM_THREADS": str(spec.resources.cpus_per_task),
-        "PYTHONUNBUFFERED": "1",
-    }
+    """ddpq's variables every rank gets (``worker.attempt.rank_env``), exported by the sbatch
+    script (the database URL, which may hold a password, and the topology are added inside
+    the task)."""
+    return rank_env(
+        job_id, attempt, artifact_dir=artifact_dir, cpus_per_task=spec.resources.cpus_per_task
+    )

@@ -4,27 +4,25 @@ The Slurm launcher submits a ``SlurmRank`` through submitit; ``srun`` starts one
 and each task calls it. It turns Slurm's topology (``SLURM_PROCID``, ``SLURM_LOCALID``,
 ``SLURM_NTASKS``, ``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_NODELIST``, ``SLURM_JOB_ID``) into
 torch's env:// variables, adds ddpq's own, runs ``worker.runtime.main.run_rank`` and ends the
-process with the rank's exit code at once (``os._exit``): everything that matters was flushed
-by then, and skipping interpreter teardown avoids gloo's abort at exit after a good run.
+process with the rank's exit code at once (``worker.processes.exit_now``): everything that
+matters was flushed by then, and skipping interpreter teardown avoids gloo's abort at exit
+after a good run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from worker.launchers.slurm_states import (
-    PREEMPT_EXIT_CODE,
-    RUNTIME_SIGNAL_EXIT_CODE,
-    TIME_LIMIT_EXIT_CODE,
-)
-from worker.runtime import envvars
+from worker import attempt
+from worker.attempt import ExitCode, signal_exit
+from worker.launchers.slurm_states import PREEMPT_SIGNAL
+from worker.launchers.submitit_adapter import parse_node_list
+from worker.processes import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +59,7 @@ def master_port_for(scheduler_job_id: str) -> int:
 
 def first_node(nodelist: str) -> str:
     """The first host of a Slurm node list (``ddpq-n[1-2],gpu7`` → ``ddpq-n1``)."""
-    from submitit.slurm.slurm import _parse_node_list
-
-    nodes = _parse_node_list(nodelist)
+    nodes = parse_node_list(nodelist)
     if not nodes:
         raise SlurmTopologyError(f"empty SLURM_JOB_NODELIST {nodelist!r}")
     return str(nodes[0])
@@ -77,7 +73,7 @@ def _need(environ: Mapping[str, str], name: str) -> str:
 
 
 def topology_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
-    """torch.distributed's variables (names in ``worker.runtime.envvars``) from Slurm's.
+    """torch.distributed's variables (names in ``worker.attempt``) from Slurm's.
 
     ``MASTER_ADDR`` is the first node's *name*; ``resolve_node_address`` turns it into an
     address. Pure: reads only ``environ``.
@@ -94,12 +90,12 @@ def topology_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
         raise SlurmTopologyError(f"bad Slurm task variable: {exc}") from None
     job_id = _need(environ, "SLURM_JOB_ID")
     return {
-        envvars.RANK: str(rank),
-        envvars.LOCAL_RANK: str(local_rank),
-        envvars.WORLD_SIZE: str(ntasks),
-        envvars.LOCAL_WORLD_SIZE: str(max(1, ntasks // max(1, nnodes))),
-        envvars.MASTER_ADDR: first_node(_need(environ, "SLURM_JOB_NODELIST")),
-        envvars.MASTER_PORT: str(master_port_for(job_id)),
+        attempt.RANK: str(rank),
+        attempt.LOCAL_RANK: str(local_rank),
+        attempt.WORLD_SIZE: str(ntasks),
+        attempt.LOCAL_WORLD_SIZE: str(max(1, ntasks // max(1, nnodes))),
+        attempt.MASTER_ADDR: first_node(_need(environ, "SLURM_JOB_NODELIST")),
+        attempt.MASTER_PORT: str(master_port_for(job_id)),
     }
 
 
@@ -182,28 +178,23 @@ class SlurmRank:
 
     def __call__(self) -> int:
         """Run this task's rank; ends the process with the rank's exit code (never returns)."""
-        code = 1
+        code = int(ExitCode.FAILED)
         try:
             environ = dict(os.environ)
             environ.update(self.env)
             topo = topology_from_slurm(environ)
-            topo[envvars.MASTER_ADDR] = resolve_node_address(topo[envvars.MASTER_ADDR])
+            topo[attempt.MASTER_ADDR] = resolve_node_address(topo[attempt.MASTER_ADDR])
             environ.update(topo)
             os.environ.update({**self.env, **topo})
             from worker.runtime.main import run_rank
 
             code = int(run_rank(environ))
-            if code == RUNTIME_SIGNAL_EXIT_CODE:
-                code = (
-                    TIME_LIMIT_EXIT_CODE
-                    if near_time_limit(topo_job_id(environ))
-                    else PREEMPT_EXIT_CODE
-                )
+            if code == signal_exit(PREEMPT_SIGNAL):
+                # Slurm garbles codes above 128 in its accounting: say which stop it was.
+                near = near_time_limit(topo_job_id(environ))
+                code = int(ExitCode.TIME_LIMIT if near else ExitCode.PREEMPTED)
         except BaseException as exc:  # the exit code carries it to Slurm
             log.exception("slurm rank failed before or outside the runtime: %s", exc)
-            code = 1
+            code = int(ExitCode.FAILED)
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):  # a closed stream must not block the exit
-                    stream.flush()
-            os._exit(code)
+            exit_now(code)

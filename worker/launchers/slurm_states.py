@@ -12,6 +12,7 @@ import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from worker.attempt import ExitCode, FailureReason
 from worker.launchers.base import RunPhase, RunStatus
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,11 @@ FAILURE_REASONS: dict[str, str] = {
 }
 
 # Slurm's warning signal. The runtime stops on it at the next step, checkpoints and returns
-# 128 + signum; the Slurm task turns that into PREEMPT_EXIT_CODE (Slurm garbles exit codes
-# above 128 in its accounting: a task's 138 shows as "10:0"), which poll reports as PREEMPTED.
+# ``signal_exit(PREEMPT_SIGNAL)``; the Slurm task turns that into ``ExitCode.PREEMPTED``
+# (Slurm garbles exit codes above 128 in its accounting: a task's 138 shows as "10:0"), which
+# poll reports as PREEMPTED, or ``ExitCode.TIME_LIMIT`` when the time limit is near (the ranks
+# checkpointed, but the job failed its limit; relaunching would only hit it again).
 PREEMPT_SIGNAL = signal.SIGUSR1
-RUNTIME_SIGNAL_EXIT_CODE = 128 + int(PREEMPT_SIGNAL)
-PREEMPT_EXIT_CODE = 85
-# The same stop, when the warning came because the time limit is near (not a preemption): the
-# ranks checkpointed, but the job failed its limit; relaunching would only hit it again.
-TIME_LIMIT_EXIT_CODE = 86
 
 # Fields asked of sacct, in this order (``--parsable2 --noheader``).
 SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Reason")
@@ -162,8 +160,9 @@ def status_from_records(records: list[SacctRecord]) -> RunStatus:
 
     An earlier run that Slurm requeued or preempted means the attempt was preempted, whatever
     the newest run shows (the launcher cancels that copy; ddpq relaunches as attempt + 1).
-    A ``FAILED`` run whose exit code is ``PREEMPT_EXIT_CODE`` stopped on Slurm's warning
-    signal after checkpointing: preempted as well.
+    A ``FAILED`` run whose exit code is ``ExitCode.PREEMPTED`` stopped on Slurm's warning
+    signal after checkpointing: preempted as well. Every failure carries
+    ``FailureReason.ERROR`` (the launcher replaces it with a rank's error file's reason).
 
     Raises:
         ValueError: ``records`` is empty.
@@ -178,18 +177,19 @@ def status_from_records(records: list[SacctRecord]) -> RunStatus:
             )
     last = records[-1]
     phase = phase_of_state(last.state)
-    if phase == RunPhase.FAILED and last.exit_code == PREEMPT_EXIT_CODE:
+    if phase == RunPhase.FAILED and last.exit_code == ExitCode.PREEMPTED:
         return RunStatus(
             RunPhase.PREEMPTED,
             reason=f"ranks checkpointed and stopped on Slurm's warning signal "
             f"({PREEMPT_SIGNAL.name})",
             exit_code=last.exit_code,
         )
-    if phase == RunPhase.FAILED and last.exit_code == TIME_LIMIT_EXIT_CODE:
+    if phase == RunPhase.FAILED and last.exit_code == ExitCode.TIME_LIMIT:
         return RunStatus(
             phase,
             reason="Slurm time limit reached (ranks checkpointed on the warning signal first)",
             exit_code=last.exit_code,
+            failure=FailureReason.ERROR,
         )
     if phase == RunPhase.FAILED:
         why = FAILURE_REASONS.get(last.state) or (
@@ -198,7 +198,7 @@ def status_from_records(records: list[SacctRecord]) -> RunStatus:
         )
         if last.reason:
             why += f"; Slurm reason: {last.reason}"
-        return RunStatus(phase, reason=why, exit_code=last.exit_code)
+        return RunStatus(phase, reason=why, exit_code=last.exit_code, failure=FailureReason.ERROR)
     if phase == RunPhase.CANCELLED:
         return RunStatus(phase, reason=f"Slurm job {last.scheduler_job_id} cancelled")
     if phase == RunPhase.SUCCEEDED:

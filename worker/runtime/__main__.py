@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-
+from worker.processes import exit_now
 from worker.runtime.main import run_rank
 
 
@@ -16,11 +13,7 @@ def main() -> None:
     by the time ``run_rank`` returns; skipping teardown avoids torch/gloo destructors that
     sometimes abort a process after a good run, so the exit code stays truthful.
     """
-    code = run_rank()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    exit_now(run_rank())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ ranks forked from a warm interpreter instead of started as fresh ones.
 
 torchrun starts every rank as a new ``python``. Before its first step each one imports torch
 (~1.2 s on a 2-core box), ddpq's runtime (~0.4 s), and DistributedDataParallel's constructor
-imports ``torch._dynamo`` (~3 s): most of the time from launch to step 1 (bench #3). This
+imports ``torch._dynamo`` (~3 s): most of the time from launch to step 1. This
 agent takes torchrun's own options (``torch.distributed.run``'s parser) and runs torchrun's
 own elastic agent (restarts, monitoring, the failure summary) with one change when the rank
 entry is ``-m worker.runtime``: the rank is a function run with the ``forkserver`` start
@@ -21,7 +21,6 @@ Any other rank entry (a script, another module) runs exactly as torchrun runs it
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import signal
@@ -29,6 +28,8 @@ import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from worker.processes import exit_now  # stdlib only: cheap for the fork server
 
 WARM_ENTRY = "worker.runtime"
 # What the fork server imports before it forks a rank (see that module).
@@ -66,16 +67,6 @@ def restore_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _flush_and_exit(code: int) -> None:
-    """Leave now with ``code``, without interpreter teardown (as ``python -m worker.runtime``
-    does: torch/gloo destructors sometimes abort a process at exit)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
 def rank_main() -> None:
     """One rank, forked by the fork server: ``worker.runtime.main.run_rank``.
 
@@ -90,13 +81,13 @@ def rank_main() -> None:
 
     code = run_rank()
     if code != 0:
-        _flush_and_exit(code)
+        exit_now(code)
     # After the return value is handed back, multiprocessing's exit joins every non-daemon
     # thread and child process the user's code left behind: one sleeping thread would hold
     # the attempt open until the launcher kills it. That exit runs this finalizer first.
     from multiprocessing import util
 
-    util.Finalize(None, _flush_and_exit, args=(0,), exitpriority=sys.maxsize)
+    util.Finalize(None, exit_now, args=(0,), exitpriority=sys.maxsize)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

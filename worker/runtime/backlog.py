@@ -22,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import IO
 
-from service.store.metrics import MetricPoint
+from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,17 @@ def encode_point(point: MetricPoint) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode() + b"\n"
 
 
-def decode_point(line: bytes) -> MetricPoint:
-    """Inverse of ``encode_point``.
+def decode_point(line: bytes) -> CheckedPoint:
+    """Inverse of ``encode_point``, checked again (``checked_point``): a file is a boundary.
 
     Raises:
-        ValueError: not a line ``encode_point`` wrote (bad JSON or missing fields).
+        ValueError: not a line ``encode_point`` wrote (bad JSON, missing fields, or a point
+            ``checked_point`` refuses).
     """
     try:
         record = json.loads(line)
         time = record["time"]
-        return MetricPoint(
+        point = MetricPoint(
             name=str(record["name"]),
             step=int(record["step"]),
             value=float(record["value"]),
@@ -57,6 +58,7 @@ def decode_point(line: bytes) -> MetricPoint:
         )
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a spilled metric point: {line[:80]!r}") from exc
+    return checked_point(point)
 
 
 class MetricBacklog:
@@ -74,7 +76,7 @@ class MetricBacklog:
         self.spill_path = spill_path
         self.memory_cap = max(1, memory_cap)
         self._lock = threading.Lock()
-        self._memory: deque[MetricPoint] = deque()
+        self._memory: deque[CheckedPoint] = deque()
         self._in_file = 0  # points in the file not read back yet
         self._read_offset = 0  # bytes of the file read back so far
         self._file: IO[bytes] | None = None  # append handle while the file exists
@@ -91,7 +93,7 @@ class MetricBacklog:
         with self._lock:
             return self._in_file
 
-    def append(self, points: Sequence[MetricPoint]) -> None:
+    def append(self, points: Sequence[CheckedPoint]) -> None:
         """Add ``points`` (newest last). Never raises for a full disk: the points then stay in
         memory past the cap (logged once), because losing them is worse than the memory."""
         if not points:
@@ -103,7 +105,7 @@ class MetricBacklog:
             if rest and not self._spill(rest):
                 self._memory.extend(rest)  # out of order only in this failure case
 
-    def peek(self, limit: int) -> list[MetricPoint]:
+    def peek(self, limit: int) -> list[CheckedPoint]:
         """Up to ``limit`` of the oldest points (they stay until ``drop_oldest``); fewer when
         the memory cap is smaller than ``limit``."""
         with self._lock:
@@ -173,7 +175,7 @@ class MetricBacklog:
                 self._remove_file()
 
     # -- under the lock -------------------------------------------------------------------------
-    def _spill(self, points: Sequence[MetricPoint]) -> bool:
+    def _spill(self, points: Sequence[CheckedPoint]) -> bool:
         if self._spill_broken:
             return False
         size = 0

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -127,8 +127,35 @@ def publish_checkpoint(tmp: Path, final_path: Path) -> None:
     _fsync_dir(final_path.parent)
 
 
+class CheckpointSaver(Protocol):
+    """What the training loop saves checkpoints through, on every rank.
+
+    ``make_checkpointer`` builds the one for a rank: ``Checkpointer`` on rank 0, the null
+    object ``NullCheckpointer`` elsewhere; the loop never asks which rank it is.
+    """
+
+    @property
+    def last_saved(self) -> SavedCheckpoint | None:
+        """The newest checkpoint this rank wrote and recorded; None when none (yet)."""
+        ...
+
+    def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``build_state()`` at ``step``: the state is copied now, written later."""
+
+    def should_stop(self) -> bool:
+        """True when writes were fenced off (the attempt is stale)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the write in flight is done."""
+
+    def close(self) -> None:
+        """Wait for the write in flight (and fail if the newest requested one failed)."""
+
+
 class NullCheckpointer:
-    """Ranks other than 0: saving does nothing (and builds no state)."""
+    """The null ``CheckpointSaver`` (ranks other than 0): saving does nothing (and builds no
+    state)."""
 
     last_saved: SavedCheckpoint | None = None
 
@@ -147,7 +174,7 @@ class NullCheckpointer:
 
 
 class Checkpointer(NullCheckpointer):
-    """Rank 0's checkpoint writer: one background write at a time, newest ``keep`` kept.
+    """Rank 0's ``CheckpointSaver``: one background write at a time, newest ``keep`` kept.
 
     Host memory: one copy of the state's tensors (the snapshot buffers), kept until ``close``.
     """
@@ -277,8 +304,9 @@ class Checkpointer(NullCheckpointer):
 
 def make_checkpointer(
     rank: int, db: Database, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
-) -> NullCheckpointer:
-    """The one place that decides who writes checkpoints: a Checkpointer on rank 0."""
+) -> CheckpointSaver:
+    """The one place that decides who writes checkpoints: a Checkpointer on rank 0, else the
+    null object NullCheckpointer."""
     if rank == 0:
         return Checkpointer(db, artifact_dir, job_id, attempt, keep=keep)
     return NullCheckpointer()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, SupportsIndex
@@ -18,7 +18,7 @@ from service.core.config import Settings
 from service.core.errors import DdpqError
 from service.core.metric_points import checked_report
 from service.core.spec import JobSpec
-from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, load_checkpoint_file
+from worker.runtime.checkpointing import CheckpointSaver, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
     DistContext,
     ResumableDistributedSampler,
@@ -27,10 +27,13 @@ from worker.runtime.distributed import (
     make_sampler,
     wrap_model,
 )
+from worker.runtime.nonfinite import REPORTED_LOSS, NonFinitePolicy, first_nonfinite
+from worker.runtime.progress import ProgressClock
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink_buffer import MetricsSink, Progress
+from worker.runtime.sink_buffer import Sink
 from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 
+log = logging.getLogger(__name__)
 Entrypoint = Callable[["TrainContext"], Any]
 
 
@@ -76,12 +79,16 @@ def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
 
 class TrainContext:
     """What ``def train(ctx): ...`` receives: identity, device, config, and the job's services.
+    Built-in tasks are entrypoints over it too (``worker.tasks``).
 
     Attributes:
         rank, local_rank, world_size: this rank's place in the job.
         device: ``cuda:<local_rank>`` when the job has GPUs, else CPU.
         config: the job's ``config`` object (a dict).
         spec: the whole JobSpec (``spec.training`` holds epochs, batch_size, lr, seed, ...).
+        dist, sink, checkpointer, stop_flag, watchdog, nonfinite, clock: the rank's services,
+            for the built-in trainer (``worker.runtime.trainer``); your loop needs only the
+            methods below.
 
     Rank-0 discipline is built in: call ``report`` and ``save_checkpoint`` on every rank (or
     on rank 0 alone); only rank 0's calls are recorded. ``should_stop`` and
@@ -91,7 +98,12 @@ class TrainContext:
     ``save_checkpoint`` tell the rank's watchdog that a step finished; the first such call
     starts its clock. A rank that calls none of them for ``stall_timeout_s`` seconds is
     stalled: call one of them every step on every rank (``should_stop`` is meant to be).
-    ``training.nonfinite_loss`` is not applied to your loop: ddpq does not run your steps.
+
+    ``training.nonfinite_loss`` applies to what you report as ``loss`` (see ``report``):
+    with ``fail`` (the default) a NaN/inf ``loss`` fails the job with reason
+    ``nonfinite_loss``, as in a built-in task. With ``skip_step`` nothing is skipped (ddpq
+    does not run your optimizer step) and the values are recorded as they are: skip the step
+    in your loop if you want that (a warning says so at the first ``loss`` reported).
     """
 
     def __init__(
@@ -99,8 +111,8 @@ class TrainContext:
         *,
         spec: JobSpec,
         dist: DistContext,
-        sink: MetricsSink,
-        checkpointer: NullCheckpointer,
+        sink: Sink,
+        checkpointer: CheckpointSaver,
         stop: StopFlag,
         db: Any,
         artifact_dir: Path,
@@ -111,7 +123,12 @@ class TrainContext:
         self.spec, self.config = spec, dict(spec.config)
         self.rank, self.local_rank, self.world_size = dist.rank, dist.local_rank, dist.world_size
         self.device, self.job_id, self.attempt = dist.device, job_id, attempt
-        self._dist, self._sink, self._checkpointer, self._stop = dist, sink, checkpointer, stop
+        self.dist, self.sink, self.checkpointer, self.stop_flag = dist, sink, checkpointer, stop
+        self.watchdog: StallWatchdog | NullWatchdog = (
+            watchdog if watchdog is not None else NullWatchdog()
+        )
+        self.nonfinite = NonFinitePolicy(spec.training.nonfinite_loss, dist.rank)
+        self.clock = ProgressClock()
         self._db, self._artifact_dir = db, artifact_dir
         self._vote = StopVote(dist)
         self.last_step = 0
@@ -119,8 +136,9 @@ class TrainContext:
         # For progress and ETA; set it when you know it (e.g. epochs × len(loader)).
         self.total_steps: int | None = spec.training.max_steps
         self.stopped = False
-        self._started = (time.monotonic(), 0)
-        self._watchdog = watchdog if watchdog is not None else NullWatchdog()
+        self._known_names: set[str] = set()  # names ``report`` checked already
+        self._check_losses = self.nonfinite.checks_reports
+        self._warned_skip = False
 
     def report(
         self,
@@ -134,86 +152,124 @@ class TrainContext:
         are taken as they are. Only rank 0's values are kept: average over ranks first with
         ``all_reduce_mean`` if you want the global mean. Duplicate (name, step) are ignored.
 
+        ``training.nonfinite_loss: fail`` applies to the metric ``loss`` on every rank: a
+        float is checked at this call; a tensor when its batch is flushed (the flush copies
+        it to the host anyway), so ``NonFiniteLossError`` is raised by the ``report`` call
+        that flushes: the first report, then within ``FLUSH_EVERY_POINTS`` tensor reports or
+        ``FLUSH_INTERVAL_S`` seconds (``worker.runtime.sink_buffer``) of the bad step, or at
+        the latest when the entrypoint returns. The points up to it are recorded first.
+
         Raises:
             ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
                 metric name over 100 characters (``service.core.metric_points.checked_report``):
                 raised here, in your loop, rather than the point being dropped at the write.
                 Integer numpy scalars and 0-d tensors are fine as ``step`` and ``epoch``.
+            NonFiniteLossError: a NaN/inf ``loss`` with ``training.nonfinite_loss: fail``
+                (its ``reason`` is ``nonfinite_loss``).
         """
-        # Checked once, here: the sink and its writer trust these keys (checked=True).
-        step, epoch = checked_report(step, epoch, metrics)  # numpy/tensor ints as ints
-        sink = self._sink
+        step, epoch = checked_report(step, epoch, metrics, self._known_names)
+        sink = self.sink
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
-                sink.report(step, epoch, value, name, checked=True)
+                sink.report(step, epoch, value, name)
             else:
-                sink.report_values(step, epoch, {name: value}, checked=True)
+                sink.report_values(step, epoch, {name: value})
+                if name == REPORTED_LOSS and self._check_losses:
+                    self.nonfinite.check_reported(step, float(value))
         if step > self.last_step:
             self.last_step = step
         if epoch is not None:
             self.last_epoch = epoch
-        self._watchdog.step_finished(self.last_step)  # a step finished (the first call starts it)
+        if not self._check_losses and not self._warned_skip and REPORTED_LOSS in metrics:
+            self._warn_skip_not_applied()
+        self.watchdog.step_finished(self.last_step)  # a step finished (the first call starts it)
         if sink.flush_due() or sink.time_due():
             self.flush()
 
     def flush(self) -> None:
-        """Hand buffered metrics to the writer now (rank 0; no collective)."""
-        total = self.total_steps
-        start_s, start_step = self._started
-        done = self.last_step - start_step
-        eta_s = None
-        if total is not None and done > 0:
-            eta_s = (time.monotonic() - start_s) / done * max(total - self.last_step, 0)
-        progress = Progress(self.last_step, total, self.last_epoch, None, eta_s)
-        self._sink.flush(progress, average=False)
+        """Hand buffered metrics to the writer now (rank 0; no collective).
+
+        Raises:
+            NonFiniteLossError: a buffered tensor ``loss`` was NaN/inf with
+                ``training.nonfinite_loss: fail`` (after the batch was handed over).
+        """
+        bad = first_nonfinite(self.sink.buffered(REPORTED_LOSS)) if self._check_losses else None
+        progress = self.clock.progress(self.last_step, self.total_steps, self.last_epoch)
+        self.sink.flush(progress, average=False)
+        if bad is not None:
+            self.nonfinite.check_reported(*bad)
+
+    def local_stop(self) -> bool:
+        """This rank's own reason to stop, not yet agreed with its peers: a signal (cancel,
+        preemption) or a fenced-off write (the attempt is stale)."""
+        return self.stop_flag.is_set() or self.sink.should_stop() or self.checkpointer.should_stop()
+
+    def agree_on_resume(self) -> Path | None:
+        """The newest intact checkpoint of this job (any attempt), the same on every rank;
+        None on a fresh start. A collective."""
+        return agree_on_resume(self.dist, self._db, self._artifact_dir, self.job_id)
+
+    def _warn_skip_not_applied(self) -> None:
+        self._warned_skip = True
+        log.warning(
+            "training.nonfinite_loss=skip_step does not apply to a custom loop: ddpq does not "
+            "run its optimizer step, so non-finite losses are recorded as they are (use 'fail' "
+            "to stop the job on one, or skip the step in the loop)"
+        )
 
     def save_checkpoint(self, state: dict[str, Any], step: int, epoch: int = 0) -> None:
         """Checkpoint ``state`` (e.g. model/optimizer state dicts) at ``step``: tensors are
         copied to CPU now, the file is written in the background (rank 0 only)."""
-        with self._watchdog.pause():  # a slow disk is not a stall
-            self._checkpointer.save(step, epoch, lambda: state)
+        with self.watchdog.pause():  # a slow disk is not a stall
+            self.checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)
-        self._watchdog.step_finished(self.last_step)
+        self.watchdog.step_finished(self.last_step)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
         None on a fresh start. A collective: every rank loads the same one."""
-        path = agree_on_resume(self._dist, self._db, self._artifact_dir, self.job_id)
+        path = self.agree_on_resume()
         if path is None:
             return None
         state = load_checkpoint_file(path, self.device)
-        self._started = (time.monotonic(), int(state.get("step", 0) or 0))
+        self.clock.restart(int(state.get("step", 0) or 0))
         return state
 
     def should_stop(self) -> bool:
         """True when the job must stop (cancel, preemption, or this attempt was fenced off);
         every rank gets the same answer at the same call. Call once per step on every rank,
         then save a checkpoint and return."""
-        self._watchdog.step_finished(self.last_step)
-        local = self._stop.is_set() or self._sink.should_stop() or self._checkpointer.should_stop()
-        if self._vote.poll(local, False).stop:
+        self.watchdog.step_finished(self.last_step)
+        if self._vote.poll(self.local_stop(), False).stop:
             self.stopped = True
         return self.stopped
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to ``device`` and wrap it for the job's strategy (DDP or DataParallel).
         Build the optimizer on the returned module; save ``.module.state_dict()``."""
-        return wrap_model(model, self._dist)
+        return wrap_model(model, self.dist)
 
     def distributed_sampler(
         self, dataset: Dataset[Any], *, shuffle: bool = True
     ) -> ResumableDistributedSampler[Any]:
         """This rank's shard of ``dataset``, seeded with ``spec.training.seed``; call
         ``set_epoch(epoch)`` every epoch."""
-        return make_sampler(dataset, self._dist, seed=self.spec.training.seed, shuffle=shuffle)
+        return make_sampler(dataset, self.dist, seed=self.spec.training.seed, shuffle=shuffle)
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """The mean of ``tensor`` over ranks (a new tensor; a collective)."""
         out = tensor.detach().clone()
-        all_reduce_sum_(out, self._dist)
+        all_reduce_sum_(out, self.dist)
         return out / self.world_size
 
     def close(self) -> None:
-        """Flush what is buffered and settle the last stop vote (after the entrypoint returns)."""
-        self.flush()
-        self._vote.close()
+        """Flush what is buffered and settle the last stop vote (after the entrypoint returns).
+
+        Raises:
+            NonFiniteLossError: see ``flush``.
+        """
+        try:
+            if self.sink.pending or self.last_step != self.clock.mark_step:
+                self.flush()
+        finally:
+            self._vote.close()

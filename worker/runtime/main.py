@@ -1,14 +1,13 @@
 """One rank's life: environment → log redirect → spec → process group → train → result/error.
 
 ``python -m worker.runtime`` (under torchrun) and the Slurm launcher's submitit function both
-call ``run_rank``; its return value is the rank's exit code (see ``worker.runtime.outcome``).
+call ``run_rank``; its return value is the rank's exit code (``worker.attempt.ExitCode``).
 Under torchrun a rank also dies with torchrun (``die_with_parent``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -17,7 +16,6 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,36 +23,33 @@ import torch
 from service.core.artifacts import rank_log_path
 from service.core.config import Settings
 from service.core.errors import StaleAttemptError
+from service.core.metric_points import json_safe
 from service.core.spec import JobSpec
-from service.core.states import ACTIVE_STATES
 from service.store.db import Database
-from service.store.jobs import get_job
-from worker.runtime import envvars
-from worker.runtime.checkpointing import NullCheckpointer, agree_on_resume, make_checkpointer
-from worker.runtime.context import TrainContext, load_entrypoint
-from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
-from worker.runtime.outcome import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_STALE,
-    SIGNAL_EXIT_BASE,
+from service.store.leases import spec_for_attempt
+from worker import attempt as contract
+from worker.attempt import (
+    ExitCode,
     mark_before_first_step,
     now_s,
+    signal_exit,
     write_rank_error,
+    write_result,
 )
+from worker.processes import has_tags, set_parent_death_signal
+from worker.runtime.checkpointing import CheckpointSaver, make_checkpointer
+from worker.runtime.context import Entrypoint, TrainContext, load_entrypoint
+from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
 from worker.runtime.rank_output import rank_logging, redirect_output
 from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
 from worker.runtime.sink import make_sink
-from worker.runtime.sink_buffer import MetricsSink
+from worker.runtime.sink_buffer import Sink
 from worker.runtime.topology import RankEnv, RankEnvironmentError
-from worker.runtime.trainer import Trainer
 from worker.runtime.watchdog import StallWatchdog, dump_on_expiry, exit_on_stall
-from worker.tasks import TASKS
-from worker.tasks.base import TaskSetup
+from worker.tasks import ENTRYPOINTS
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
 
@@ -79,9 +74,7 @@ def die_with_parent(environ: Mapping[str, str], sig: signal.Signals = signal.SIG
     if not sys.platform.startswith("linux") or TORCHRUN_MARKER not in environ:
         return False
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if not set_parent_death_signal(sig):
         return False
     if os.getppid() != parent or not _runs_same_attempt(parent, environ):
         sys.stderr.write(f"ddpq rank: parent {parent} (torchrun) is gone; stopping\n")
@@ -92,16 +85,12 @@ def die_with_parent(environ: Mapping[str, str], sig: signal.Signals = signal.SIG
 def _runs_same_attempt(pid: int, environ: Mapping[str, str]) -> bool:
     """Whether process ``pid`` carries this rank's job id and attempt in its environment
     (torchrun does; init or a subreaper that adopted an orphaned rank does not)."""
-    tags = {
+    tags = frozenset(
         f"{name}={environ[name]}".encode()
-        for name in (envvars.JOB_ID, envvars.ATTEMPT)
+        for name in (contract.JOB_ID, contract.ATTEMPT)
         if name in environ
-    }
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return tags <= set(f.read().split(b"\0"))
-    except OSError:
-        return False
+    )
+    return has_tags(pid, tags)
 
 
 def run_rank(environ: Mapping[str, str] | None = None) -> int:
@@ -127,7 +116,7 @@ def run_rank(environ: Mapping[str, str] | None = None) -> int:
         env = RankEnv.from_environ(environ)
     except RankEnvironmentError as exc:
         sys.stderr.write(f"ddpq rank: {exc}\n")
-        return EXIT_FAILED
+        return ExitCode.FAILED
     settings = Settings()
     artifact_dir = settings.resolved_artifact_dir
     stop = StopFlag()
@@ -141,7 +130,7 @@ def run_rank(environ: Mapping[str, str] | None = None) -> int:
 
 
 def _stop_code(stop: StopFlag) -> int:
-    return SIGNAL_EXIT_BASE + stop.signum if stop.signum is not None else EXIT_STALE
+    return signal_exit(stop.signum) if stop.signum is not None else ExitCode.FENCED
 
 
 def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -> int:
@@ -157,12 +146,12 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
         spec = load_spec(db, env)
         ctx = init_distributed(spec, env)
         code = _train(spec, ctx, env, settings, db, artifact_dir, stop)
-        if code == EXIT_OK:
+        if code == ExitCode.OK:
             shutdown_distributed(ctx)
         return code
     except StaleAttemptError as exc:
         log.warning("stopping: %s", exc)
-        return EXIT_STALE
+        return ExitCode.FENCED
     except StopRequested:
         log.warning("stopped: %s", stop.reason)
         return _stop_code(stop)
@@ -174,7 +163,7 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
             return _stop_code(stop)
         log.exception("rank %d failed", env.rank)
         write_rank_error(artifact_dir, env.job_id, env.attempt, env.rank, exc, at_s)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     finally:
         db.dispose()
 
@@ -187,13 +176,7 @@ def load_spec(db: Database, env: RankEnv) -> JobSpec:
         StaleAttemptError: the job moved on (requeued, cancelled, finished) before we started.
     """
     with db.session(write=False) as session:
-        job = get_job(session, env.job_id)
-        if job.attempt != env.attempt or job.state not in {s.value for s in ACTIVE_STATES}:
-            raise StaleAttemptError(
-                f"job {env.job_id} attempt {env.attempt} is stale "
-                f"(job is {job.state}, attempt {job.attempt})"
-            )
-        return JobSpec.model_validate(job.spec)
+        return JobSpec.model_validate(spec_for_attempt(session, env.job_id, env.attempt))
 
 
 def seed_everything(seed: int) -> None:
@@ -203,21 +186,33 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def resolve_entrypoint(task: str, settings: Settings) -> Entrypoint:
+    """The function a rank runs for ``task``: a built-in task's entrypoint
+    (``worker.tasks.ENTRYPOINTS``), else the user's ``"package.module:function"``.
+
+    Raises:
+        EntrypointError: see ``load_entrypoint``.
+    """
+    builtin = ENTRYPOINTS.get(task)
+    return builtin if builtin is not None else load_entrypoint(task, settings)
+
+
 def _train(
     spec: JobSpec,
-    ctx: DistContext,
+    dist: DistContext,
     env: RankEnv,
     settings: Settings,
     db: Database,
     artifact_dir: Path,
     stop: StopFlag,
 ) -> int:
+    """The one training path: resolve the entrypoint, build its TrainContext, call it, close,
+    then rank 0 records the result."""
     seed_everything(spec.training.seed)
-    sink = make_sink(env.rank, ctx, db, env.job_id, env.attempt, artifact_dir=artifact_dir)
+    sink = make_sink(env.rank, dist, db, env.job_id, env.attempt, artifact_dir=artifact_dir)
     checkpointer = make_checkpointer(
         env.rank, db, artifact_dir, env.job_id, env.attempt, keep=spec.training.keep_checkpoints
     )
-    extra: dict[str, Any] = {}
     on_stall = functools.partial(
         exit_on_stall,
         artifact_dir=artifact_dir,
@@ -229,32 +224,21 @@ def _train(
     # before the final close, which waits on the database and the checkpoint writer.
     watchdog = StallWatchdog(spec.training.stall_timeout_s, on_stall, on_expired=dump_on_expiry)
     try:
-        if spec.task in TASKS:
-            resume_path = agree_on_resume(ctx, db, artifact_dir, env.job_id)
-            setup = TaskSetup(spec.config, spec.training.seed, ctx.rank, ctx.world_size, stop)
-            parts = TASKS[spec.task](setup)
-            trainer = Trainer(parts, spec, ctx, sink, checkpointer, stop, resume_path, watchdog)
-            result = trainer.run()
-            step, stopped = result.step, result.stopped
-        else:
-            entrypoint = load_entrypoint(spec.task, settings)
-            train_ctx = TrainContext(
-                spec=spec,
-                dist=ctx,
-                sink=sink,
-                checkpointer=checkpointer,
-                stop=stop,
-                db=db,
-                artifact_dir=artifact_dir,
-                job_id=env.job_id,
-                attempt=env.attempt,
-                watchdog=watchdog,
-            )
-            returned = entrypoint(train_ctx)
-            train_ctx.close()
-            if isinstance(returned, Mapping):
-                extra = {str(k): v for k, v in returned.items() if _json_scalar(v)}
-            step, stopped = train_ctx.last_step, train_ctx.stopped
+        entrypoint = resolve_entrypoint(spec.task, settings)
+        ctx = TrainContext(
+            spec=spec,
+            dist=dist,
+            sink=sink,
+            checkpointer=checkpointer,
+            stop=stop,
+            db=db,
+            artifact_dir=artifact_dir,
+            job_id=env.job_id,
+            attempt=env.attempt,
+            watchdog=watchdog,
+        )
+        returned = entrypoint(ctx)
+        ctx.close()
     except BaseException as exc:
         watchdog.stop()
         if not watchdog.stepped:
@@ -264,22 +248,37 @@ def _train(
     watchdog.stop()
     sink.close()
     checkpointer.close()
-    if stopped or stop.is_set() or sink.should_stop() or checkpointer.should_stop():
+    step = ctx.last_step
+    if ctx.stopped or ctx.local_stop():
         log.warning("stopped at step %d without finishing: %s", step, stop.reason or "fenced off")
         return _stop_code(stop)
-    saved = checkpointer.last_saved
-    sink.write_result(
-        artifact_dir, step=step, checkpoint=str(saved.path) if saved else None, extra=extra
-    )
+    final = sink.final_metrics()
+    if final is not None:  # rank 0 (the sink's constructor decides who records)
+        extra = returned.items() if isinstance(returned, Mapping) else ()
+        for key, value in extra:
+            if isinstance(value, int | float):
+                final[str(key)] = json_safe(float(value))
+            elif _json_scalar(value):
+                final[str(key)] = value
+        saved = checkpointer.last_saved
+        path = write_result(
+            artifact_dir,
+            env.job_id,
+            env.attempt,
+            step=step,
+            final_metrics=final,
+            checkpoint=str(saved.path) if saved else None,
+        )
+        log.info("result written to %s", path)
     log.info("rank %d finished at step %d", env.rank, step)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _json_scalar(value: object) -> bool:
     return value is None or isinstance(value, bool | int | float | str)
 
 
-def _close_quietly(sink: MetricsSink, checkpointer: NullCheckpointer) -> None:
+def _close_quietly(sink: Sink, checkpointer: CheckpointSaver) -> None:
     """On the way out of a failure: write what can be written, never mask the real error.
     The points still buffered (up to a flush's worth of steps before the failure, the ones
     most needed to debug it) go out as rank 0's own values: a collective is no longer safe."""

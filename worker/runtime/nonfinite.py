@@ -9,28 +9,35 @@ same averaged gradients, finite on all ranks or on none. ``NonFinitePolicy.allow
 them (one pass over the gradients plus one host sync per step, like AMP's GradScaler) and
 every rank takes the same branch, so no rank waits in a collective its peers skipped.
 A gradient that overflows in ``backward`` with a finite loss counts the same way.
+
+Custom entrypoints run their own optimizer step, so there the policy reads what they report:
+``TrainContext.report(step, loss=...)`` hands each value named ``loss`` to
+``NonFinitePolicy.check_reported``; with ``fail`` a non-finite one raises
+``NonFiniteLossError`` (see ``TrainContext.report`` for when).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
-from worker.runtime.outcome import REASON_NONFINITE_LOSS
+from worker.attempt import FailureReason
 
 log = logging.getLogger(__name__)
 NonFiniteMode = Literal["fail", "skip_step"]
+# The metric a custom loop reports its training loss as (``ctx.report(step, loss=...)``).
+REPORTED_LOSS = "loss"
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradients were NaN/inf with ``training.nonfinite_loss: fail``."""
 
-    reason = REASON_NONFINITE_LOSS
+    reason = FailureReason.NONFINITE_LOSS
 
 
 def poison_gradients(loss: torch.Tensor) -> torch.Tensor:
@@ -53,6 +60,19 @@ def gradients_finite(params: Iterable[nn.Parameter]) -> bool:
         return True
     exact = torch._foreach_norm(grads, math.inf)
     return bool(torch.stack([n.float() for n in exact]).isfinite().all())
+
+
+def first_nonfinite(points: Sequence[tuple[int, torch.Tensor]]) -> tuple[int, float] | None:
+    """The first ``(step, value)`` of ``points`` (scalar tensors, one device) whose value is
+    NaN/inf, or None: one host sync for the whole batch (two when one is found)."""
+    if not points:
+        return None
+    values = torch.stack([t.detach().reshape(()).float() for _, t in points])
+    finite = values.isfinite()
+    if bool(finite.all()):
+        return None
+    i = int((~finite).nonzero()[0, 0])
+    return points[i][0], float(values[i])
 
 
 class NonFinitePolicy:
@@ -96,3 +116,21 @@ class NonFinitePolicy:
             here,
         )
         return False
+
+    @property
+    def checks_reports(self) -> bool:
+        """Whether reported losses of a custom loop are checked (mode ``fail``). With
+        ``skip_step`` they are not: ddpq cannot skip an optimizer step it does not run."""
+        return self.mode == "fail"
+
+    def check_reported(self, step: int, value: float) -> None:
+        """Apply the policy to a loss a custom loop reported at ``step``.
+
+        Raises:
+            NonFiniteLossError: ``value`` is NaN/inf with mode ``fail``.
+        """
+        if self.mode == "fail" and not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"non-finite loss reported at step {step} (training.nonfinite_loss=fail); "
+                f"rank {self.rank}'s loss was {value}"
+            )

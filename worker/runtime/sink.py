@@ -18,22 +18,19 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from service.core.artifacts import metrics_spill_path
 from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleAttemptError
-from service.core.metric_points import CheckedPoint, MetricPoint, json_safe, split_points
+from service.core.metric_points import JsonNumber, MetricPoint, json_safe, split_points
 from service.store.db import Database
 from service.store.metrics import record_metrics
 from service.store.models import utcnow
 from worker.runtime.backlog import MetricBacklog
 from worker.runtime.distributed import DistContext
-from worker.runtime.outcome import write_result
-from worker.runtime.sink_buffer import Key, MetricsSink, NullSink, Progress
+from worker.runtime.sink_buffer import Key, MetricsSink, NullSink, Progress, Sink
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +121,14 @@ class DatabaseSink(MetricsSink):
         progress: Progress | None,
     ) -> None:
         now = utcnow()
-        points: list[MetricPoint] = []
+        reported: list[MetricPoint] = []
         if stacked is not None:
             values = stacked.tolist()  # the one device→host copy of this batch
-            points = [  # + 0.0: -0.0 as 0.0, as checked_point stores it
-                CheckedPoint(n, s, v + 0.0, e, now) if ok else MetricPoint(n, s, v, e, now)
-                for (n, s, e, ok), v in zip(keys, values, strict=True)
+            reported = [
+                MetricPoint(n, s, v, e, now) for (n, s, e), v in zip(keys, values, strict=True)
             ]
-        points.extend(host)
-        points, refused = split_points(points)  # checks only the unchecked ones
+        reported.extend(host)
+        points, refused = split_points(reported)
         if refused:  # one bad point (e.g. a 101-character name) must not stop the curve
             log.warning("%d metric points refused, the first: %s", len(refused), refused[0])
         for p in points:
@@ -146,21 +142,8 @@ class DatabaseSink(MetricsSink):
         if points or progress is not None:
             self._wake.set()
 
-    def write_result(
-        self, artifact_dir: Path, *, step: int, checkpoint: str | None, extra: Mapping[str, Any]
-    ) -> None:
-        final: dict[str, Any] = {k: json_safe(v) for k, v in self.latest.items()}
-        for key, value in extra.items():
-            final[key] = json_safe(float(value)) if isinstance(value, int | float) else value
-        path = write_result(
-            artifact_dir,
-            self.job_id,
-            self.attempt,
-            step=step,
-            final_metrics=final,
-            checkpoint=checkpoint,
-        )
-        log.info("result written to %s", path)
+    def final_metrics(self) -> dict[str, JsonNumber] | None:
+        return {k: json_safe(v) for k, v in self.latest.items()}
 
     def close(self) -> None:
         """Write everything handed over so far, then stop the writer. While the database is
@@ -285,8 +268,9 @@ def make_sink(
     attempt: int,
     *,
     artifact_dir: Path | None = None,
-) -> MetricsSink:
-    """The one place that decides who writes metrics: a DatabaseSink on rank 0, else a NullSink.
+) -> Sink:
+    """The one place that decides who writes metrics: a DatabaseSink on rank 0, else the null
+    object NullSink.
 
     With ``artifact_dir``, rank 0 spills to the attempt's ``metrics_spill_path`` there.
     """

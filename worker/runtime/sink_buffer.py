@@ -1,5 +1,5 @@
-"""The per-step buffer every rank holds (``MetricsSink``), and ``NullSink`` for ranks that
-write nothing.
+"""What the training loop reports metrics to: the ``Sink`` protocol, the per-step buffer every
+rank holds (``MetricsSink``), and ``NullSink``, the null object for ranks that record nothing.
 
 ``report`` only appends the detached loss tensor (no ``.item()``, no host sync). ``flush`` is
 collective in the trainer: all ranks average the stacked buffer with one all_reduce, then
@@ -13,12 +13,11 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from service.core.metric_points import CheckedPoint, MetricPoint, json_safe
+from service.core.metric_points import JsonNumber, MetricPoint, json_safe
 from worker.runtime.distributed import DistContext, all_reduce_sum_
 
 log = logging.getLogger(__name__)
@@ -27,9 +26,8 @@ log = logging.getLogger(__name__)
 FLUSH_EVERY_POINTS = 500
 FLUSH_INTERVAL_S = 2.0
 
-# A buffered ``report``: (name, step, epoch, checked); checked: it came through
-# ``TrainContext.report``, which applied ``checked_point``'s rules, so it is not checked again.
-Key = tuple[str, int, int | None, bool]
+# A buffered ``report``: (name, step, epoch), checked with its value when the batch is flushed.
+Key = tuple[str, int, int | None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +48,55 @@ class Progress:
         return out
 
 
+class Sink(Protocol):
+    """What the training loop (``Trainer``, ``TrainContext``) reports to, on every rank.
+
+    ``make_sink`` builds the one for a rank: ``DatabaseSink`` on rank 0, the null object
+    ``NullSink`` elsewhere; the loop never asks which rank it is. ``report``,
+    ``report_values`` and ``buffered`` never sync with the device; ``flush`` with
+    ``average=True`` is a collective.
+    """
+
+    latest: dict[str, float]
+
+    def report(self, step: int, epoch: int | None, value: torch.Tensor, name: str = "loss") -> None:
+        """Buffer one scalar tensor (no host sync)."""
+
+    def report_values(self, step: int, epoch: int | None, values: Mapping[str, float]) -> None:
+        """Buffer host scalars."""
+
+    def buffered(self, name: str) -> list[tuple[int, torch.Tensor]]:
+        """The ``(step, tensor)`` pairs buffered under ``name`` since the last flush."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Buffered points."""
+        ...
+
+    def flush_due(self) -> bool:
+        """Enough points are buffered to flush (the same answer on every rank)."""
+        ...
+
+    def time_due(self) -> bool:
+        """Points wait and the flush interval passed (this rank's clock)."""
+        ...
+
+    def flush(self, progress: Progress | None = None, *, average: bool = True) -> None:
+        """Hand the buffer (and ``progress``) over; with ``average`` a collective."""
+
+    def should_stop(self) -> bool:
+        """The sink's writes were fenced off: the attempt is stale."""
+        ...
+
+    def close(self) -> None:
+        """Write what was handed over and stop writing (after a final flush)."""
+
+    def final_metrics(self) -> dict[str, JsonNumber] | None:
+        """The newest value of every recorded metric; None on a rank that records nothing."""
+        ...
+
+
 class MetricsSink:
     """Buffers reports on every rank; ``_publish`` decides what happens to a flushed batch."""
 
@@ -63,37 +110,22 @@ class MetricsSink:
         self.latest: dict[str, float] = {}
 
     # -- called on the training thread, every step -------------------------------------------
-    def report(
-        self,
-        step: int,
-        epoch: int | None,
-        value: torch.Tensor,
-        name: str = "loss",
-        *,
-        checked: bool = False,
-    ) -> None:
+    def report(self, step: int, epoch: int | None, value: torch.Tensor, name: str = "loss") -> None:
         """Buffer one scalar tensor (kept on its device); costs a list append, no host sync.
-        ``checked``: ``step`` (int), ``epoch`` (int or None) and ``name`` already passed
-        ``checked_report`` (``TrainContext.report``); unchecked points are checked at flush
-        and a bad one is dropped with a warning."""
-        self._keys.append((name, step, epoch, checked))
+        Points are checked (``checked_point``) when rank 0 publishes the batch; a bad one is
+        dropped there with a warning."""
+        self._keys.append((name, step, epoch))
         self._tensors.append(value.detach())
 
-    def report_values(
-        self,
-        step: int,
-        epoch: int | None,
-        values: Mapping[str, float],
-        *,
-        checked: bool = False,
-    ) -> None:
-        """Buffer host scalars (e.g. eval metrics already reduced over ranks); ``checked`` as
-        in ``report``."""
+    def report_values(self, step: int, epoch: int | None, values: Mapping[str, float]) -> None:
+        """Buffer host scalars (e.g. eval metrics already reduced over ranks)."""
         for name, value in values.items():
-            if checked:  # -0.0 as 0.0, as checked_point stores it
-                self._host.append(CheckedPoint(name, step, float(value) + 0.0, epoch))
-            else:
-                self._host.append(MetricPoint(name, step, float(value), epoch))
+            self._host.append(MetricPoint(name, step, float(value), epoch))
+
+    def buffered(self, name: str) -> list[tuple[int, torch.Tensor]]:
+        """``(step, tensor)`` of every tensor buffered under ``name`` since the last flush (the
+        tensors as reported, on their device: reading them is the caller's host sync)."""
+        return [(k[1], t) for k, t in zip(self._keys, self._tensors, strict=True) if k[0] == name]
 
     @property
     def pending(self) -> int:
@@ -150,11 +182,10 @@ class MetricsSink:
     def close(self) -> None:
         """Write everything handed over so far and stop the writer (call after a final flush)."""
 
-    def write_result(
-        self, artifact_dir: Path, *, step: int, checkpoint: str | None, extra: Mapping[str, Any]
-    ) -> None:
-        """Rank 0 writes result.json (``final_metrics``: the newest value of every metric,
-        plus ``extra``); other ranks do nothing. Call after ``close`` and before teardown."""
+    def final_metrics(self) -> dict[str, JsonNumber] | None:
+        """The newest value of every metric this rank recorded (JSON-safe), for result.json;
+        None on a rank that records nothing."""
+        return None
 
     def _publish(
         self,
@@ -167,7 +198,8 @@ class MetricsSink:
 
 
 class NullSink(MetricsSink):
-    """Ranks other than 0: take part in the collective flush, keep nothing."""
+    """The null ``Sink`` (ranks other than 0): takes part in the collective flush, keeps
+    nothing, records nothing (``final_metrics`` is None)."""
 
     def _publish(
         self,

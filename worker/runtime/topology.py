@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from service.core.errors import DdpqError
-from worker.runtime import envvars
+from worker import attempt as contract
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 
@@ -44,40 +43,35 @@ class RankEnv:
     local_world_size: int
     master_addr: str | None
     master_port: int | None
-    database_url: str | None
-    artifact_dir: Path | None
     pg_timeout_s: float
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RankEnv:
-        """Parse the launcher's variables (names in ``worker.runtime.envvars``).
+        """Parse the launcher's variables (names in ``worker.attempt``).
 
         Raises:
             RankEnvironmentError: ``DDPQ_JOB_ID``/``DDPQ_ATTEMPT`` missing, or a bad number.
         """
-        world_size = _int(environ, envvars.WORLD_SIZE, 1)
-        rank = _int(environ, envvars.RANK, 0)
+        world_size = _int(environ, contract.WORLD_SIZE, 1)
+        rank = _int(environ, contract.RANK, 0)
         if not 0 <= rank < world_size:
             raise RankEnvironmentError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-        port = environ.get(envvars.MASTER_PORT)
-        timeout_raw = environ.get(envvars.PG_TIMEOUT_S) or str(DEFAULT_PG_TIMEOUT_S)
+        port = environ.get(contract.MASTER_PORT)
+        timeout_raw = environ.get(contract.PG_TIMEOUT_S) or str(DEFAULT_PG_TIMEOUT_S)
         try:
             pg_timeout_s = float(timeout_raw)
         except ValueError:
             raise RankEnvironmentError(
-                f"{envvars.PG_TIMEOUT_S}={timeout_raw!r} is not a number of seconds"
+                f"{contract.PG_TIMEOUT_S}={timeout_raw!r} is not a number of seconds"
             ) from None
-        artifact_dir = environ.get(envvars.ARTIFACT_DIR)
         return cls(
-            job_id=_int(environ, envvars.JOB_ID),
-            attempt=_int(environ, envvars.ATTEMPT),
+            job_id=_int(environ, contract.JOB_ID),
+            attempt=_int(environ, contract.ATTEMPT),
             rank=rank,
-            local_rank=_int(environ, envvars.LOCAL_RANK, 0),
+            local_rank=_int(environ, contract.LOCAL_RANK, 0),
             world_size=world_size,
-            local_world_size=_int(environ, envvars.LOCAL_WORLD_SIZE, 1),
-            master_addr=environ.get(envvars.MASTER_ADDR) or None,
+            local_world_size=_int(environ, contract.LOCAL_WORLD_SIZE, 1),
+            master_addr=environ.get(contract.MASTER_ADDR) or None,
             master_port=int(port) if port else None,
-            database_url=environ.get(envvars.DATABASE_URL) or None,
-            artifact_dir=Path(artifact_dir) if artifact_dir else None,
             pg_timeout_s=pg_timeout_s,
         )

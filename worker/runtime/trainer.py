@@ -1,37 +1,41 @@
 """The training loop of the built-in tasks: steps, epochs, eval, cadence of flushes and
-checkpoints, resume, and stopping together."""
+checkpoints, resume, and stopping together.
+
+A built-in task is an entrypoint over ``TrainContext`` like users' code
+(``Trainer(parts, ctx).run()``, see ``worker.tasks.base.run_task``): the sink, the
+checkpointer, the stop flag, the watchdog, the non-finite loss policy and the progress clock
+are the context's, so each is written once for both kinds of loop.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import random
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from service.core.spec import JobSpec, Training
-from worker.runtime.checkpointing import NullCheckpointer, load_checkpoint_file
+from service.core.spec import Training
+from worker.runtime.checkpointing import load_checkpoint_file
+from worker.runtime.context import TrainContext
 from worker.runtime.distributed import (
-    DistContext,
     StopVote,
     all_reduce_sum_,
     make_sampler,
     unwrap_model,
     wrap_model,
 )
-from worker.runtime.nonfinite import NonFinitePolicy, poison_gradients
-from worker.runtime.signals import StopFlag
-from worker.runtime.sink_buffer import MetricsSink, Progress
-from worker.runtime.watchdog import NullWatchdog, StallWatchdog
-from worker.tasks.base import TaskParts
+from worker.runtime.nonfinite import poison_gradients
+
+if TYPE_CHECKING:  # worker.tasks.base runs this trainer
+    from worker.tasks.base import TaskParts
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
@@ -85,49 +89,47 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 class Trainer:
     """Runs one task on one rank; every rank runs the same sequence of collectives.
 
-    Rank-0-only work is inside ``sink`` and ``checkpointer`` (see ``make_sink`` and
-    ``make_checkpointer``); the loop itself never asks which rank it is.
+    Rank-0-only work is inside ``ctx.sink`` and ``ctx.checkpointer`` (see ``make_sink`` and
+    ``make_checkpointer``); the loop itself never asks which rank it is. ``run`` leaves
+    ``ctx.last_step``, ``ctx.last_epoch`` and ``ctx.stopped`` as a custom loop's calls would.
+
+    Args:
+        parts: the task's model and data.
+        ctx: the rank's context (its services and the spec).
+        resume_path: the checkpoint to resume from (``ctx.agree_on_resume()``), or None.
     """
 
     def __init__(
-        self,
-        parts: TaskParts,
-        spec: JobSpec,
-        ctx: DistContext,
-        sink: MetricsSink,
-        checkpointer: NullCheckpointer,
-        stop: StopFlag,
-        resume_path: Path | None = None,
-        watchdog: StallWatchdog | None = None,
+        self, parts: TaskParts, ctx: TrainContext, resume_path: Path | None = None
     ) -> None:
-        self.parts, self.spec, self.ctx = parts, spec, ctx
-        self.sink, self.checkpointer, self.stop = sink, checkpointer, stop
+        dist = ctx.dist
+        self.parts, self.spec, self.ctx, self.dist = parts, ctx.spec, ctx, dist
+        self.sink, self.checkpointer, self.stop = ctx.sink, ctx.checkpointer, ctx.stop_flag
         self.resume_path = resume_path
-        t = spec.training
+        t = self.spec.training
         # Stall detection (started with the first step, petted per step) and the NaN policy.
-        self.watchdog = watchdog if watchdog is not None else NullWatchdog()
-        self.nonfinite = NonFinitePolicy(t.nonfinite_loss, ctx.rank)
-        self.model = wrap_model(parts.model, ctx)
+        self.watchdog, self.nonfinite = ctx.watchdog, ctx.nonfinite
+        self.model = wrap_model(parts.model, dist)
         self.bare = unwrap_model(self.model)
         self.optimizer = build_optimizer(t, self.model.parameters())
-        self.sampler = make_sampler(parts.train_set, ctx, seed=t.seed)
+        self.sampler = make_sampler(parts.train_set, dist, seed=t.seed)
         self.loader = DataLoader(
-            parts.train_set, batch_size=t.batch_size, sampler=self.sampler, pin_memory=ctx.on_gpu
+            parts.train_set, batch_size=t.batch_size, sampler=self.sampler, pin_memory=dist.on_gpu
         )
         self.steps_per_epoch = max(1, math.ceil(self.sampler.num_samples / t.batch_size))
         self.total_steps = plan_total_steps(t, self.steps_per_epoch)
-        self.amp = ctx.on_gpu and t.amp
+        ctx.total_steps = self.total_steps
+        self.amp = dist.on_gpu and t.amp
         self.epoch = self.step = self.batch_idx = 0
-        self._rate_mark = (time.monotonic(), 0)
-        self._samples_per_s: float | None = None
-        self._eta_s: float | None = None
+        self.clock = ctx.clock
+        self.clock.restart(0)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """Train until ``total_steps``, the last epoch, or a collective stop decision."""
         t = self.spec.training
         resumed_step = self._resume() if self.resume_path is not None else None
-        vote = StopVote(self.ctx)
+        vote = StopVote(self.dist)
         stopped = False
         evaluated_at: int | None = None
         self.model.train()
@@ -147,7 +149,7 @@ class Trainer:
                 decision = vote.collect()  # voted one step ago: the same on every rank
                 if decision.flush or self.sink.flush_due():
                     self._flush()
-                vote.launch(self._local_stop(), self.sink.time_due())
+                vote.launch(self.ctx.local_stop(), self.sink.time_due())
                 if decision.stop:
                     stopped = True
                     break
@@ -173,12 +175,15 @@ class Trainer:
         self._flush()
         if not stale and 0 < self.step != resumed_step and (not stopped or self.stop.is_set()):
             self._checkpoint()  # the end of training, or a signal (preemption, cancel)
+        ctx = self.ctx
+        ctx.last_step, ctx.stopped = self.step, stopped
+        ctx.last_epoch = min(self.epoch, t.epochs - 1)
         return TrainResult(step=self.step, stopped=stopped)
 
     def _train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.parts.before_step is not None:
             self.parts.before_step(self.step)
-        device = self.ctx.device
+        device = self.dist.device
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=self.amp):
@@ -194,46 +199,35 @@ class Trainer:
             self.sink.report_values(self.step, self.epoch, {"skipped_steps": skipped})
         return loss
 
-    def _local_stop(self) -> bool:
-        return self.stop.is_set() or self.sink.should_stop() or self.checkpointer.should_stop()
-
     # -- reporting -----------------------------------------------------------------------------
     def _flush(self) -> None:
         """Collective: every rank flushes at the same step with the same buffered keys."""
-        now, (mark_s, mark_step) = time.monotonic(), self._rate_mark
-        steps = self.step - mark_step
-        if steps > 0:
-            step_s = max(now - mark_s, 1e-9) / steps
-            self._samples_per_s = self.spec.training.batch_size * self.ctx.world_size / step_s
-            self._eta_s = (self.total_steps - self.step) * step_s
-            if self.parts.tokens_per_sample:
-                tokens_per_s = self._samples_per_s * self.parts.tokens_per_sample
-                self.sink.report_values(self.step, self.epoch, {"tokens_per_s": tokens_per_s})
-        self._rate_mark = (now, self.step)
-        self.sink.flush(
-            Progress(
-                step=self.step,
-                total_steps=self.total_steps,
-                epoch=min(self.epoch, self.spec.training.epochs - 1),
-                samples_per_s=self._samples_per_s,
-                eta_s=self._eta_s,
-            )
+        advanced = self.step > self.clock.mark_step
+        progress = self.clock.progress(
+            self.step,
+            self.total_steps,
+            min(self.epoch, self.spec.training.epochs - 1),
+            samples_per_step=self.spec.training.batch_size * self.dist.world_size,
         )
+        if advanced and self.parts.tokens_per_sample and progress.samples_per_s is not None:
+            tokens_per_s = progress.samples_per_s * self.parts.tokens_per_sample
+            self.sink.report_values(self.step, self.epoch, {"tokens_per_s": tokens_per_s})
+        self.sink.flush(progress)
 
     def _evaluate(self) -> None:
         """Sharded evaluation + one all_reduce: ``eval_loss`` (and ``eval_accuracy``)."""
         eval_set = self.parts.eval_set
         if eval_set is None:
             return
-        shard = Subset(eval_set, range(self.ctx.rank, len(eval_set), self.ctx.world_size))  # type: ignore[arg-type]
-        sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
+        shard = Subset(eval_set, range(self.dist.rank, len(eval_set), self.dist.world_size))  # type: ignore[arg-type]
+        sums = torch.zeros(3, device=self.dist.device, dtype=torch.float64)
         self.bare.eval()
         with (
             torch.no_grad(),
-            torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.amp),
+            torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self.amp),
         ):
             for inputs, targets in DataLoader(shard, batch_size=EVAL_BATCH_SIZE):
-                inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
+                inputs, targets = inputs.to(self.dist.device), targets.to(self.dist.device)
                 output = self.bare(inputs)
                 n = targets.shape[0]
                 sums[0] += self.parts.loss_fn(output, targets).double() * n
@@ -242,7 +236,7 @@ class Trainer:
                 sums[2] += n
                 self.watchdog.pet()  # a long evaluation is progress, not a stall
         self.bare.train()
-        loss_sum, correct, count = all_reduce_sum_(sums, self.ctx).tolist()
+        loss_sum, correct, count = all_reduce_sum_(sums, self.dist).tolist()
         values = {"eval_loss": loss_sum / max(count, 1.0)}
         if self.parts.classification:
             values["eval_accuracy"] = correct / max(count, 1.0)
@@ -262,7 +256,7 @@ class Trainer:
                 "step": step,
                 "batch_idx": batch_idx,
                 "sampler_epoch": epoch,
-                "world_size": self.ctx.world_size,
+                "world_size": self.dist.world_size,
                 "rng": rng_state(),
                 "skipped_steps": self.nonfinite.skipped,
             }
@@ -272,22 +266,22 @@ class Trainer:
 
     def _resume(self) -> int:
         assert self.resume_path is not None
-        state = load_checkpoint_file(self.resume_path, self.ctx.device)
+        state = load_checkpoint_file(self.resume_path, self.dist.device)
         self.bare.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.epoch, self.step, self.batch_idx = state["epoch"], state["step"], state["batch_idx"]
         self.nonfinite.skipped = int(state.get("skipped_steps", 0))
-        if state.get("world_size") != self.ctx.world_size:
+        if state.get("world_size") != self.dist.world_size:
             log.warning(
                 "resuming a checkpoint of world_size %s with %d ranks: the position within "
                 "the epoch is approximate",
                 state.get("world_size"),
-                self.ctx.world_size,
+                self.dist.world_size,
             )
         if self.batch_idx >= self.steps_per_epoch:
             self.epoch, self.batch_idx = self.epoch + 1, 0
-        self._rate_mark = (time.monotonic(), self.step)
+        self.clock.restart(self.step)
         log.info(
             "resumed from %s: step %d, epoch %d, batch_idx %d",
             self.resume_path,

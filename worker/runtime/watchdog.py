@@ -34,7 +34,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from worker.runtime.outcome import EXIT_FAILED, REASON_STALLED, now_s, write_rank_error
+from worker.attempt import ExitCode, FailureReason, now_s, write_rank_error
+from worker.processes import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ _RANK_ENTRY_FILE = f"worker{os.sep}runtime{os.sep}main.py"
 class StallError(RuntimeError):
     """No step finished for ``stall_timeout_s`` (never raised: the watchdog exits the rank)."""
 
-    reason = REASON_STALLED
+    reason = FailureReason.STALLED
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,5 @@ def exit_on_stall(
             traceback_text=stack,
         )
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(EXIT_FAILED)
+        # No logging.shutdown: the stuck training thread may hold a handler's lock.
+        exit_now(ExitCode.FAILED, shutdown_logging=False)

@@ -1,4 +1,5 @@
-"""What a built-in task hands the trainer (TaskParts) and what it is built from (TaskSetup)."""
+"""What a built-in task hands the trainer (TaskParts), what it is built from (TaskSetup), and
+``run_task``: a built-in task as an entrypoint over ``TrainContext``, like users' code."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from worker.runtime.context import TrainContext
 from worker.runtime.signals import StopFlag
+from worker.runtime.trainer import Trainer, TrainResult
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,3 +55,11 @@ class TaskParts:
 
 
 TaskBuilder = Callable[[TaskSetup], TaskParts]
+
+
+def run_task(build: TaskBuilder, ctx: TrainContext) -> TrainResult:
+    """Train the task ``build`` makes over ``ctx``: agree on the checkpoint to resume from,
+    build the task for this rank, run the built-in ``Trainer``. A collective (every rank)."""
+    resume_path = ctx.agree_on_resume()
+    setup = TaskSetup(ctx.config, ctx.spec.training.seed, ctx.rank, ctx.world_size, ctx.stop_flag)
+    return Trainer(build(setup), ctx, resume_path).run()

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from service.core.task_configs import CharLMConfig
-from worker.tasks.base import TaskParts, TaskSetup
+from worker.runtime.context import TrainContext
+from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 VOCAB_SIZE = 256  # bytes
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -125,3 +126,8 @@ def build(setup: TaskSetup) -> TaskParts:
         loss_fn=next_byte_loss,
         tokens_per_sample=cfg.context,
     )
+
+
+def train(ctx: TrainContext) -> None:
+    """Entrypoint: train the charlm task over ``ctx`` (``task: "charlm"``)."""
+    run_task(build, ctx)

@@ -7,7 +7,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from service.core.task_configs import DigitsConfig
-from worker.tasks.base import TaskParts, TaskSetup
+from worker.runtime.context import TrainContext
+from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 NUM_CLASSES = 10
 IMAGE_SIDE = 8
@@ -89,3 +90,8 @@ def build(setup: TaskSetup) -> TaskParts:
         loss_fn=nn.functional.cross_entropy,
         classification=True,
     )
+
+
+def train(ctx: TrainContext) -> None:
+    """Entrypoint: train the digits task over ``ctx`` (``task: "digits"``)."""
+    run_task(build, ctx)

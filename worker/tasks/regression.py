@@ -11,8 +11,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from service.core.task_configs import RegressionConfig
+from worker.runtime.context import TrainContext
 from worker.runtime.signals import StopFlag, StopRequested
-from worker.tasks.base import TaskParts, TaskSetup
+from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 log = logging.getLogger(__name__)
 _HANG_POLL_S = 0.1
@@ -89,3 +90,8 @@ def build(setup: TaskSetup) -> TaskParts:
         before_step=faults.before_step,
         adjust_loss=faults.adjust_loss,
     )
+
+
+def train(ctx: TrainContext) -> None:
+    """Entrypoint: train the regression task over ``ctx`` (``task: "regression"``)."""
+    run_task(build, ctx)

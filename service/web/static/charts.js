@@ -1,7 +1,10 @@
 /* ddpq dashboard: a job's metric curves (one uPlot chart per metric name). The first load of a
  * series asks for a downsampled history (max_points); after that only steps after the last one
  * held are fetched (after_step). Values may be null (NaN) or "Infinity"/"-Infinity": they are
- * drawn as gaps. Each chart's element carries data-points and data-last-step. */
+ * drawn as gaps. Each chart's element carries data-points and data-last-step.
+ * The x axis is the step, the epoch (fractional: epochs done) or the wall time since the
+ * series' first point; EMA smoothing is display only (the raw curve stays, faint). With no
+ * point hovered the legend shows the newest point, not "--". */
 "use strict";
 
 (function () {
@@ -13,7 +16,7 @@
   /* Charts of job ``base`` ("jobs/<id>") inside ``container``; ``emptyNote`` hides once a
    * metric exists. refresh(fetchNames) resolves to true when any series got new points. */
   function metricCharts(base, container, emptyNote) {
-    const state = { series: new Map(), names: [], logScale: false };
+    const state = { series: new Map(), names: [], logScale: false, xMode: "step", smoothing: 0 };
 
     // Charts follow their box's width (window resizes, a second chart joining the grid).
     const resizer =
@@ -37,23 +40,114 @@
       return n;
     }
 
-    function chartOptions(name, width) {
+    /* Epochs done at each point: epoch + the share of that epoch's steps before the point.
+     * An epoch's length in steps is where the next epoch starts; the newest epoch borrows the
+     * length of the one before it. Null when a point has no epoch (then x falls back to step). */
+    function fractionalEpochs(steps, epochs) {
+      if (epochs.some((e) => e === null || e === undefined)) return null;
+      const first = new Map();
+      steps.forEach((step, i) => {
+        if (!first.has(epochs[i])) first.set(epochs[i], step);
+      });
+      const known = [...first.keys()].sort((a, b) => a - b);
+      const length = new Map();
+      let previous = null;
+      for (const e of known) {
+        if (first.has(e + 1)) previous = first.get(e + 1) - first.get(e);
+        if (previous !== null && previous > 0) length.set(e, previous);
+      }
+      return steps.map((step, i) => {
+        const e = epochs[i];
+        const n = length.get(e);
+        return n ? e + Math.min(0.999, (step - first.get(e)) / n) : e;
+      });
+    }
+
+    /* The x values of series ``s`` in the current mode, and what they are ("step" when an
+     * epoch or a time is missing). */
+    function xValues(s) {
+      if (state.xMode === "epoch") {
+        const x = fractionalEpochs(s.steps, s.epochs);
+        if (x) return { mode: "epoch", x: x };
+      }
+      if (state.xMode === "time") {
+        const times = s.times.map((t) => d.parseTime(t));
+        if (times.length && times.every((t) => t !== null)) {
+          // Relaunches may repeat a time: keep x non-decreasing, as uPlot needs.
+          let last = -Infinity;
+          return {
+            mode: "time",
+            x: times.map((t) => {
+              last = Math.max(last, (t - times[0]) / 1000);
+              return last;
+            }),
+          };
+        }
+      }
+      return { mode: "step", x: s.steps.slice() };
+    }
+
+    function fmtElapsed(seconds) {
+      if (seconds < 120) return seconds.toFixed(seconds < 10 ? 1 : 0) + " s";
+      if (seconds < 7200) return (seconds / 60).toFixed(1) + " min";
+      return (seconds / 3600).toFixed(1) + " h";
+    }
+
+    const X_LABELS = { step: "step", epoch: "epochs done", time: "wall time" };
+    function fmtX(mode, v) {
+      if (v === null || v === undefined) return "--";
+      if (mode === "epoch") return v.toFixed(2);
+      if (mode === "time") return fmtElapsed(v);
+      return String(v);
+    }
+
+    /* EMA of ``values`` with weight ``alpha`` on the past, debiased (no pull towards 0 at the
+     * start, as TensorBoard's smoothing); gaps stay gaps and do not reset the average. */
+    function ema(values, alpha) {
+      let acc = 0;
+      let weight = 0;
+      return values.map((v) => {
+        if (v === null) return null;
+        acc = alpha * acc + (1 - alpha) * v;
+        weight = alpha * weight + (1 - alpha);
+        return acc / weight;
+      });
+    }
+
+    /* With no point hovered, the legend shows the newest point that has a value. */
+    function showLatest(u) {
+      // Before "ready" uPlot is still drawing: its own first legend pass comes next.
+      if (u.status !== 1) return;
+      if (u.legend.idx !== null && u.legend.idx !== undefined) return;
+      const values = u.data[u.data.length - 1] || [];
+      let idx = values.length - 1;
+      while (idx > 0 && (values[idx] === null || values[idx] === undefined)) idx -= 1;
+      if (idx >= 0) u.setLegend({ idx: idx }, false);
+    }
+
+    function chartOptions(name, width, mode) {
+      const color = name === "loss" ? "#1f4e8c" : "#b15d00";
+      const fmtY = (u, v) => (v === null || v === undefined ? "--" : d.fmtValue(v));
+      const series = [{ label: X_LABELS[mode], value: (u, v) => fmtX(mode, v) }];
+      if (state.smoothing > 0) {
+        series.push(
+          { label: name + " (raw)", stroke: color + "40", width: 1, spanGaps: false, value: fmtY },
+          { label: name + " (EMA " + state.smoothing + ")", stroke: color, width: 2, spanGaps: false, value: fmtY },
+        );
+      } else {
+        series.push({ label: name, stroke: color, width: 1.5, spanGaps: false, value: fmtY });
+      }
+      const xAxis = { label: X_LABELS[mode], size: 40 };
+      if (mode !== "step") xAxis.values = (u, splits) => splits.map((v) => fmtX(mode, v));
       return {
         width: width,
         height: 220,
         legend: { show: true, live: true },
         cursor: { drag: { x: true, y: false } },
         scales: { x: { time: false }, y: state.logScale ? { distr: 3 } : { auto: true } },
-        axes: [{ label: "step", size: 40 }, { size: 60 }],
-        series: [
-          { label: "step" },
-          {
-            label: name,
-            stroke: name === "loss" ? "#1f4e8c" : "#b15d00",
-            width: 1.5,
-            spanGaps: false,
-          },
-        ],
+        axes: [xAxis, { size: 60 }],
+        series: series,
+        hooks: { ready: [showLatest], setLegend: [showLatest] },
       };
     }
 
@@ -73,6 +167,8 @@
       else charts.append(node);
       s = {
         steps: [],
+        epochs: [],
+        times: [],
         raw: [],
         after: 0,
         loaded: false,
@@ -93,13 +189,25 @@
         ? "latest " + d.fmtValue(s.raw[s.raw.length - 1]) + " at step " + s.steps[s.steps.length - 1]
         : "";
       if (!s.steps.length || typeof window.uPlot !== "function") return;
-      const data = [s.steps.slice(), s.raw.map(plotValue)];
+      const x = xValues(s);
+      const values = s.raw.map(plotValue);
+      const data = [x.x, values];
+      if (state.smoothing > 0) data.push(ema(values, state.smoothing));
+      s.node.dataset.x = x.mode;
+      s.node.dataset.smoothing = String(state.smoothing);
+      // A series whose x fell back to step (or back from it) needs its axis rebuilt.
+      if (s.chart && s.chartMode !== x.mode) {
+        s.chart.destroy();
+        s.chart = null;
+      }
       const width = Math.max(200, s.plot.clientWidth || 300);
       if (!s.chart) {
-        s.chart = new window.uPlot(chartOptions(name, width), data, s.plot);
+        s.chart = new window.uPlot(chartOptions(name, width, x.mode), data, s.plot);
+        s.chartMode = x.mode;
         if (resizer) resizer.observe(s.plot);
       } else {
         s.chart.setData(data);
+        showLatest(s.chart);
       }
     }
 
@@ -120,6 +228,8 @@
         const res = await d.api(base + "/metrics?" + q.toString());
         const points = res.body.points || [];
         s.steps = points.map((p) => p.step);
+        s.epochs = points.map((p) => p.epoch);
+        s.times = points.map((p) => p.time);
         s.raw = points.map((p) => p.value);
         s.after = points.length ? points[points.length - 1].step : Number(res.body.next_after_step) || 0;
         s.loaded = true;
@@ -135,6 +245,8 @@
         for (const p of points) {
           if (p.step <= s.after) continue;
           s.steps.push(p.step);
+          s.epochs.push(p.epoch);
+          s.times.push(p.time);
           s.raw.push(p.value);
           s.after = p.step;
         }
@@ -174,7 +286,20 @@
       resetCharts();
     }
 
-    return { refresh: refresh, setLogScale: setLogScale };
+    /* ``mode``: "step", "epoch" or "time". */
+    function setXAxis(mode) {
+      state.xMode = X_LABELS[mode] ? mode : "step";
+      resetCharts();
+    }
+
+    /* ``alpha``: 0 (off) or the EMA's weight on the past, e.g. 0.9. */
+    function setSmoothing(alpha) {
+      const a = Number(alpha);
+      state.smoothing = Number.isFinite(a) && a > 0 && a < 1 ? a : 0;
+      resetCharts();
+    }
+
+    return { refresh: refresh, setLogScale: setLogScale, setXAxis: setXAxis, setSmoothing: setSmoothing };
   }
 
   window.ddpqCharts = { metricCharts: metricCharts };

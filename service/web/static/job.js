@@ -289,6 +289,7 @@
       if (err.status === 404) {
         $("not-found").hidden = false;
         $("job-body").hidden = true; // nothing of a job that is not there (or not yours)
+        $("clone-link").hidden = true;
         poller.stop();
         return false;
       }
@@ -344,6 +345,12 @@
   });
   $("log-scale").addEventListener("change", (ev) => {
     charts.setLogScale(ev.target.checked);
+  });
+  $("x-axis").addEventListener("change", (ev) => {
+    charts.setXAxis(ev.target.value);
+  });
+  $("smoothing").addEventListener("change", (ev) => {
+    charts.setSmoothing(Number(ev.target.value));
   });
   $("log-rank").addEventListener("change", (ev) => {
     switchLog(Number(ev.target.value), view.log.attempt);

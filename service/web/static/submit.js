@@ -1,6 +1,8 @@
 /* ddpq dashboard: /submit — a built-in task from a form, or a pasted YAML/JSON spec.
  * The API validates; its 422 details ({loc: ["body", field, ...], msg}) are shown next to the
- * matching input, or listed with their field path. Success goes to the new job's page. */
+ * matching input, or listed with their field path. Success goes to the new job's page.
+ * /submit?from=<id> ("clone and edit") fills both the form and the paste box from that job's
+ * spec, and opens the paste tab when the spec sets something the form has no input for. */
 "use strict";
 
 (function () {
@@ -44,7 +46,14 @@
       fs.disabled = !active;
     }
   }
-  taskSelect.addEventListener("change", showTaskConfig);
+  // The name follows the task while it is still the generated "<task>-demo".
+  let shownTask = taskSelect.value;
+  taskSelect.addEventListener("change", () => {
+    const name = $("in-name");
+    if (name.value === shownTask + "-demo") name.value = taskSelect.value + "-demo";
+    shownTask = taskSelect.value;
+    showTaskConfig();
+  });
   showTaskConfig();
 
   /* ---------- building the spec from the form ---------- */
@@ -85,6 +94,100 @@
     }
     return spec;
   }
+
+  /* ---------- clone and edit: pre-filling from a job's spec ---------- */
+  function valueAt(obj, path) {
+    let node = obj;
+    for (const part of path.split(".")) {
+      if (node === null || typeof node !== "object" || !(part in node)) return undefined;
+      node = node[part];
+    }
+    return node;
+  }
+
+  /* A spec value as the text its input shows (the inverse of convert). */
+  function inputText(value) {
+    if (value === null || value === undefined) return "";
+    if (Array.isArray(value)) return value.join(", ");
+    if (typeof value === "boolean") return value ? "true" : "false";
+    return String(value);
+  }
+
+  function leaves(obj, prefix, out) {
+    for (const [key, value] of Object.entries(obj || {})) {
+      const path = prefix ? prefix + "." + key : key;
+      if (value !== null && typeof value === "object" && !Array.isArray(value)) leaves(value, path, out);
+      else out.push([path, value]);
+    }
+    return out;
+  }
+
+  /* Paths the spec sets, away from the spec's defaults, that the form has no input for (and
+   * so would drop): e.g. nnodes, slurm, init_from. The task's config is all in the form. */
+  function uncoveredPaths(spec) {
+    const defaults = JSON.parse(form.dataset.specDefaults || "{}");
+    const covered = new Set(["name", "task", "launcher"]);
+    for (const input of form.querySelectorAll("[data-path]")) covered.add(input.dataset.path);
+    return leaves(spec, "", []).filter(([path, value]) => {
+      if (covered.has(path) || path.startsWith("config.")) return false;
+      if (path === "launcher" && value === "local") return false;
+      return JSON.stringify(value) !== JSON.stringify(valueAt(defaults, path));
+    });
+  }
+
+  function fillForm(spec) {
+    taskSelect.value = spec.task;
+    shownTask = spec.task;
+    showTaskConfig();
+    for (const input of form.querySelectorAll("[data-path]")) {
+      if (input === taskSelect) continue;
+      const box = input.closest("fieldset.task-config");
+      if (box && box.dataset.task !== spec.task) continue;
+      const value = valueAt(spec, input.dataset.path);
+      // A config field the spec leaves out keeps its default; every other field follows.
+      if (value === undefined && input.dataset.path.startsWith("config.")) continue;
+      input.value = inputText(value);
+    }
+    // Fault-injection knobs the cloned job set are shown, not left folded away.
+    for (const details of form.querySelectorAll("fieldset.task-config:not([disabled]) details.fault-injection")) {
+      const set = [...details.querySelectorAll("input[data-path]")].some((input) => {
+        const value = valueAt(spec, input.dataset.path);
+        return value !== undefined && value !== null && value !== 0;
+      });
+      if (set) details.open = true;
+    }
+  }
+
+  async function prefill(jobId) {
+    let job;
+    try {
+      job = (await d.api("jobs/" + encodeURIComponent(jobId))).body;
+    } catch (err) {
+      d.showBanner("Could not load job #" + jobId + " to clone: " + err.message, "error");
+      return;
+    }
+    const spec = job.spec || {};
+    $("spec-text").value = JSON.stringify(spec, null, 2) + "\n";
+    const builtin = [...taskSelect.options].some((o) => o.value === spec.task);
+    const missing = builtin ? uncoveredPaths(spec) : [];
+    if (builtin) fillForm(spec);
+    formKey = newKey();
+    pasteKey = newKey();
+    let note = "Cloned from job #" + job.id + " (" + job.name + "): edit, then submit.";
+    if (!builtin || missing.length) {
+      selectTab("paste");
+      note += builtin
+        ? " The spec sets " + missing.map((m) => m[0]).join(", ") + ", which the form has no input for, so it is shown as text."
+        : " Its task is an entrypoint, so the spec is shown as text.";
+    }
+    const banner = $("clone-note");
+    banner.textContent = note;
+    banner.hidden = false;
+    form.dataset.clonedFrom = String(job.id);
+  }
+
+  const cloneFrom = new URLSearchParams(window.location.search).get("from");
+  if (cloneFrom && /^[1-9][0-9]{0,18}$/.test(cloneFrom)) prefill(cloneFrom);
 
   /* ---------- showing errors ---------- */
   function clearErrors(root) {

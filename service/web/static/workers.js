@@ -1,10 +1,17 @@
-/* ddpq dashboard: /workers — each worker's capacity, running jobs and heartbeat age. */
+/* ddpq dashboard: /workers — each worker's capacity, running jobs and heartbeat age. Live
+ * workers only unless "show stopped" is ticked (the API's reaper deletes stopped workers'
+ * rows after DDPQ_WORKER_RETENTION_S, 7 days by default). */
 "use strict";
 
 (function () {
   const d = window.ddpq;
   const body = document.getElementById("workers-body");
   const empty = document.getElementById("workers-empty");
+  const noneLive = document.getElementById("workers-none-live");
+  const showStopped = document.getElementById("show-stopped");
+  const params = new URLSearchParams(window.location.search);
+  showStopped.checked = params.get("stopped") === "1";
+  let latest = [];
   // A heartbeat older than this many seconds is shown as stale (the default lease is 30 s).
   const STALE_AFTER_S = 30;
 
@@ -64,15 +71,32 @@
     );
   }
 
+  function render() {
+    const stopped = latest.filter((w) => w.stopped_at).length;
+    const shown = showStopped.checked ? latest : latest.filter((w) => !w.stopped_at);
+    d.clear(body);
+    for (const w of shown) body.append(row(w));
+    empty.hidden = latest.length > 0;
+    noneLive.hidden = !(latest.length > 0 && !shown.length);
+    d.setText("stopped-count", stopped ? "(" + stopped + ")" : "");
+  }
+
   async function tick() {
     const res = await d.api("workers");
-    const workers = res.body.workers || [];
-    d.clear(body);
-    for (const w of workers) body.append(row(w));
-    empty.hidden = workers.length > 0;
+    latest = res.body.workers || [];
+    render();
     d.setText("poll-status", "Refreshed " + new Date().toLocaleTimeString() + ".");
-    return workers.some((w) => !w.stopped_at);
+    return latest.some((w) => !w.stopped_at);
   }
+
+  showStopped.addEventListener("change", () => {
+    const q = new URLSearchParams(window.location.search);
+    if (showStopped.checked) q.set("stopped", "1");
+    else q.delete("stopped");
+    const search = q.toString();
+    window.history.replaceState(null, "", search ? "?" + search : window.location.pathname);
+    render();
+  });
 
   new d.Poller(tick, 5000, 30000).start();
 })();

@@ -1,19 +1,21 @@
-"""Adopting Slurm jobs whose worker is gone (re-attach), on SQLite and PostgreSQL."""
+"""Leases: adopting Slurm jobs whose worker is gone (re-attach), the adoptable rule shared
+with the reaper, and the attempt fence for a rank's spec, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import update
 
 from service.core.config import Settings
+from service.core.errors import NotFoundError, StaleAttemptError
 from service.core.spec import validate_spec
 from service.core.states import JobState
-from service.store import claims, jobs
+from service.store import claims, jobs, leases
 from service.store.db import Database
 from service.store.models import Job, utcnow
 from service.store.workers import register_worker, stop_worker
-from worker.launchers.slurm_attach import adopt_slurm_jobs
 
 
 def _worker(db: Database, worker_id: str, launcher: str = "slurm") -> None:
@@ -67,7 +69,7 @@ def test_adopts_a_slurm_job_whose_lease_expired(db: Database, settings: Settings
     _worker(db, "new")
     job_id = _started_job(db, settings, worker_id="old", scheduler_job_id="4242")
     with db.session() as s:
-        adopted = adopt_slurm_jobs(s, worker_id="new", lease_s=30)
+        adopted = leases.adopt_detached_jobs(s, launcher="slurm", worker_id="new", lease_s=30)
     assert [(a.job_id, a.scheduler_job_id, a.previous_worker_id) for a in adopted] == [
         (job_id, "4242", "old")
     ]
@@ -75,15 +77,15 @@ def test_adopts_a_slurm_job_whose_lease_expired(db: Database, settings: Settings
     assert _holder(db, job_id) == "new"
     # The new lease is live: the reaper leaves the job alone, and nobody adopts it again.
     with db.session() as s:
-        assert jobs.requeue_expired_jobs(s) == []
-        assert adopt_slurm_jobs(s, worker_id="third", lease_s=30) == []
+        assert leases.requeue_expired_jobs(s) == []
+        assert leases.adopt_detached_jobs(s, launcher="slurm", worker_id="third", lease_s=30) == []
 
 
 def test_leaves_jobs_whose_worker_is_alive(db: Database, settings: Settings) -> None:
     _worker(db, "alive")
     job_id = _started_job(db, settings, worker_id="alive", expired=False)
     with db.session() as s:
-        assert adopt_slurm_jobs(s, worker_id="new", lease_s=30) == []
+        assert leases.adopt_detached_jobs(s, launcher="slurm", worker_id="new", lease_s=30) == []
     assert _holder(db, job_id) == "alive"
 
 
@@ -94,7 +96,7 @@ def test_adopts_at_once_from_a_stopped_worker(db: Database, settings: Settings) 
         stop_worker(s, "stopped")
     _worker(db, "new")
     with db.session() as s:
-        adopted = adopt_slurm_jobs(s, worker_id="new", lease_s=30)
+        adopted = leases.adopt_detached_jobs(s, launcher="slurm", worker_id="new", lease_s=30)
     assert [a.job_id for a in adopted] == [job_id]
 
 
@@ -109,7 +111,7 @@ def test_ignores_jobs_not_yet_on_slurm_local_jobs_and_finished_jobs(
     with db.session() as s:
         jobs.apply_transition(s, jobs.Transition(finished, JobState.RUNNING, JobState.SUCCEEDED))
     with db.session() as s:
-        assert adopt_slurm_jobs(s, worker_id="new", lease_s=30) == []
+        assert leases.adopt_detached_jobs(s, launcher="slurm", worker_id="new", lease_s=30) == []
     assert _holder(db, not_submitted) == "old" and _holder(db, local) == "old-local"
 
 
@@ -118,8 +120,24 @@ def test_two_adopters_never_both_get_a_job(db: Database, settings: Settings) -> 
         _worker(db, worker_id)
     ids = [_started_job(db, settings, worker_id="old", scheduler_job_id=str(i)) for i in (1, 2)]
     with db.session() as s:
-        first = adopt_slurm_jobs(s, worker_id="a", lease_s=30, limit=1)
+        first = leases.adopt_detached_jobs(s, launcher="slurm", worker_id="a", lease_s=30, limit=1)
     with db.session() as s:
-        second = adopt_slurm_jobs(s, worker_id="b", lease_s=30)
+        second = leases.adopt_detached_jobs(s, launcher="slurm", worker_id="b", lease_s=30)
     assert [j.job_id for j in first] == ids[:1]
     assert [j.job_id for j in second] == ids[1:]
+
+
+def test_spec_for_attempt_is_fenced(db: Database, settings: Settings) -> None:
+    _worker(db, "w")
+    job_id = _started_job(db, settings, worker_id="w", expired=False)
+    with db.session(write=False) as s:
+        spec = leases.spec_for_attempt(s, job_id, 1)
+    assert spec["name"] == "a" and spec["launcher"] == "slurm"
+    with db.session(write=False) as s, pytest.raises(StaleAttemptError, match="is stale"):
+        leases.spec_for_attempt(s, job_id, 2)
+    with db.session() as s:
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.RUNNING, JobState.SUCCEEDED))
+    with db.session(write=False) as s, pytest.raises(StaleAttemptError, match="succeeded"):
+        leases.spec_for_attempt(s, job_id, 1)
+    with db.session(write=False) as s, pytest.raises(NotFoundError):
+        leases.spec_for_attempt(s, job_id + 100, 1)

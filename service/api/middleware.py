@@ -1,0 +1,72 @@
+"""ASGI middleware of the API: the request body size limit."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 to a request body over ``max_bytes`` bytes, before the app
+    sees any of it (checked on Content-Length and again while the body streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._reject(scope, send)
+            return
+        if declared in (None, b"0") and b"transfer-encoding" not in headers:
+            # No body (RFC 9112 §6.3), e.g. every GET: nothing to count or replay.
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        log.warning(
+            "rejected %s %s: body over %d bytes", scope["method"], scope["path"], self.max_bytes
+        )
+        response = JSONResponse(
+            {"detail": f"request body exceeds {self.max_bytes} bytes (DDPQ_MAX_BODY_BYTES)"},
+            status_code=413,
+            headers={"Connection": "close"},
+        )
+        await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,84 @@
+"""The `ddpq` commands that list what jobs and workers recorded (events, checkpoints, workers),
+as tables or, with --json, as the API's response bodies; registered on the app."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from service.cli.common import JSON_OPTION, app, friendly_errors, make_client, out, print_json
+from service.cli.output import cell, events_table, format_bytes, format_seconds, short_time
+
+
+def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
+    """A job's checkpoints, newest step first: step, epoch (1-based, as the CLI shows epochs),
+    attempt, size, time and the file's path under the server's artifact directory."""
+    table = Table("step", "epoch", "attempt", "size", "created", "path", title=f"job {job_id}")
+    for c in checkpoints:
+        table.add_row(
+            cell(c["step"]), cell(c["epoch"] + 1), cell(c["attempt"]),
+            cell(format_bytes(c["size_bytes"])), cell(short_time(c["created_at"])),
+            cell(c.get("path") or ""),
+        )  # fmt: skip
+    if not checkpoints:
+        table.caption = "no checkpoints yet"
+    return table
+
+
+def workers_table(workers: list[dict[str, Any]]) -> Table:
+    """Workers: id, host, pid, launcher, heartbeat age, the jobs they run, and whether they
+    stopped (a stopped worker holds no jobs)."""
+    table = Table("id", "host", "pid", "launcher", "heartbeat", "jobs", "stopped")
+    for w in workers:
+        table.add_row(
+            cell(w["id"]), cell(w["host"]), cell(w["pid"]), cell(w["launcher"]),
+            cell(f"{format_seconds(w['heartbeat_age_s'])} ago"),
+            cell(", ".join(map(str, w["running_jobs"]))),
+            cell(short_time(w["stopped_at"]) if w["stopped_at"] else ""),
+        )  # fmt: skip
+    if not workers:
+        table.caption = "no workers have registered"
+    return table
+
+
+@app.command()
+def events(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    as_json: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Print a job's state changes, oldest first. --json: {"events": [...]}."""
+    with friendly_errors():
+        job_events = make_client().events(job_id)
+    if as_json:
+        print_json({"events": job_events})
+        return
+    out.print(events_table(job_events))
+
+
+@app.command()
+def checkpoints(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    as_json: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Print a job's checkpoints, newest step first. --json: {"checkpoints": [...]}
+    (epoch 0-based there, as the API gives it)."""
+    with friendly_errors():
+        job_checkpoints = make_client().checkpoints(job_id)
+    if as_json:
+        print_json({"checkpoints": job_checkpoints})
+        return
+    out.print(checkpoints_table(job_id, job_checkpoints))
+
+
+@app.command("workers")
+def workers_command(as_json: Annotated[bool, JSON_OPTION] = False) -> None:
+    """Print every worker with its heartbeat age and the jobs it runs. --json:
+    {"workers": [...]}."""
+    with friendly_errors():
+        listed = make_client().workers()
+    if as_json:
+        print_json({"workers": listed})
+        return
+    out.print(workers_table(listed))

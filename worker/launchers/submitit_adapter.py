@@ -1,0 +1,107 @@
+"""The one place that touches submitit's private names.
+
+submitit's public API submits pickled functions; ddpq also needs the exact sbatch script it
+would submit (to render and golden-test a plan before any side effect), its memory and node
+list syntax, and the per-task command. Those live behind ``_``-prefixed names that a submitit
+release may rename, so every use is wrapped here and ``PRIVATE_NAMES`` lists them for the
+unit test that pins them against the installed submitit.
+
+submitit is imported inside each function: importing the Slurm launcher's modules stays cheap
+and needs no submitit until a Slurm plan is made.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from submitit.slurm.slurm import SlurmExecutor
+
+# The module each Slurm task runs: it loads the pickled function and calls it.
+SUBMIT_MODULE = "submitit.core._submit"
+
+# Every private name used below, as (module, dotted attribute or "" for the module itself).
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("submitit.slurm.slurm", "_make_sbatch_string"),
+    ("submitit.slurm.slurm", "_convert_mem"),
+    ("submitit.slurm.slurm", "_parse_node_list"),
+    ("submitit.slurm.slurm", "SlurmExecutor._make_submission_file_text"),
+    ("submitit.slurm.slurm", "SlurmExecutor._submitit_command_str"),
+    (SUBMIT_MODULE, ""),
+)
+
+
+def missing_private_names() -> list[str]:
+    """The entries of ``PRIVATE_NAMES`` the installed submitit lacks, as ``module:attr``
+    (``module`` alone for a missing module); empty when all exist."""
+    missing: list[str] = []
+    for module_name, attr in PRIVATE_NAMES:
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        for part in attr.split(".") if attr else ():
+            if not hasattr(obj, part):
+                missing.append(f"{module_name}:{attr}")
+                break
+            obj = getattr(obj, part)
+    return missing
+
+
+def submitit_version() -> str:
+    """The installed submitit's version string."""
+    import submitit
+
+    return str(getattr(submitit, "__version__", "unknown"))
+
+
+def task_command(python: str, folder: Path) -> str:
+    """The command every Slurm task runs, as ``SlurmExecutor._submitit_command_str`` builds it
+    (``<python> -u -m submitit.core._submit <folder>``, with ``python`` shell-quoted)."""
+    return f"{shlex.quote(python)} -u -m {SUBMIT_MODULE} {shlex.quote(str(folder))}"
+
+
+def sbatch_script(command: str, folder: Path, parameters: dict[str, Any]) -> str:
+    """The sbatch script submitit writes for ``parameters`` (``SlurmExecutor``'s names).
+
+    Wraps ``submitit.slurm.slurm._make_sbatch_string``. Pure.
+
+    Raises:
+        ValueError: submitit rejects a parameter.
+    """
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return str(_make_sbatch_string(command=command, folder=folder, **parameters))
+
+
+def submission_script(executor: SlurmExecutor) -> str:
+    """The sbatch script ``executor`` will submit next, with its current parameters.
+
+    Wraps ``executor._make_submission_file_text(executor._submitit_command_str, "")``: what
+    ``executor.submit`` writes, so a plan can be checked against it before submitting.
+    """
+    return str(executor._make_submission_file_text(executor._submitit_command_str, ""))
+
+
+def convert_mem(mem_gb: float) -> str:
+    """sbatch's ``--mem`` value for ``mem_gb`` gigabytes (``4`` → ``"4GB"``, ``0.5`` →
+    ``"512MB"``). Wraps ``submitit.slurm.slurm._convert_mem``."""
+    from submitit.slurm.slurm import _convert_mem
+
+    return str(_convert_mem(mem_gb))
+
+
+def parse_node_list(nodelist: str) -> list[str]:
+    """The host names of a Slurm node list (``ddpq-n[1-2],gpu7`` → ``["ddpq-n1", "ddpq-n2",
+    "gpu7"]``). Wraps ``submitit.slurm.slurm._parse_node_list``.
+
+    Raises:
+        submitit.slurm.slurm.SlurmParseException: the list is malformed.
+    """
+    from submitit.slurm.slurm import _parse_node_list
+
+    return [str(node) for node in _parse_node_list(nodelist)]
