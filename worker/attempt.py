@@ -31,9 +31,15 @@ from service.core import artifacts
 # Identify the job's processes (operators find them by these) and fence their writes.
 JOB_ID = "DDPQ_JOB_ID"
 ATTEMPT = "DDPQ_ATTEMPT"
-# Where the rank reads its spec and writes metrics/checkpoints; same names as Settings reads.
-DATABASE_URL = "DDPQ_DATABASE_URL"
+# Where the rank writes its files (logs, checkpoints, result/error files); Settings reads it.
 ARTIFACT_DIR = "DDPQ_ARTIFACT_DIR"
+# The attempt API the rank reports to, and the per-attempt token it presents there (the only
+# secret a rank holds; see service.core.attempt_api).
+API_URL = "DDPQ_API_URL"
+ATTEMPT_TOKEN = "DDPQ_ATTEMPT_TOKEN"
+# The worker's database URL: never in a rank's environment (see inherited_env), named here so
+# the worker can tell it apart.
+DATABASE_URL = "DDPQ_DATABASE_URL"
 
 # Set by torchrun (env:// rendezvous); on Slurm the runtime derives them from SLURM_* vars.
 RANK = "RANK"

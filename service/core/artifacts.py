@@ -91,6 +91,12 @@ def result_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     return attempt_dir(artifact_dir, job_id, attempt) / "result.json"
 
 
+def spec_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """The job spec the worker wrote for one attempt before starting its ranks, as JSON:
+    ``…/attempt-<n>/spec.json`` (ranks read it there, not from the database)."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "spec.json"
+
+
 def launcher_log_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     """The launcher's own stdout/stderr (torchrun's output): ``…/attempt-<n>/launcher.log``."""
     return attempt_dir(artifact_dir, job_id, attempt) / "launcher.log"

@@ -1,0 +1,143 @@
+"""The attempt API's wire format: what a rank sends to ``/api/v1/attempts/self/…`` and gets
+back. One module, imported by the API router (``service.api.attempts``) and by the rank's
+client (``worker.runtime.attempt_client``), so both sides read the same shapes.
+
+Every call carries ``Authorization: Bearer <attempt token>``: a token the worker minted for
+one (job, attempt) at launch (``service.store.attempt_tokens``). It is valid only while that
+attempt is the job's current, active one: after a requeue, a terminal state or a cancel the
+API answers 409 (``detail`` starts with ``ATTEMPT_SUPERSEDED``) and the rank stops as a fenced
+rank does. It opens no user route: those answer 401 to it.
+
+Metric batches are compact rows (``MetricRow``): ``[name, step, epoch, value, time_s]``, with
+``value`` a number, ``null`` (NaN) or one of ``"Infinity"``/``"-Infinity"``, and ``time_s``
+epoch seconds (UTC). The answer counts what was accepted; 429 with ``Retry-After`` (seconds)
+is back-pressure: send the same batch again later (points are idempotent per (job, name,
+step) within an attempt, so a resend stores nothing twice).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The routes, relative to the API prefix (/api/v1).
+ATTEMPT_PREFIX = "/attempts/self"
+SELF_PATH = ATTEMPT_PREFIX  # GET: who am I, am I current
+METRICS_PATH = f"{ATTEMPT_PREFIX}/metrics"  # POST MetricBatch → MetricBatchAck
+CHECKPOINTS_PATH = f"{ATTEMPT_PREFIX}/checkpoints"  # GET → CheckpointList; POST CheckpointRecord
+CHECKPOINT_FAILURES_PATH = f"{ATTEMPT_PREFIX}/checkpoints/failures"  # POST CheckpointFailure
+CHECKPOINT_DELETIONS_PATH = f"{ATTEMPT_PREFIX}/checkpoints/deletions"  # POST CheckpointDeletion
+
+# Attempt tokens start with this, so the API can refuse them on user routes at a glance (and
+# an operator can tell one from an API token in a log).
+ATTEMPT_TOKEN_PREFIX = "ddpqa_"
+# The first words of a 409's detail when the attempt is no longer the job's current one.
+ATTEMPT_SUPERSEDED = "attempt superseded"
+
+# One metric point on the wire: [name, step, epoch | null, value | null | "±Infinity", time_s].
+MetricRow = tuple[str, int, int | None, float | str | None, float]
+MAX_BATCH_ROWS = 5000
+
+
+def encode_value(value: float) -> float | str | None:
+    """A float as JSON can carry it: NaN → None, ±inf → ``"Infinity"``/``"-Infinity"``."""
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
+def decode_value(value: float | str | None) -> float:
+    """Inverse of ``encode_value``.
+
+    Raises:
+        ValueError: a string other than ``"Infinity"``/``"-Infinity"``.
+    """
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        if value == "Infinity":
+            return math.inf
+        if value == "-Infinity":
+            return -math.inf
+        raise ValueError(f"value {value!r} is not a number, null, 'Infinity' or '-Infinity'")
+    return float(value)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AttemptSelf(_Wire):
+    """``GET /attempts/self``: the attempt the token stands for, while it is current."""
+
+    job_id: int
+    attempt: int
+    state: str
+
+
+class MetricBatch(_Wire):
+    """``POST /attempts/self/metrics``: points and (optionally) the job's progress snapshot.
+
+    ``progress`` has the keys of the job's ``progress`` object (step, total_steps, epoch,
+    samples_per_s, eta_s); it replaces the stored one.
+    """
+
+    points: list[MetricRow] = Field(default_factory=list, max_length=MAX_BATCH_ROWS)
+    progress: dict[str, Any] | None = None
+
+
+class MetricBatchAck(_Wire):
+    """The answer to a batch: ``accepted`` rows passed the point checks and were written
+    (``inserted`` of them were new: a resent batch inserts 0); ``refused`` says why each
+    other row was dropped (a bad row never fails the batch)."""
+
+    accepted: int
+    inserted: int
+    refused: list[str] = Field(default_factory=list)
+
+
+class CheckpointRecord(_Wire):
+    """``POST /attempts/self/checkpoints``: a checkpoint file rank 0 wrote and verified.
+
+    ``path`` is where the file lies, relative to the artifact root (or absolute under it)."""
+
+    step: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    path: str = Field(min_length=1, max_length=4096)
+    size_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class CheckpointFailure(_Wire):
+    """``POST /attempts/self/checkpoints/failures``: a save that failed (a job event)."""
+
+    step: int = Field(ge=0)
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class CheckpointDeletion(_Wire):
+    """``POST /attempts/self/checkpoints/deletions``: checkpoint files rank 0 removed
+    (rotation) or found damaged; their rows are marked deleted."""
+
+    steps: list[int] = Field(max_length=10_000)
+
+
+class CheckpointEntry(_Wire):
+    """One committed checkpoint of the job (any attempt), for resume."""
+
+    step: int
+    epoch: int
+    attempt: int
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+class CheckpointList(_Wire):
+    """``GET /attempts/self/checkpoints``: the job's checkpoints, newest step first."""
+
+    checkpoints: list[CheckpointEntry]
