@@ -18,7 +18,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from bench.common import BenchResult, active_jobs, median, migrated, pick, ratio, sqlite_url
+from bench.common import (
+    BenchResult,
+    active_jobs,
+    attempt_token,
+    median,
+    migrated,
+    pick,
+    ratio,
+    serve_api,
+    sqlite_url,
+)
 
 GOAL_RATIO = 0.25
 # Issue 7: copying 1.2 GB of model + AdamW state into preallocated pinned host buffers took
@@ -78,54 +88,59 @@ def run(
         total_bytes: model + optimizer bytes (default by ``size``: tiny 3 MiB, else 400 MiB).
         device: where the model lives (``cuda`` on a GPU box).
     """
+    from worker.runtime.attempt_client import AttemptClient
     from worker.runtime.checkpointing import Checkpointer
 
     reps = pick(size, 2, 5)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))
-    db = migrated(sqlite_url(tmp))
+    url = sqlite_url(tmp)
+    db = migrated(url)
     job_id = active_jobs(db, 1)[0]
-    dev = torch.device(device)
-    model, opt = build_model(total_bytes or SIZE_BYTES[size], dev)
-    nbytes = state_bytes(model, opt)
-    own_pg = not dist.is_initialized()
-    _init_single_pg()
+    # Rank 0 records its checkpoints through the attempt API of a live `ddpq serve`.
+    with serve_api(url, tmp) as api_url:
+        client = AttemptClient(api_url, attempt_token(db, job_id))
+        dev = torch.device(device)
+        model, opt = build_model(total_bytes or SIZE_BYTES[size], dev)
+        nbytes = state_bytes(model, opt)
+        own_pg = not dist.is_initialized()
+        _init_single_pg()
 
-    def build_state() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        def build_state() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    stalls: dict[str, list[float]] = {"ddpq": [], "torch_save": [], "dcp_async_save": []}
-    durable: dict[str, list[float]] = {k: [] for k in stalls}
-    ckpt = Checkpointer(db, tmp / "artifacts", job_id, 1, keep=1)
-    t0 = time.perf_counter()
-    ckpt.save(1, 0, build_state)  # allocates the snapshot buffers
-    _settle(dev)
-    first_stall = time.perf_counter() - t0
-    ckpt.wait()
-    for step in range(2, reps + 2):
+        stalls: dict[str, list[float]] = {"ddpq": [], "torch_save": [], "dcp_async_save": []}
+        durable: dict[str, list[float]] = {k: [] for k in stalls}
+        ckpt = Checkpointer(client, tmp / "artifacts", job_id, 1, keep=1)
         t0 = time.perf_counter()
-        ckpt.save(step, 0, build_state)
+        ckpt.save(1, 0, build_state)  # allocates the snapshot buffers
         _settle(dev)
-        stalls["ddpq"].append(time.perf_counter() - t0)
+        first_stall = time.perf_counter() - t0
         ckpt.wait()
-        durable["ddpq"].append(time.perf_counter() - t0)
+        for step in range(2, reps + 2):
+            t0 = time.perf_counter()
+            ckpt.save(step, 0, build_state)
+            _settle(dev)
+            stalls["ddpq"].append(time.perf_counter() - t0)
+            ckpt.wait()
+            durable["ddpq"].append(time.perf_counter() - t0)
 
-        path = tmp / f"plain-{step}.pt"
-        t0 = time.perf_counter()
-        torch.save(build_state(), path)
-        _settle(dev)
-        stalls["torch_save"].append(time.perf_counter() - t0)
-        durable["torch_save"].append(time.perf_counter() - t0)
-        path.unlink()
+            path = tmp / f"plain-{step}.pt"
+            t0 = time.perf_counter()
+            torch.save(build_state(), path)
+            _settle(dev)
+            stalls["torch_save"].append(time.perf_counter() - t0)
+            durable["torch_save"].append(time.perf_counter() - t0)
+            path.unlink()
 
-        target = tmp / f"dcp-{step}"
-        t0 = time.perf_counter()
-        future = dcp.async_save(build_state(), checkpoint_id=str(target))
-        _settle(dev)
-        stalls["dcp_async_save"].append(time.perf_counter() - t0)
-        future.result()  # type: ignore[union-attr]
-        durable["dcp_async_save"].append(time.perf_counter() - t0)
-        shutil.rmtree(target, ignore_errors=True)
-    ckpt.close()
+            target = tmp / f"dcp-{step}"
+            t0 = time.perf_counter()
+            future = dcp.async_save(build_state(), checkpoint_id=str(target))
+            _settle(dev)
+            stalls["dcp_async_save"].append(time.perf_counter() - t0)
+            future.result()  # type: ignore[union-attr]
+            durable["dcp_async_save"].append(time.perf_counter() - t0)
+            shutil.rmtree(target, ignore_errors=True)
+        ckpt.close()
     db.dispose()
     if own_pg:
         dist.destroy_process_group()

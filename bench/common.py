@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -15,10 +18,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import httpx
 from sqlalchemy import create_engine, insert, text
 
 from service.core.spec import JobSpec
 from service.store import migrate
+from service.store.attempt_tokens import mint_attempt_token
 from service.store.claims import claim_next_job
 from service.store.db import Database
 from service.store.models import Job
@@ -212,3 +217,82 @@ class Stopwatch:
 
     def __exit__(self, *exc: object) -> None:
         self.s = time.perf_counter() - self._t0
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_api(
+    db_url: str, workdir: Path, *, workers: int = 1, start_timeout_s: float = 60.0
+) -> Iterator[str]:
+    """``ddpq serve`` for ``db_url`` in a process of its own on a free loopback port, as a
+    deployment runs it (the ranks' attempt API); stopped on exit.
+
+    Yields:
+        The base URL (``http://127.0.0.1:PORT``), once ``/api/v1/healthz`` answers.
+    Raises:
+        RuntimeError: the server exited or did not answer within ``start_timeout_s``
+            (its log, ``workdir/serve.log``, says why).
+    """
+    port = free_port()
+    env = dict(
+        os.environ,
+        DDPQ_DATABASE_URL=db_url,
+        DDPQ_ARTIFACT_DIR=str(workdir / "artifacts"),
+        DDPQ_HOME=str(workdir / ".ddpq"),
+        DDPQ_AUTH="off",
+    )
+    ddpq = [sys.executable, "-c", "from service.cli.main import main; main()"]
+    argv = [*ddpq, "serve", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--workers", str(workers)]
+    log_path = workdir / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ddpq serve exited {proc.returncode}; see {log_path}")
+            try:
+                httpx.get(f"{url}/api/v1/healthz", timeout=1.0)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ddpq serve not up after {start_timeout_s} s") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def attempt_token(db: Database, job_id: int, attempt: int = 1) -> str:
+    """An attempt token for ``(job_id, attempt)``, minted as the worker does at launch."""
+    with db.session() as session:
+        return mint_attempt_token(session, job_id, attempt)
+
+
+def rank_environ(
+    job_id: int, api_url: str, token: str, *, rank: int = 0, world_size: int = 1
+) -> dict[str, str]:
+    """A rank's environment as the worker builds it (``RankEnv.from_environ`` reads it)."""
+    return {
+        "DDPQ_JOB_ID": str(job_id),
+        "DDPQ_ATTEMPT": "1",
+        "DDPQ_API_URL": api_url,
+        "DDPQ_ATTEMPT_TOKEN": token,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }

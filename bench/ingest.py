@@ -1,8 +1,10 @@
 """Benchmark #6: points/s into PostgreSQL from 4 writers vs plain INSERTs and COPY: via
-``record_metrics`` at fixed batch sizes, and via the real rank-0 sink of 4 jobs at once."""
+``record_metrics`` at fixed batch sizes (the direct-database writer), and via the real rank-0
+sink of 4 jobs at once, posting to one live ``ddpq serve`` (the attempt API)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import tempfile
 import time
@@ -15,17 +17,22 @@ from bench.common import (
     PG_URL,
     BenchResult,
     active_jobs,
+    attempt_token,
     cli_main,
     median,
     migrated,
     pg_schema,
     pick,
+    rank_environ,
     ratio,
+    serve_api,
 )
 
 WRITERS = 4
 GOAL_POINTS_PER_S = 50_000.0
 GOAL_RATIO = 0.3
+# The sink through the API against the direct-database writer at the sink's batch size.
+GOAL_SINK_VS_DIRECT = 0.5
 COLUMNS = "job_id, name, step, attempt, epoch, value, time"
 # The anchors: no fencing, no duplicate check, no job update, one COMMIT per batch. The ceiling
 # is the faster of the two per batch size (COPY usually wins on big batches).
@@ -40,29 +47,29 @@ def _init(barrier: Any) -> None:
     _start = barrier
 
 
-def _sink_job(args: tuple[str, int, int, int]) -> tuple[float, float, int]:
-    """One job's rank 0 as ``worker.runtime.main`` builds it (``make_sink``) and the Trainer
-    drives it (``report``, ``flush_due``/``time_due`` → ``flush`` with progress, a last
-    ``flush``, ``close``), reporting ``points`` points as fast as it can after a barrier.
+def _sink_job(args: tuple[str, str, int, int, int]) -> tuple[float, float, int]:
+    """One job's rank 0 as ``worker.runtime.main`` builds it (``make_sink`` from its rank
+    environment: an ApiSink posting to the attempt API) and the Trainer drives it
+    (``report``, ``flush_due``/``time_due`` → ``flush`` with progress, a last ``flush``,
+    ``close``), reporting ``points`` points as fast as it can after a barrier.
 
     Returns:
         (first report, sink closed) on the monotonic clock in seconds (comparable across
-        processes), and the points the sink says it wrote.
+        processes), and the points the sink says the API accepted.
     """
-    url, job_id, step0, points = args
+    api_url, token, job_id, step0, points = args
     import torch
 
-    from service.store.db import Database
-    from service.store.metrics import record_metrics
-    from worker.runtime.sink import make_sink
+    from worker.runtime.sink import ApiSink, make_sink
     from worker.runtime.sink_buffer import Progress
+    from worker.runtime.topology import RankEnv
 
-    db = Database.from_url(url)
-    with db.session() as session:  # connect outside the timed part, as the other modes do
-        record_metrics(session, job_id, 1, [])
     last = step0 + points
     with tempfile.TemporaryDirectory(prefix="ddpq-bench-sink-") as artifacts:
-        sink = make_sink(0, None, db, job_id, 1, artifact_dir=Path(artifacts))
+        env = RankEnv.from_environ(rank_environ(job_id, api_url, token))
+        sink = make_sink(env, None, artifact_dir=Path(artifacts))
+        assert isinstance(sink, ApiSink)
+        sink.client.self_check()  # connect outside the timed part, as the other modes do
         loss = torch.tensor(0.5)
         _start.wait(timeout=300)
         t0 = time.monotonic()
@@ -73,9 +80,7 @@ def _sink_job(args: tuple[str, int, int, int]) -> tuple[float, float, int]:
         sink.flush(Progress(last, last, 0, None, None))
         sink.close()
         t1 = time.monotonic()
-    written = int(getattr(sink, "written", 0))
-    db.dispose()
-    return t0, t1, written
+    return t0, t1, int(sink.written)
 
 
 def _count_rows(conninfo: str, schema: str, name: str) -> int:
@@ -146,11 +151,16 @@ def run(size: str) -> BenchResult:
     reps = pick(size, 2, 3)
     res = BenchResult("ingest", size)
     schema_pg_url = PG_URL.replace("postgresql+psycopg://", "postgresql://")
-    with pg_schema() as url:
+    workdir = Path(tempfile.mkdtemp(prefix="ddpq-bench-ingest-"))
+    # The stack holds the attempt API, started once the schema is migrated, stopped before
+    # the schema is dropped.
+    with pg_schema() as url, contextlib.ExitStack() as stack:
         schema = url.split("search_path%3D", 1)[1]
-        db = migrated(url)
+        db = migrated(url)  # before the server starts: it refuses an unmigrated database
         jobs = active_jobs(db, WRITERS)
+        tokens = {j: attempt_token(db, j) for j in jobs}
         db.dispose()
+        api_url = stack.enter_context(serve_api(url, workdir))
         ctx = mp.get_context("spawn")
         rates: dict[str, list[float]] = {}
         step0 = 0
@@ -170,12 +180,15 @@ def run(size: str) -> BenchResult:
             batches = max(1, sink_points // flush)
             written = 0
             for _ in range(reps):
-                spans = pool.map(_sink_job, [(url, j, step0, sink_points) for j in jobs])
+                argv_sink = [(api_url, tokens[j], j, step0, sink_points) for j in jobs]
+                spans = pool.map(_sink_job, argv_sink)
                 wall = max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)
                 rates.setdefault("sink", []).append(WRITERS * sink_points / wall)
                 written += sum(w for _, _, w in spans)
-                for mode in ANCHORS:
-                    argv = [(mode, (schema_pg_url, schema), j, step0, batches, flush) for j in jobs]
+                step0 += sink_points + 1
+                for mode in ("ddpq", *ANCHORS):  # ddpq: the direct-database writer
+                    target = url if mode == "ddpq" else (schema_pg_url, schema)
+                    argv = [(mode, target, j, step0, batches, flush) for j in jobs]
                     wall = max(pool.map(_writer, argv))
                     rates.setdefault(f"{mode}_b{flush}", []).append(
                         WRITERS * batches * flush / wall
@@ -204,16 +217,21 @@ def run(size: str) -> BenchResult:
         res.ratios[f"{who}_vs_ceiling_b{batch}"] = ratio(ours, ceiling)
         res.goals[f"{goal}>=50k/s"] = ours >= GOAL_POINTS_PER_S
         res.goals[f"{goal}>=0.3_ceiling"] = ours / ceiling >= GOAL_RATIO
+    direct = median(rates[f"ddpq_b{flush}"])
+    res.ratios[f"sink_vs_direct_b{flush}"] = ratio(median(rates["sink"]), direct)
+    res.goals["sink>=0.5_direct"] = median(rates["sink"]) / direct >= GOAL_SINK_VS_DIRECT
     res.notes.append(
         "rate = all points ÷ the slowest writer's seconds (connect excluded); "
         "b50 = a small flush (the first report, a time-rule flush of a slow job), b1000 = a "
         "backlog batch (WRITE_BATCH_POINTS; a count-rule flush is FLUSH_EVERY_POINTS = 500); "
         "plain = psycopg executemany + COMMIT, copy = psycopg COPY FROM STDIN + COMMIT; "
         "ceiling = the faster of the two (the 0.3 goal is against it); "
-        "sink = 4 jobs' rank-0 DatabaseSink (make_sink), each reporting "
+        "sink = 4 jobs' rank-0 ApiSink (make_sink) posting to one `ddpq serve` process "
+        "(the attempt API, HTTP/1.1 keep-alive), each reporting "
         "sink_points_per_job_per_rep points as the Trainer does (flush every "
         "FLUSH_EVERY_POINTS, then close), rate = all points ÷ (last sink closed − first "
-        "report), rows counted in the table; its anchors run at batch FLUSH_EVERY_POINTS"
+        "report), rows counted in the table; its anchors run at batch FLUSH_EVERY_POINTS, "
+        "with ddpq_b<flush> = the direct-database writer (record_metrics) at that size"
     )
     return res
 

@@ -1,4 +1,5 @@
-"""Benchmark #1: steps/s of a 2-rank gloo DDP loop with ddpq's rank-0 sink vs its anchors."""
+"""Benchmark #1: steps/s of a 2-rank gloo DDP loop with ddpq's rank-0 sink (posting to a live
+``ddpq serve``'s attempt API, as ranks do) vs its anchors."""
 
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.common import (
     BenchResult,
     active_jobs,
+    attempt_token,
     interleaved_rates,
     median,
     migrated,
     parser,
     percentile,
     pick,
+    rank_environ,
     ratio,
+    serve_api,
     sqlite_url,
 )
 
@@ -59,12 +63,12 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     """One rank: every mode for ``steps`` steps per repetition, interleaved; rank 0 writes the
     figures to ``cfg['out']``."""
     from service.core.spec import JobSpec
-    from service.store.db import Database
     from worker.runtime.checkpointing import NullCheckpointer
     from worker.runtime.context import TrainContext
     from worker.runtime.distributed import DistContext
     from worker.runtime.signals import StopFlag
     from worker.runtime.sink import make_sink
+    from worker.runtime.topology import RankEnv
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
@@ -74,14 +78,18 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 32), torch.randn(16, 1)
     ctx = DistContext(rank, rank, 2, torch.device("cpu"), "ddp", "gloo")
-    db = Database.from_url(cfg["db_url"])
-    sink = make_sink(rank, ctx, db, cfg["job_id"], 1)
+
+    def env_of(job_id: int, token: str) -> RankEnv:
+        environ = rank_environ(job_id, cfg["api_url"], token, rank=rank, world_size=2)
+        return RankEnv.from_environ(environ)
+
+    sink = make_sink(env_of(cfg["job_id"], cfg["token"]), ctx)
     # A custom entrypoint's path: ``ctx.report`` into its own job's sink (its own rows).
-    ctx_sink = make_sink(rank, ctx, db, cfg["ctx_job_id"], 1)
+    ctx_sink = make_sink(env_of(cfg["ctx_job_id"], cfg["ctx_token"]), ctx)
     train_ctx = TrainContext(
         spec=JobSpec.model_validate({"name": "bench", "task": "examples.custom_loop:train"}),
         dist=ctx, sink=ctx_sink,
-        checkpointer=NullCheckpointer(), stop=StopFlag(), db=db,
+        checkpointer=NullCheckpointer(), stop=StopFlag(), api=None,
         artifact_dir=Path(cfg["out"]).parent, job_id=cfg["ctx_job_id"], attempt=1,
     )  # fmt: skip
     naive = sqlite3.connect(cfg["naive_path"]) if rank == 0 else None
@@ -189,13 +197,15 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
     url = sqlite_url(tmp)
     db = migrated(url)
     job_id, ctx_job_id = active_jobs(db, 2)
+    tokens = attempt_token(db, job_id), attempt_token(db, ctx_job_id)
     db.dispose()
     use_mlflow = (import_mlflow() is not None) if mlflow is None else mlflow
     cfg = {
         "port": _free_port(),
-        "db_url": url,
         "job_id": job_id,
         "ctx_job_id": ctx_job_id,
+        "token": tokens[0],
+        "ctx_token": tokens[1],
         "naive_path": str(tmp / "naive.db"),
         "mlflow": use_mlflow,
         "mlflow_uri": f"sqlite:///{tmp / 'mlflow.db'}",
@@ -205,7 +215,9 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
         "warmup": pick(size, 5, 50),
     }
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank_main, args=(cfg,), nprocs=2, join=True)
+    with serve_api(url, tmp) as api_url:
+        cfg["api_url"] = api_url
+        mp.spawn(_rank_main, args=(cfg,), nprocs=2, join=True)
     data = json.loads(Path(cfg["out"]).read_text())
     rates: dict[str, list[float]] = data["rates"]
     res = BenchResult("reporting", size)
@@ -241,7 +253,8 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
     if not use_mlflow:
         res.notes.append("MLflow anchors not measured: mlflow not importable")
     res.notes.append(
-        "2 ranks gloo CPU, MLP 32-64-1, batch 16; ddpq flushes every "
+        "2 ranks gloo CPU, MLP 32-64-1, batch 16; ddpq = the rank-0 ApiSink posting to a "
+        "live `ddpq serve` (SQLite) over HTTP/1.1; it flushes every "
         "FLUSH_EVERY_POINTS reports (the trainer's count rule; its 2 s time rule not used); "
         "report_call = the Trainer's sink.report (flush not timed); ctx_report_call = a "
         "custom entrypoint's ctx.report(step, 0, loss=loss) into its own job (ddpq_ctx; "

@@ -52,6 +52,22 @@ MASTER_PORT = "MASTER_PORT"
 # Optional, read by the rank runtime: seconds a collective may block before the process group
 # gives up (init_process_group's timeout). Default: worker.runtime.topology.DEFAULT_PG_TIMEOUT_S.
 PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"
+# The user entrypoints a rank may run (fnmatch patterns, JSON list): the ranks check a spec's
+# task against it again (Settings.allowed_entrypoints), so the worker passes its own on.
+ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"
+
+# What a rank inherits of the worker's environment (``inherited_env``): an allow-list, so a
+# secret of the worker (its database URL, an API token, any DDPQ_* setting) never reaches the
+# user's code unless named here. The system's basics, the interpreter's, and the variables
+# CUDA, NCCL/gloo, OpenMP/MKL, torch and Slurm read.
+INHERITED_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR", "TERM", "PYTHONPATH",
+     "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", PG_TIMEOUT_S, ALLOWED_ENTRYPOINTS}
+)  # fmt: skip
+INHERITED_PREFIXES = (
+    "LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "TORCH_",
+    "TORCHELASTIC_", "MASTER_", "SLURM_",
+)  # fmt: skip
 
 # The entries that mark one attempt's processes (``worker.processes.find_tagged_processes``).
 TAG_NAMES = (JOB_ID, ATTEMPT, ARTIFACT_DIR)
@@ -63,7 +79,8 @@ def rank_env(
     """ddpq's entries of every rank's environment, whatever the launcher.
 
     The topology (``RANK`` … ``MASTER_PORT``) comes from torchrun or from Slurm's variables;
-    launchers add their own entries (``CUDA_VISIBLE_DEVICES``, the database URL) beside these.
+    launchers add their own entries (``CUDA_VISIBLE_DEVICES``, ``API_URL``,
+    ``ATTEMPT_TOKEN``) beside these, over ``inherited_env`` of the worker's environment.
 
     Args:
         job_id, attempt: the attempt the processes belong to (also their tags).
@@ -76,6 +93,19 @@ def rank_env(
         ARTIFACT_DIR: str(artifact_dir),
         "OMP_NUM_THREADS": str(cpus_per_task),
         "PYTHONUNBUFFERED": "1",
+    }
+
+
+def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The entries of the worker's ``environ`` a rank inherits: ``INHERITED_NAMES`` and names
+    starting with one of ``INHERITED_PREFIXES``. Everything else (``DDPQ_DATABASE_URL``,
+    ``DDPQ_TOKEN``, every other ``DDPQ_*`` of the worker, a cloud key) is dropped; the
+    launcher adds the rank's own entries (``rank_env``, the API URL and attempt token) on top.
+    """
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)
     }
 
 

@@ -42,7 +42,7 @@ from worker.decisions import (
     decide_on_status,
     reconcile,
 )
-from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus
+from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus, with_attempt_token
 from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ MAX_BACKOFF_S = 30.0
 
 
 def render_for_log(plan: LaunchPlan) -> str:
-    """``plan.render()`` with the database password masked."""
+    """``plan.render()`` (the attempt token masked) with a database password masked too,
+    should a plan carry a database URL (no launcher of ours puts one there)."""
     url = plan.env.get(DATABASE_URL)
     if url is None:
         return plan.render()
@@ -374,6 +375,8 @@ class WorkerLoop:
             plan = self.launcher.plan(spec, run.job_id, run.attempt)
             if run.gpus:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
+            # The ranks' only credential: this attempt's token, minted once the plan stands.
+            plan = with_attempt_token(plan, self.records.mint_token(run))
             _jlog(logging.INFO, run, "launch plan:\n%s", render_for_log(plan))
             handle = self.launcher.start(plan)
             if self.detached:

@@ -23,6 +23,7 @@ from service.core.launchers import launcher_names, uses_host_gpus
 from service.store.db import Database
 from worker.launchers.registry import make_launcher
 from worker.loop import WorkerLoop
+from worker.processes import make_undumpable
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,18 @@ def run_worker(
             detect them (``detect_gpus``).
         slots: how many jobs it runs at once.
         stop: set it to stop the worker from another thread.
+    The process makes itself non-dumpable first (``worker.processes.make_undumpable``): it
+    holds the database URL, and its ranks (the same user, unless ``DDPQ_RANK_USER``) must
+    not read it from ``/proc/<worker pid>/environ`` or its memory. The ranks get the API's
+    URL (``settings.resolved_api_url``: set ``DDPQ_API_URL`` on a worker that does not run
+    beside the API) and a per-attempt token, never the database URL.
+
     Raises:
-        LaunchError: unknown launcher.
+        LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
+            such user.
     """
     ensure_logging()
+    make_undumpable()
     stop = stop or threading.Event()
     if gpus is None:
         gpus = detect_gpus() if uses_host_gpus(launcher) else []

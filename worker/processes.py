@@ -1,6 +1,6 @@
-"""Process plumbing shared by the worker and its ranks (Linux): the parent-death signal, the
-``/proc/<pid>/environ`` tag scan that finds an attempt's processes, and leaving a process
-without interpreter teardown.
+"""Process plumbing shared by the worker and its ranks (Linux): the parent-death signal,
+making a process non-dumpable, the ``/proc/<pid>/environ`` tag scan that finds an attempt's
+processes, and leaving a process without interpreter teardown.
 
 Imports nothing of ddpq's, so both sides of the worker–rank contract may use it.
 """
@@ -19,6 +19,8 @@ from typing import NoReturn
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_SET_DUMPABLE = 4
+_PR_GET_DUMPABLE = 3
 
 
 def set_parent_death_signal(sig: signal.Signals) -> bool:
@@ -34,6 +36,34 @@ def set_parent_death_signal(sig: signal.Signals) -> bool:
         log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
         return False
     return True
+
+
+def make_undumpable() -> bool:
+    """Make this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``).
+
+    Its ``/proc/<pid>/environ``, ``mem``, ``maps`` … become root's, and ptrace needs
+    CAP_SYS_PTRACE: a rank running as the same user cannot read the worker's database URL
+    from its environment or its memory. The flag survives fork but not ``execve`` of a
+    readable binary, so the ranks (torchrun's children) stay dumpable and the worker can
+    still find them by their environment tags. No core dumps of this process are written.
+
+    Returns:
+        True when set; False off Linux or when ``prctl`` refused (logged).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_DUMPABLE, 0) failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def is_dumpable() -> bool:
+    """Whether this process is dumpable (``prctl(PR_GET_DUMPABLE)``); True off Linux."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0))
 
 
 def parent_death_preexec(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:

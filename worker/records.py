@@ -1,7 +1,8 @@
 """What a worker reads and writes in the database, one short session per call.
 
 ``WorkerLoop`` decides; this module holds the store calls it makes (register, heartbeat,
-claim, record a detached handle, apply a transition, reap, adopt, stop), so that the loop
+claim, mint an attempt's token, record a detached handle, apply a transition, reap, adopt,
+stop), so that the loop
 reads as orchestration and every write is one transaction of ``service.store``.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.states import JobState
-from service.store import claims, jobs, leases, workers
+from service.store import attempt_tokens, claims, jobs, leases, workers
 from service.store.db import Database
 from service.store.workers import HeldJob
 from worker.decisions import Decision, HeldRun
@@ -84,6 +85,16 @@ class WorkerRecords:
                 max_restarts=int(job.spec.get("max_restarts", 0)),
             )
             return run, job.spec
+
+    def mint_token(self, run: HeldRun) -> str:
+        """A new attempt token for ``run``'s attempt (stored hashed), for its ranks: valid for
+        that attempt's own writes through the attempt API while it is the job's current one.
+
+        Raises:
+            ConflictError: the job is gone.
+        """
+        with self.db.session() as s:
+            return attempt_tokens.mint_attempt_token(s, run.job_id, run.attempt)
 
     def record_handle(self, run: HeldRun, handle: str) -> None:
         """Store a detached launcher's handle as the job's ``scheduler_job_id``."""

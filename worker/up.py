@@ -1,5 +1,11 @@
 """``ddpq up``: migrate, then run the API and one local worker as child processes until
-Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs)."""
+Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs).
+
+Every process of it that holds the database URL is non-dumpable (``make_undumpable``): this
+one, the worker (``run_worker``) and the API server, which runs as ``python -m worker.up
+serve-api`` for that reason. The worker's ranks report to the API at
+``settings.resolved_api_url``.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +29,10 @@ from pydantic import SecretStr
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
+from worker.attempt import API_URL
 from worker.errors import ChildExitedError, PortInUseError
 from worker.main import ensure_logging, stop_on_signals
-from worker.processes import parent_death_preexec
+from worker.processes import make_undumpable, parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +157,7 @@ def run_up(
         ChildExitedError: the API or the worker exited on its own.
     """
     ensure_logging()
+    make_undumpable()
     stop = stop or threading.Event()
     db = Database.from_url(settings.resolved_database_url)
     try:
@@ -157,12 +165,10 @@ def run_up(
     finally:
         db.dispose()
     check_port_free(settings.host, settings.port)
-    env = {**os.environ, **settings_env(settings)}
+    # The worker hands this URL to its ranks: the API they report to.
+    env = {**os.environ, **settings_env(settings), API_URL: settings.resolved_api_url}
     py = sys.executable
-    api_argv = [
-        py, "-m", "uvicorn", "--factory", "service.app:create_app",
-        "--host", settings.host, "--port", str(settings.port), "--no-access-log",
-    ]  # fmt: skip
+    api_argv = [py, "-m", "worker.up", "serve-api", settings.host, str(settings.port)]
     children: list[Child] = []
     failed: Child | None = None
     with stop_on_signals(stop):
@@ -186,3 +192,19 @@ def run_up(
             f"the {failed.name} exited with code {failed.popen.returncode}; ddpq stopped"
         )
     announce("ddpq stopped.")
+
+
+def serve_api(host: str, port: int) -> None:
+    """Serve ``service.app:create_app`` with uvicorn on ``host:port``, non-dumpable (the API
+    holds the database URL, and ranks of the same user run beside it)."""
+    import uvicorn
+
+    make_undumpable()
+    uvicorn.run("service.app:create_app", factory=True, host=host, port=port, access_log=False)
+
+
+if __name__ == "__main__":
+    # ``python -m worker.up serve-api HOST PORT``: the API child of ``run_up``.
+    if len(sys.argv) != 4 or sys.argv[1] != "serve-api":
+        sys.exit("usage: python -m worker.up serve-api HOST PORT")
+    serve_api(sys.argv[2], int(sys.argv[3]))

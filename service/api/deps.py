@@ -1,8 +1,14 @@
 """Request dependencies: the request's context (the app's Database and Settings, and who the
-caller is), checked once per request."""
+caller is), checked once per request; and the attempt a rank's token stands for.
+
+Two kinds of bearer token, never interchangeable: API tokens (``ddpq_…``) open the user
+routes, attempt tokens (``ddpqa_…``, ``service.store.attempt_tokens``) open only the attempt
+routes (``/api/v1/attempts/self/…``). A user route answers 401 to an attempt token whether
+auth is on or off, so a rank's token grants nothing else even on the embedded default."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -10,9 +16,11 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
+from service.core.attempt_api import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
 from service.core.config import Settings
+from service.store.attempt_tokens import AttemptRef, find_attempt
 from service.store.db import Database
-from service.store.tokens import Caller, find_caller
+from service.store.tokens import Caller, find_caller, hash_token
 
 # auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
 # default answer; the scheme also puts "Authorize" in the OpenAPI docs.
@@ -23,8 +31,13 @@ bearer_scheme = HTTPBearer(
 
 # Documented on every route that needs a token (OpenAPI `responses`).
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
-    401: {"description": "Missing, unknown or revoked API token (auth on)"}
+    401: {"description": "Missing, unknown or revoked API token (auth on), or an attempt token"}
 }
+# Documented on every attempt route.
+ATTEMPT_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"description": "Missing or unknown attempt token (whether auth is on or off)"}
+}
+ATTEMPT_TOKEN_REFUSED = f"attempt tokens are valid only under /api/v1{ATTEMPT_PREFIX}"
 
 
 # The dependencies are ``async def`` although they do no I/O there: FastAPI runs a plain
@@ -51,6 +64,16 @@ def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
     # RFC 6750 §3: a bearer challenge; error="invalid_token" when one was sent but refused.
     challenge = "Bearer" if error is None else f'Bearer error="{error}"'
     return HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
+
+
+def _holds_attempt_token(request: Request) -> bool:
+    """Whether any Authorization header of ``request`` carries an attempt token (all of
+    them: with auth off nobody else looks at a second header)."""
+    for value in request.headers.getlist("authorization"):
+        scheme, _, param = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and param.strip().startswith(ATTEMPT_TOKEN_PREFIX):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -84,11 +107,15 @@ async def get_context(
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing, unknown or
-            revoked token, or more than one Authorization header.
+            revoked token, or more than one Authorization header; and for an attempt token
+            whether auth is on or off.
         DatabaseUnavailableError: the token could not be looked up (503).
     """
     db: Database = request.app.state.db
     settings: Settings = request.app.state.settings
+    if _holds_attempt_token(request):
+        # Before the auth switch: a rank's token must open no user route, auth on or off.
+        raise _unauthorized(ATTEMPT_TOKEN_REFUSED, "invalid_token")
     if not settings.auth_enabled:
         return RequestContext(db, settings, Caller(owner=settings.default_owner, admin=True))
     if len(request.headers.getlist("authorization")) > 1:
@@ -105,9 +132,74 @@ async def get_context(
     return RequestContext(db, settings, caller)
 
 
+def _find_attempt(db: Database, token: str) -> AttemptRef | None:
+    with db.session(write=False) as session:
+        return find_attempt(session, token)
+
+
+# Known attempt tokens of this process, by hash: a token's (job, attempt) never changes and
+# no row is revoked (the fence, checked by every route on its own statement, is what shuts a
+# superseded attempt out; a deleted job fails the fence too), so a hit needs no lookup. That
+# saves a round trip and a thread hop per metric batch. Unknown tokens are never cached.
+MAX_CACHED_ATTEMPTS = 10_000
+
+
+def _attempt_cache(request: Request) -> dict[str, AttemptRef]:
+    cache: dict[str, AttemptRef] | None = getattr(request.app.state, "attempt_refs", None)
+    if cache is None:
+        cache = request.app.state.attempt_refs = {}
+    return cache
+
+
+async def get_attempt(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+) -> AttemptRef:
+    """The attempt whose token the request carries (``Authorization: Bearer ddpqa_…``): the
+    only way into the attempt routes, whether auth is on or off. It says which attempt the
+    caller speaks for, not that the attempt is still current: every route fences that on its
+    own statement (409 ``attempt superseded`` from there). A token found once is remembered
+    by this process (``_attempt_cache``); an unknown one is looked up every time.
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing token, one that is
+            not an attempt token (an API token included), an unknown one, or more than one
+            Authorization header.
+        DatabaseUnavailableError: the token could not be looked up (503).
+    """
+    if len(request.headers.getlist("authorization")) > 1:
+        raise _unauthorized("send exactly one Authorization header", "invalid_request")
+    if credentials is None:
+        raise _unauthorized(
+            "missing attempt token: send `Authorization: Bearer <DDPQ_ATTEMPT_TOKEN>` (the "
+            "worker hands one to the ranks of each attempt)"
+        )
+    token = credentials.credentials
+    if not token.startswith(ATTEMPT_TOKEN_PREFIX):
+        raise _unauthorized(
+            "not an attempt token: these routes are for a job's ranks only", "invalid_token"
+        )
+    cache = _attempt_cache(request)
+    key = hash_token(token)
+    ref = cache.get(key)
+    if ref is not None:
+        return ref
+    db: Database = request.app.state.db
+    ref = await asyncio.get_running_loop().run_in_executor(None, _find_attempt, db, token)
+    if ref is None:
+        raise _unauthorized("unknown attempt token", "invalid_token")
+    if len(cache) >= MAX_CACHED_ATTEMPTS:
+        cache.clear()  # rare (that many live attempts per process): start over, stay bounded
+    cache[key] = ref
+    return ref
+
+
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 ContextDep = Annotated[RequestContext, Depends(get_context)]
 # On every router that needs a caller, so no route of it can run without one; its routes take
 # ``ctx: ContextDep`` (the same call: FastAPI's per-request cache runs it once).
 REQUIRE_CALLER = Depends(get_context)
+# Likewise for the attempt routes.
+AttemptDep = Annotated[AttemptRef, Depends(get_attempt)]
+REQUIRE_ATTEMPT = Depends(get_attempt)

@@ -197,7 +197,13 @@ def worker(
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="Jobs held at once.")] = 1,
 ) -> None:
-    """Run a worker: claim queued jobs and launch them (torchrun or Slurm)."""
+    """Run a worker: claim queued jobs and launch them (torchrun or Slurm).
+
+    Its ranks report to the API at DDPQ_API_URL (default http://DDPQ_HOST:DDPQ_PORT, i.e.
+    an API on this host): a worker on another host than the API must set DDPQ_API_URL to
+    an address the ranks can reach. DDPQ_RANK_USER (root-run local worker): run the ranks
+    as that Unix user.
+    """
     gpu_list = parse_gpus(gpus)
     settings = load_settings()
     from worker.main import run_worker

@@ -18,7 +18,7 @@ step) within an attempt, so a resend stores nothing twice).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +39,15 @@ ATTEMPT_SUPERSEDED = "attempt superseded"
 # One metric point on the wire: [name, step, epoch | null, value | null | "±Infinity", time_s].
 MetricRow = tuple[str, int, int | None, float | str | None, float]
 MAX_BATCH_ROWS = 5000
+# The keys of a job's progress snapshot that are stored; others in a batch are dropped.
+PROGRESS_KEYS = ("step", "total_steps", "epoch", "samples_per_s", "eta_s")
+# What the tables hold: steps as the dashboard's JavaScript numbers read them exactly
+# (metric_points.MAX_STEP), epochs in a 32-bit INTEGER, sizes in a BIGINT. Bounds on the
+# wire, so an out-of-range number is a 422, never a database error.
+MAX_STEP = 2**53 - 1
+MAX_EPOCH = 2**31 - 1
+MAX_SIZE_BYTES = 2**63 - 1
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 
 
 def encode_value(value: float) -> float | str | None:
@@ -105,17 +114,17 @@ class CheckpointRecord(_Wire):
 
     ``path`` is where the file lies, relative to the artifact root (or absolute under it)."""
 
-    step: int = Field(ge=0)
-    epoch: int = Field(ge=0)
+    step: Step
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
     path: str = Field(min_length=1, max_length=4096)
-    size_bytes: int = Field(ge=0)
+    size_bytes: int = Field(ge=0, le=MAX_SIZE_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class CheckpointFailure(_Wire):
     """``POST /attempts/self/checkpoints/failures``: a save that failed (a job event)."""
 
-    step: int = Field(ge=0)
+    step: Step
     reason: str = Field(min_length=1, max_length=2000)
 
 
@@ -123,7 +132,7 @@ class CheckpointDeletion(_Wire):
     """``POST /attempts/self/checkpoints/deletions``: checkpoint files rank 0 removed
     (rotation) or found damaged; their rows are marked deleted."""
 
-    steps: list[int] = Field(max_length=10_000)
+    steps: list[Step] = Field(max_length=10_000)
 
 
 class CheckpointEntry(_Wire):

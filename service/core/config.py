@@ -37,7 +37,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     api_url: str | None = Field(
-        default=None, description="Where the CLI and workers' clients reach the API."
+        default=None,
+        description="Where the CLI, workers and their ranks reach the API (ranks report "
+        "there). Default: http://<host>:<port>; a worker on another host must set it.",
     )
     allowed_entrypoints: list[str] = Field(
         default_factory=list,
@@ -47,6 +49,12 @@ class Settings(BaseSettings):
         default=True,
         description="Local worker: fork ranks from a warm fork server (worker.runtime.agent) "
         "instead of starting each as a fresh interpreter under plain torchrun.",
+    )
+    rank_user: str | None = Field(
+        default=None,
+        description="Unix user a root-run local worker starts its jobs' rank processes as "
+        "(torchrun runs as that user; the attempt directory is theirs, the database file "
+        "and the worker's own settings are not readable to them). Unset: the worker's user.",
     )
     slurm_enabled: bool = Field(
         default=False, description="Whether this deployment accepts launcher 'slurm' jobs."
@@ -97,6 +105,12 @@ class Settings(BaseSettings):
         default=60,
         ge=1,
         description="Jobs one owner may submit in any 60 s (HTTP 429 beyond); with auth on only.",
+    )
+    attempt_ingest_concurrency: int = Field(
+        default=4,
+        ge=1,
+        description="Metric batches from ranks (POST /api/v1/attempts/self/metrics) one API "
+        "process writes at once; more answer 429 with Retry-After (the rank sends again).",
     )
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,6 +57,19 @@ def _install_sqlite_hooks(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def make_sqlite_files_private(db_path: Path) -> None:
+    """Make the SQLite file and its ``-wal``/``-shm``/``-journal`` owner-only (0600): the
+    database holds every owner's jobs and the token hashes, and rank processes (another
+    Unix user with ``DDPQ_RANK_USER``) must not read it. A missing file is created 0600, so
+    SQLite, which gives its side files the main file's mode, creates those private too.
+    Files of another owner are left as they are (chmod is the owner's)."""
+    with contextlib.suppress(OSError):  # exists already, or SQLite will report why not
+        os.close(os.open(db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(OSError):
+            os.chmod(f"{db_path}{suffix}", 0o600)
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """Create an engine for ``url`` (SQLite files get their directory created and WAL mode).
 
@@ -70,6 +84,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         db_path = parsed.database
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            make_sqlite_files_private(Path(db_path))
         kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
         engine = create_engine(url, **kwargs)
         _install_sqlite_hooks(engine)

@@ -1,4 +1,5 @@
-"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics, checkpoints, api_tokens.
+"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics, checkpoints, api_tokens,
+attempt_tokens.
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -205,3 +206,20 @@ class ApiToken(Base):
     admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class AttemptToken(Base):
+    """A rank's token for one (job, attempt), stored only as its sha256 hash. It says which
+    attempt a caller speaks for; whether that attempt may still write is the fence's call
+    (``leases.fence_attempt``), so no row is ever revoked: a superseded attempt's tokens stop
+    working by themselves, and they go with their job."""
+
+    __tablename__ = "attempt_tokens"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (Index("ix_attempt_tokens_job_id", "job_id"),)

@@ -1,10 +1,13 @@
-"""PostgreSQL restarted mid-job: training goes on, the job succeeds, every step's loss is stored
-exactly once, and the worker lives through it.
+"""Outages mid-job: training goes on, the job succeeds, every step's loss is stored exactly
+once, and the worker lives through it.
 
-It stops the local PostgreSQL cluster for a few seconds (``pg_ctlcluster``), so every other
-test using that server fails meanwhile: it runs in CI, where tests run one at a time. The
-cluster is ``DDPQ_TEST_PG_CLUSTER`` (default ``15 main``); skipped where ``pg_ctlcluster`` is
-missing or the test server is not on this machine.
+- The attempt API (the API server) stopped for 20 s and started again on the same port: the
+  rank-0 sink holds its points and replays them; training throughput is unchanged meanwhile.
+- PostgreSQL restarted: the API answers 503 meanwhile (the rank-0 sink retries), the worker
+  rides it out. It stops the local PostgreSQL cluster for a few seconds (``pg_ctlcluster``),
+  so every other test using that server fails meanwhile: it runs in CI, where tests run one
+  at a time. The cluster is ``DDPQ_TEST_PG_CLUSTER`` (default ``15 main``); skipped where
+  ``pg_ctlcluster`` is missing or the test server is not on this machine.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from service.store.models import Metric
 
 PG_CLUSTER = os.environ.get("DDPQ_TEST_PG_CLUSTER", "15 main").split()
 OUTAGE_S = 5.0  # longer than the sink's flush interval (2 s), well under the lease (15 s)
+# The API outage: longer than the lease (15 s): the worker's lease does not go through the API.
+API_OUTAGE_S = 20.0
 
 
 def pg_ctl(action: str) -> None:
@@ -72,5 +77,62 @@ def test_postgres_restart_mid_job(pg_deployment: Any) -> None:
     assert stopped_at < total, "the outage should have hit the job mid-training"
     assert worker.popen.poll() is None, f"the worker died:\n{worker.output()}"
     rank0 = (dep.artifact_dir / "jobs" / str(job_id) / "attempt-1" / "rank-0.log").read_text()
-    assert "metrics writer: database back" in rank0, "rank 0 should have ridden out the outage"
+    assert "metrics writer: attempt API back" in rank0, "rank 0 should have ridden out the outage"
     assert "database unavailable" in worker.output()
+
+
+def loss_times(dep: Any, job_id: int) -> list[tuple[int, float]]:
+    """``(step, report time in epoch seconds)`` of the job's losses (a flush's time)."""
+    with dep.db.session(write=False) as s:
+        where = (Metric.job_id == job_id, Metric.name == "loss")
+        rows = s.execute(select(Metric.step, Metric.time).where(*where)).all()
+    return sorted((step, at.timestamp()) for step, at in rows)
+
+
+def steps_per_s(times: list[tuple[int, float]], start_s: float, end_s: float) -> float:
+    """Steps whose loss was flushed within ``[start_s, end_s)``, per second."""
+    return sum(1 for _, at in times if start_s <= at < end_s) / (end_s - start_s)
+
+
+@pytest.mark.slow
+def test_api_down_for_20_s_mid_job(deployment: Any) -> None:
+    dep = deployment
+    worker = dep.start_worker()
+    spec = dep.load_example(
+        "regression",
+        config={"sleep_per_step_ms": 100},
+        training={"epochs": 20, "max_steps": 450, "checkpoint_every_steps": 50},
+    )
+    job_id = dep.submit(spec)
+    dep.wait_state(job_id, ("running",), 120)
+    dep.wait_for(lambda: len(loss_rows(dep, job_id)[0]) >= 40, 120, "40 steps' losses")
+
+    argv = [str(a) for a in dep.api.popen.args]
+    before_s = time.time()
+    dep.api.stop()
+    down_s = time.time()
+    time.sleep(API_OUTAGE_S)  # training goes on; rank 0 holds and retries
+    up_s = time.time()
+    held = loss_rows(dep, job_id)[0][-1]
+    dep.api = dep._spawn("api", argv)  # the same port: what a restart of `ddpq serve` does
+    dep.wait_for(dep._ready, 90, "the API to answer again")
+
+    job = dep.wait_state(job_id, ("succeeded",), 300)
+    assert job["attempt"] == 1, "an API outage must not cost the attempt"
+    total = job["progress"]["total_steps"]
+    steps, rows = loss_rows(dep, job_id)
+    assert steps == list(range(1, total + 1)) and rows == total, (
+        f"each step's loss exactly once: {rows} rows, missing "
+        f"{sorted(set(range(1, total + 1)) - set(steps))[:20]}"
+    )
+    assert held < total, "the outage should have hit the job mid-training"
+    times = loss_times(dep, job_id)
+    first_s = times[0][1]
+    normal = steps_per_s(times, first_s, before_s)
+    during = steps_per_s(times, down_s + 2.0, up_s)  # a flush's slack at the start
+    assert during >= 0.8 * normal, (
+        f"training slowed during the outage: {during:.1f} steps/s vs {normal:.1f} before"
+    )
+    assert worker.popen.poll() is None, f"the worker died:\n{worker.output()}"
+    rank0 = (dep.artifact_dir / "jobs" / str(job_id) / "attempt-1" / "rank-0.log").read_text()
+    assert "metrics writer: attempt API back" in rank0, "rank 0 should have ridden it out"

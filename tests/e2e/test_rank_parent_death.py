@@ -9,20 +9,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from service.app import create_app
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from service.core.states import JobState
 from service.store import claims, jobs
+from service.store.attempt_tokens import mint_attempt_token
 from service.store.db import Database
 from service.store.metrics import query_points
 from service.store.workers import register_worker
+from tests.live import serve_app
 from worker.attempt import attempt_tags
+from worker.launchers.base import with_attempt_token
 from worker.launchers.local import LocalLauncher
 from worker.processes import find_tagged_processes
 from worker.runtime.main import die_with_parent
@@ -35,6 +39,14 @@ RANKS_GONE_S = 20.0  # SIGTERM → stop at a step boundary (checkpoint) → exit
 def db_url(tmp_path: Path) -> str:
     """SQLite only: the database is not what is under test here."""
     return f"sqlite:///{tmp_path / 'ddpq.db'}"
+
+
+@pytest.fixture
+def api_settings(settings: Settings, db: Database) -> Iterator[Settings]:
+    """``settings`` with ``api_url`` pointing at a live API on the same database: the ranks
+    report there (they hold no database URL)."""
+    with serve_app(create_app(settings)) as url:
+        yield settings.model_copy(update={"api_url": url})
 
 
 def _wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -62,7 +74,7 @@ def _running_job(db: Database, spec: JobSpec) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_ranks_die_when_torchrun_is_killed(settings: Settings, db: Database) -> None:
+def test_ranks_die_when_torchrun_is_killed(api_settings: Settings, db: Database) -> None:
     spec = JobSpec.model_validate(
         {
             "name": "orphans",
@@ -74,8 +86,10 @@ def test_ranks_die_when_torchrun_is_killed(settings: Settings, db: Database) -> 
         }
     )  # fmt: skip
     job_id, attempt = _running_job(db, spec)
-    launcher = LocalLauncher(settings)
-    plan = launcher.plan(spec, job_id, attempt)
+    launcher = LocalLauncher(api_settings)
+    with db.session() as s:
+        token = mint_attempt_token(s, job_id, attempt)
+    plan = with_attempt_token(launcher.plan(spec, job_id, attempt), token)
     tags = attempt_tags(job_id, attempt, plan.env["DDPQ_ARTIFACT_DIR"])
     handle = launcher.start(plan)
     torchrun = int(handle)

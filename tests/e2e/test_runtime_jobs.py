@@ -1,5 +1,7 @@
-"""The rank runtime end to end: real jobs in a migrated database, real torchrun processes (gloo
-on CPU), as the local launcher starts them: ``torch.distributed.run … -m worker.runtime``."""
+"""The rank runtime end to end: real jobs in a migrated database, the real attempt API on
+loopback, real torchrun processes (gloo on CPU), as the local launcher starts them:
+``torch.distributed.run … -m worker.runtime`` with the attempt's spec file, the API's URL and
+a freshly minted attempt token, and no database URL."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +31,23 @@ from service.store.db import Database
 from service.store.jobs import Transition, apply_transition, get_job, submit_job
 from service.store.models import Job, Metric
 from service.store.workers import register_worker
+from tests.rank_api import live_api, mint_token
+from worker import attempt as contract
 from worker.runtime.checkpointing import file_sha256
 from worker.tasks.digits import build_model
 
 REPO = Path(__file__).resolve().parents[2]
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 POSTGRES_ONLY = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+TORCHRUN = "torch.distributed.run"
+
+
+@pytest.fixture(autouse=True)
+def attempt_api(db: Database, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The attempt API for the test's database; ``launch`` hands its URL to the ranks."""
+    with live_api(settings) as api:
+        monkeypatch.setenv(contract.API_URL, api.url)
+        yield api.url
 
 
 def example(name: str, **overrides: Any) -> dict[str, Any]:
@@ -74,11 +88,12 @@ def claim_and_run(db: Database) -> tuple[int, int]:
     return job_id, attempt
 
 
-def rank_command(nproc: int) -> list[str]:
+def rank_command(nproc: int, launcher: str = TORCHRUN) -> list[str]:
+    """torchrun (or ``worker.runtime.agent``, the local launcher's warm-rank torchrun)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--standalone",
         "--nnodes",
         "1",
@@ -91,22 +106,47 @@ def rank_command(nproc: int) -> list[str]:
     ]
 
 
-def launch(settings: Settings, job_id: int, attempt: int, nproc: int) -> subprocess.Popen[bytes]:
+def prepare_attempt(settings: Settings, job_id: int, attempt: int) -> str:
+    """What the worker does before it starts the ranks: write the spec file into the attempt
+    directory and mint the attempt's token (returned)."""
+    db = Database.from_url(settings.resolved_database_url)
+    try:
+        with db.session(write=False) as s:
+            spec = JobSpec.model_validate(s.scalar(select(Job.spec).where(Job.id == job_id)))
+        token = mint_token(db, job_id, attempt)
+    finally:
+        db.dispose()
+    path = artifacts.spec_path(settings.resolved_artifact_dir, job_id, attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(spec.model_dump_json())
+    return token
+
+
+def launch(
+    settings: Settings,
+    job_id: int,
+    attempt: int,
+    nproc: int,
+    launcher: str = TORCHRUN,
+) -> subprocess.Popen[bytes]:
+    token = prepare_attempt(settings, job_id, attempt)
+    inherited = {k: v for k, v in os.environ.items() if k != contract.DATABASE_URL}
     env = dict(
-        os.environ,
+        inherited,
         DDPQ_JOB_ID=str(job_id),
         DDPQ_ATTEMPT=str(attempt),
-        DDPQ_DATABASE_URL=settings.resolved_database_url,
+        DDPQ_ATTEMPT_TOKEN=token,
         DDPQ_ARTIFACT_DIR=str(settings.resolved_artifact_dir),
-        DDPQ_ALLOWED_ENTRYPOINTS='["examples.*:*"]',
+        DDPQ_ALLOWED_ENTRYPOINTS='["examples.*:*", "tests.e2e.rank_probe:*"]',
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+    assert env[contract.API_URL], "the attempt_api fixture sets the API's URL"
     log = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, attempt)
     log.mkdir(parents=True, exist_ok=True)
     with open(log / "launcher.log", "ab") as out:
         return subprocess.Popen(
-            rank_command(nproc),
+            rank_command(nproc, launcher),
             env=env,
             cwd=REPO,
             stdout=out,
@@ -116,9 +156,10 @@ def launch(settings: Settings, job_id: int, attempt: int, nproc: int) -> subproc
 
 
 def run_attempt(
-    settings: Settings, job_id: int, attempt: int, nproc: int = 2, timeout_s: float = 240
-) -> int:
-    proc = launch(settings, job_id, attempt, nproc)
+    settings: Settings, job_id: int, attempt: int, nproc: int = 2, timeout_s: float = 240,
+    launcher: str = TORCHRUN,
+) -> int:  # fmt: skip
+    proc = launch(settings, job_id, attempt, nproc, launcher)
     try:
         return proc.wait(timeout=timeout_s)
     finally:
@@ -374,3 +415,29 @@ def test_charlm_loss_falls_over_200_steps(db: Database, settings: Settings) -> N
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20  # type: ignore[arg-type]
     assert last < first - 1.0, f"loss did not fall: first 20 avg {first:.3f}, last 20 {last:.3f}"
     assert points(db, job_id, "tokens_per_s"), "charlm reports throughput"
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize("launcher", [TORCHRUN, "worker.runtime.agent"])
+def test_ranks_load_no_database_driver(db: Database, settings: Settings, launcher: str) -> None:
+    """Every rank of a real 2-rank job (under plain torchrun, and forked warm by the local
+    launcher's agent) reports, after training and a flush, what it has loaded: no
+    SQLAlchemy, no psycopg, no database URL in its environment."""
+    spec = {
+        "name": "probe",
+        "task": "tests.e2e.rank_probe:train",
+        "resources": {"nproc_per_node": 2},
+        "training": {"epochs": 1},
+    }
+    job_id = start_job(db, spec)
+    code = run_attempt(settings, job_id, 1, launcher=launcher)
+    assert code == 0, diagnostics(settings, job_id, 1)
+    folder = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
+    probes = {rank: json.loads((folder / f"probe-rank-{rank}.json").read_text()) for rank in (0, 1)}
+    for rank, probe in probes.items():
+        assert probe == {"sqlalchemy": False, "psycopg": False, "database_url": False}, (
+            f"rank {rank} holds database machinery: {probe}"
+        )
+    stored = points(db, job_id, "sqlalchemy_loaded")
+    assert [(p.step, p.value) for p in stored] == [(3, 0.0)], "rank 0 reported it, as 0"
+    assert [p.step for p in points(db, job_id, "loss")] == [1, 2, 3]

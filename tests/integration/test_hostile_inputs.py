@@ -32,7 +32,8 @@ from service.store.metrics import MetricPoint
 from service.store.models import Metric
 from service.store.tokens import create_token, list_tokens, revoke_token
 from tests.live import serve_app
-from worker.runtime.sink import DatabaseSink
+from tests.rank_api import attempt_client, live_api
+from worker.runtime.sink import ApiSink
 
 API = "/api/v1"
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)  # a fixed time: bodies compare as bytes
@@ -86,7 +87,7 @@ def api(settings: Settings, db: Database) -> Iterator[TestClient]:
     ],
 )
 def test_one_unwritable_point_does_not_stop_the_loss_curve(
-    db: Database, tmp_path: Path, bad: dict[str, Any]
+    db: Database, settings: Settings, tmp_path: Path, bad: dict[str, Any]
 ) -> None:
     """A training loop reports one eval metric with a long name (``ctx.report(step,
     **{long_name: acc})``) or an epoch from numpy. On SQLite the loss curve goes on; on
@@ -97,20 +98,22 @@ def test_one_unwritable_point_does_not_stop_the_loss_curve(
     job) then raises TypeError from the spill file's encoder, so rank 0 fails after training
     finished. Expected: the bad point is refused or stored, the rest written, close() quiet."""
     job_id = running_job(db)
-    sink = DatabaseSink(
-        None, db, job_id, 1, spill_path=tmp_path / "spill.jsonl", close_timeout_s=1.0
-    )
-    point: dict[str, Any] = {"name": "eval_acc", "epoch": 0} | bad
-    sink.report_values(1, point["epoch"], {str(point["name"]): 0.5})
-    sink.flush(average=False)
-    for step in (2, 3, 4):
-        sink.report_values(step, 0, {"loss": 1.0 / step})
+    with live_api(settings) as served:
+        sink = ApiSink(
+            None, attempt_client(db, served.url, job_id, 1),
+            spill_path=tmp_path / "spill.jsonl", close_timeout_s=1.0,
+        )  # fmt: skip
+        point: dict[str, Any] = {"name": "eval_acc", "epoch": 0} | bad
+        sink.report_values(1, point["epoch"], {str(point["name"]): 0.5})
         sink.flush(average=False)
-    try:
-        sink.close()
-        closed: Exception | None = None
-    except Exception as exc:  # e.g. the held-back points cannot even be spilled
-        closed = exc
+        for step in (2, 3, 4):
+            sink.report_values(step, 0, {"loss": 1.0 / step})
+            sink.flush(average=False)
+        try:
+            sink.close()
+            closed: Exception | None = None
+        except Exception as exc:  # e.g. the held-back points cannot even be spilled
+            closed = exc
     loss = [s for n, s in stored(db, job_id) if n == "loss"]
     assert loss == [2, 3, 4] and closed is None, (
         f"after one bad point ({bad!r}): loss steps written {loss}, {sink.held_back} points "

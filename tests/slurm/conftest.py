@@ -88,12 +88,41 @@ SlurmDb = tuple[Settings, Database]
 
 @pytest.fixture
 def slurm_db(tmp_path: Path) -> Iterator[SlurmDb]:
-    """SQLite-backed settings and a migrated database."""
+    """SQLite-backed settings, a migrated database, and an API on it that the Slurm ranks
+    report to (they hold no database URL): ``settings.api_url`` is its URL. The dev
+    cluster's nodes are this host's slurmd processes (NodeAddr 127.0.0.1), so a loopback
+    server reaches them."""
     settings = slurm_settings(tmp_path)
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
-    yield settings, db
+    with serving_api(settings) as served:
+        yield served, db
     db.dispose()
+
+
+@contextmanager
+def serving_api(settings: Settings) -> Iterator[Settings]:
+    """An API on ``settings``' database for the block; yields ``settings`` with its URL as
+    ``api_url`` (what the worker hands its Slurm ranks)."""
+    from service.app import create_app
+    from tests.live import serve_app
+
+    with serve_app(create_app(settings)) as url:
+        yield settings.model_copy(update={"api_url": url})
+
+
+def assert_no_database_url(settings: Settings, job_id: int) -> None:
+    """No file of the job's submitit folders (pickles, scripts, task logs) holds the database
+    URL, and every folder is owner-only (0700)."""
+    url = settings.resolved_database_url.encode()
+    job_dir = settings.resolved_artifact_dir / "jobs" / str(job_id)
+    folders = sorted(job_dir.glob("attempt-*/slurm"))
+    assert folders, f"no submitit folder under {job_dir}"
+    for folder in folders:
+        assert folder.stat().st_mode & 0o777 == 0o700, f"{folder} should be mode 0700"
+        for path in folder.rglob("*"):
+            if path.is_file():
+                assert url not in path.read_bytes(), f"{path} holds the database URL"
 
 
 def submit(db: Database, settings: Settings, data: dict[str, Any]) -> int:

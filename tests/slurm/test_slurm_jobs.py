@@ -14,11 +14,13 @@ from service.store.db import Database
 from service.store.models import Metric
 from tests.slurm.conftest import (
     SlurmDb,
+    assert_no_database_url,
     count_losses,
     job_row,
     loss_steps,
     running_worker,
     sacct_state,
+    serving_api,
     slurm_settings,
     submit,
     wait_until,
@@ -46,7 +48,7 @@ def test_regression_one_node_two_ranks_on_postgresql(tmp_path: Path, pg_schema_u
     migrate.upgrade(db.engine)
     try:
         job_id = submit(db, settings, REGRESSION)
-        with running_worker(settings):
+        with serving_api(settings) as settings, running_worker(settings):
             wait_until(lambda: job_row(db, job_id).scheduler_job_id, 30, "a Slurm job id")
             # Losses arrive while the job still runs (streamed, not at the end).
             wait_until(
@@ -62,6 +64,7 @@ def test_regression_one_node_two_ranks_on_postgresql(tmp_path: Path, pg_schema_u
         assert job.scheduler_job_id and job.scheduler_job_id.isdigit()
         assert loss_steps(db, job_id) == list(range(1, 41))
         assert sacct_state(job.scheduler_job_id) == "COMPLETED"
+        assert_no_database_url(settings, job_id)
     finally:
         db.dispose()
 

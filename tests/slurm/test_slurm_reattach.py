@@ -50,6 +50,7 @@ class WorkerProcess:
             **os.environ,
             "DDPQ_HOME": str(settings.home),
             "DDPQ_DATABASE_URL": settings.resolved_database_url,
+            "DDPQ_API_URL": settings.resolved_api_url,  # the slurm_db fixture's API
             "DDPQ_ARTIFACT_DIR": str(settings.resolved_artifact_dir),
             "DDPQ_SLURM_ENABLED": "1",
             "DDPQ_HEARTBEAT_INTERVAL_S": "0.5",

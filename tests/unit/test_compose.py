@@ -98,3 +98,13 @@ def test_services_share_the_database_and_artifacts() -> None:
     assert len(urls) == 1 and "@postgres:" in urls.pop()
     mounts = [set(SERVICES[n].get("volumes", [])) for n in ("api", "worker")]
     assert mounts[0] & mounts[1], "api and worker must share the artifacts volume"
+
+
+def test_the_worker_hands_its_ranks_the_api_url_and_keeps_the_database() -> None:
+    env = environment_of(SERVICES["worker"])
+    assert env.get("DDPQ_API_URL") == "http://api:8000", (
+        "the worker's ranks report to the api service: set DDPQ_API_URL=http://api:8000"
+    )
+    assert "@postgres:" in env["DDPQ_DATABASE_URL"], "the worker itself still claims jobs"
+    depends = SERVICES["worker"].get("depends_on", {})
+    assert "api" in depends, "the worker should start once the API its ranks report to is up"

@@ -14,6 +14,8 @@ import pytest
 
 from service.core.config import Settings
 from service.core.spec import JobSpec
+from worker.attempt import API_URL, ATTEMPT_TOKEN, DATABASE_URL
+from worker.launchers.base import with_attempt_token
 from worker.launchers.local import LocalLauncher, LocalRequest
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -22,8 +24,9 @@ GOLDEN = Path(__file__).parent / "golden"
 def _settings(tmp_path: Path) -> Settings:
     return Settings(
         home=tmp_path / ".ddpq",
-        database_url=f"sqlite:///{tmp_path}/ddpq.db",
+        database_url="postgresql+psycopg://ddpq:s3cret@db.example/ddpq",
         artifact_dir=tmp_path / "artifacts",
+        api_url="http://api.example:8000",
     )
 
 
@@ -57,10 +60,35 @@ def test_cpu_plan_matches_golden(launcher: LocalLauncher, tmp_path: Path) -> Non
             "resources": {"nproc_per_node": 2, "cpus_per_task": 2, "timeout_min": 5},
         }
     )
-    plan = launcher.plan(spec, 7, 3)
-    _check_golden("local_plan_cpu.txt", _normalise(plan.render(), tmp_path))
+    plan = with_attempt_token(launcher.plan(spec, 7, 3), "ddpqa_s3cret-token")
+    text = plan.render()
+    _check_golden("local_plan_cpu.txt", _normalise(text, tmp_path))
     assert plan.request == LocalRequest(timeout_s=300.0)
     assert plan.log_dir == str(tmp_path.resolve() / "artifacts/jobs/7/attempt-3")
+    assert "s3cret" not in text, "the rendered plan must mask the token, name no database"
+
+
+def test_ranks_get_the_api_url_and_token_never_the_database(launcher: LocalLauncher) -> None:
+    plan = with_attempt_token(launcher.plan(JobSpec(name="x", task="regression"), 1, 1), "tok")
+    assert plan.env[API_URL] == "http://api.example:8000"
+    assert plan.env[ATTEMPT_TOKEN] == "tok"
+    assert DATABASE_URL not in plan.env
+    assert not any("s3cret" in value for value in plan.env.values())
+
+
+def test_the_spec_travels_as_a_file(launcher: LocalLauncher) -> None:
+    spec = JobSpec.model_validate(
+        {"name": "f", "task": "regression", "resources": {"nproc_per_node": 2}}
+    )
+    plan = launcher.plan(spec, 4, 2)
+    assert set(plan.files) == {"spec.json"}
+    assert JobSpec.model_validate_json(plan.files["spec.json"]) == spec
+
+
+def test_allowed_entrypoints_are_passed_on(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, allowed_entrypoints=["tests.*:*"])
+    env = LocalLauncher(settings).plan(JobSpec(name="x", task="regression"), 1, 1).env
+    assert env["DDPQ_ALLOWED_ENTRYPOINTS"] == '["tests.*:*"]'
 
 
 def test_gpu_plan_with_bound_gpus_matches_golden(launcher: LocalLauncher, tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ batch (a bad Trainer point is dropped there). A ``CheckedPoint`` passes later ch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -16,15 +17,17 @@ import pytest
 import torch
 
 from service.core import metric_points
+from service.core.config import Settings
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point, checked_report
 from service.core.spec import JobSpec
 from service.store.db import Database
-from tests.unit.test_runtime_sink import loss_values, running_job
+from tests.rank_api import LiveApi, attempt_client, live_api, running_job
+from tests.unit.test_runtime_sink import loss_values
 from worker.runtime.checkpointing import NullCheckpointer
 from worker.runtime.context import TrainContext
 from worker.runtime.distributed import DistContext
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import DatabaseSink
+from worker.runtime.sink import ApiSink
 from worker.runtime.sink_buffer import _stacked
 
 
@@ -77,12 +80,21 @@ def test_checked_report_gives_plain_ints() -> None:
     assert checked_report(np.int64(1), None, []) == (1, None)
 
 
+@pytest.fixture
+def api(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    with live_api(settings) as served:
+        yield served
+
+
 def _counting_name_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names checked on the training (main) thread: the rank's own checks. The API
+    serving in this process checks the points again on its threads; those are the server's."""
     seen: list[str] = []
     check: Callable[[object], None] = metric_points._check_name
 
     def counted(name: object) -> None:
-        seen.append(str(name))
+        if threading.current_thread() is threading.main_thread():
+            seen.append(str(name))
         check(name)
 
     monkeypatch.setattr(metric_points, "_check_name", counted)
@@ -90,14 +102,15 @@ def _counting_name_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_ctx_report_points_are_checked_once_and_all_written(
-    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: Database, api: LiveApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job_id, attempt = running_job(db)
     dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
-    sink = DatabaseSink(dist, db, job_id, attempt, spill_path=tmp_path / "spill.jsonl")
+    client = attempt_client(db, api.url, job_id, attempt)
+    sink = ApiSink(dist, client, spill_path=tmp_path / "spill.jsonl")
     spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})
     ctx = TrainContext(spec=spec, dist=dist, sink=sink, checkpointer=NullCheckpointer(),
-                       stop=StopFlag(), db=db, artifact_dir=tmp_path, job_id=job_id,
+                       stop=StopFlag(), api=None, artifact_dir=tmp_path, job_id=job_id,
                        attempt=attempt)  # fmt: skip
     checks = _counting_name_checks(monkeypatch)
     for step in range(1, 31):
@@ -117,10 +130,11 @@ def test_ctx_report_points_are_checked_once_and_all_written(
 
 
 def test_trainer_points_are_checked_once_at_flush_and_a_bad_one_dropped(
-    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: Database, api: LiveApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job_id, attempt = running_job(db)
-    sink = DatabaseSink(None, db, job_id, attempt, spill_path=tmp_path / "spill.jsonl")
+    client = attempt_client(db, api.url, job_id, attempt)
+    sink = ApiSink(None, client, spill_path=tmp_path / "spill.jsonl")
     checks = _counting_name_checks(monkeypatch)
     for step in range(1, 11):
         sink.report(step, 0, torch.tensor(float(step)))

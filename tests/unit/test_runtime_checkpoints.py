@@ -1,9 +1,11 @@
-"""Checkpoints on real SQLite and PostgreSQL: atomic write, sha256, rotation, strict load into
-the bare model, snapshot isolation, corrupt newest skipped on resume, fencing, and a full disk
-(a real tmpfs of 2 MiB: ENOSPC from the kernel)."""
+"""Checkpoints recorded through the real attempt API (uvicorn on loopback) into real SQLite and
+PostgreSQL: atomic write, sha256, rotation, strict load into the bare model, snapshot
+isolation, corrupt newest skipped on resume, fencing, an API outage, and a full disk (a real
+tmpfs of 2 MiB: ENOSPC from the kernel)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,14 +17,13 @@ from torch import nn
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
 from service.core.states import JobState
 from service.store.checkpoints import list_checkpoints
-from service.store.claims import claim_next_job
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, list_events, submit_job
+from service.store.jobs import Transition, apply_transition, list_events
 from service.store.models import Checkpoint
-from service.store.workers import register_worker
+from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
+from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpointing import (
     Checkpointer,
     CheckpointWriteError,
@@ -32,20 +33,17 @@ from worker.runtime.checkpointing import (
     load_checkpoint_file,
     make_checkpointer,
 )
+from worker.runtime.topology import RankEnv
 
 
-def running_job(db: Database) -> tuple[int, int]:
-    """A job claimed by a worker and marked running: ``(job_id, attempt)``."""
-    with db.session() as s:
-        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
-        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
-    with db.session() as s:
-        job = claim_next_job(s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600)
-        assert job is not None
-        job_id, attempt = job.id, job.attempt
-    with db.session() as s:
-        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
-    return job_id, attempt
+@pytest.fixture
+def api(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    with live_api(settings) as served:
+        yield served
+
+
+def client_for(db: Database, api: LiveApi, job: tuple[int, int]) -> AttemptClient:
+    return attempt_client(db, api.url, *job)
 
 
 def tiny_model() -> nn.Module:
@@ -73,10 +71,12 @@ def live(db: Database, job_id: int) -> list[Checkpoint]:
 
 
 def test_make_checkpointer_picks_by_rank(
-    db: Database, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:
-    chief = make_checkpointer(0, db, artifact_dir, *job, keep=1)
-    other = make_checkpointer(1, db, artifact_dir, *job, keep=1)
+    environ = rank_environ(api.url, mint_token(db, *job), *job)
+    chief = make_checkpointer(RankEnv.from_environ(environ), artifact_dir, keep=1)
+    other_env = RankEnv.from_environ({**environ, "RANK": "1", "WORLD_SIZE": "2"})
+    other = make_checkpointer(other_env, artifact_dir, keep=1)
     built: list[int] = []
     other.save(1, 0, lambda: built.append(1) or {})  # type: ignore[func-returns-value]
     assert isinstance(chief, Checkpointer)
@@ -86,11 +86,11 @@ def test_make_checkpointer_picks_by_rank(
 
 
 def test_write_is_atomic_recorded_rotated_and_loads_strictly(
-    db: Database, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:
     job_id, attempt = job
     model = tiny_model()
-    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=2)
+    ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=2)
     for step in (1, 2, 3, 4):
         ckpt.save(step, 0, lambda s=step: state_of(model, s))  # type: ignore[misc]
     ckpt.close()
@@ -119,12 +119,12 @@ def test_write_is_atomic_recorded_rotated_and_loads_strictly(
 
 
 def test_snapshot_is_taken_on_the_training_thread(
-    db: Database, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:
     job_id, attempt = job
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
-    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=3)
+    ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=3)
     ckpt.save(7, 0, lambda: state_of(model, 7))
     with torch.no_grad():  # training goes on while the file is written
         for p in model.parameters():
@@ -140,11 +140,11 @@ def test_snapshot_is_taken_on_the_training_thread(
 
 
 def test_corrupt_or_missing_newest_is_skipped_on_resume(
-    db: Database, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:
     job_id, attempt = job
     model = tiny_model()
-    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=5)
+    ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=5)
     for step in (10, 20, 30):
         ckpt.save(step, 0, lambda s=step: state_of(model, s))  # type: ignore[misc]
     ckpt.close()
@@ -154,22 +154,24 @@ def test_corrupt_or_missing_newest_is_skipped_on_resume(
     newest.write_bytes(bytes(data))
     artifacts.checkpoint_path(artifact_dir, job_id, 20).unlink()
 
-    assert find_resume_checkpoint(db, artifact_dir, job_id) == 10
+    assert find_resume_checkpoint(client_for(db, api, job), artifact_dir, job_id) == 10
     assert [c.step for c in live(db, job_id)] == [10], "bad ones must be marked deleted"
 
 
-def test_nothing_to_resume_from(db: Database, job: tuple[int, int], artifact_dir: Path) -> None:
-    assert find_resume_checkpoint(db, artifact_dir, job[0]) is None
+def test_nothing_to_resume_from(
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    assert find_resume_checkpoint(client_for(db, api, job), artifact_dir, job[0]) is None
 
 
 def test_stale_attempt_is_fenced_off(
-    db: Database, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:
     job_id, attempt = job
     model = tiny_model()
     with db.session() as s:
         apply_transition(s, Transition(job_id, JobState.RUNNING, JobState.CANCELLED))
-    ckpt = Checkpointer(db, artifact_dir, job_id, attempt, keep=2)
+    ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=2)
     ckpt.save(5, 0, lambda: state_of(model, 5))
     ckpt.close()
     assert ckpt.should_stop()
@@ -177,6 +179,34 @@ def test_stale_attempt_is_fenced_off(
     assert live(db, job_id) == []
     ckpt_dir = artifacts.checkpoint_dir(artifact_dir, job_id)
     assert not any(ckpt_dir.iterdir()), "a fenced-off attempt must leave no file behind"
+
+
+def test_api_outage_records_nothing_publishes_nothing_and_training_goes_on(
+    db: Database, settings: Settings, job: tuple[int, int], artifact_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """As with a database outage before: the save is logged as not recorded, no file is
+    published (an unrecorded file is no checkpoint), the rank keeps training, and the next
+    save after the API is back is recorded as usual."""
+    job_id, attempt = job
+    model = tiny_model()
+    api = LiveApi(settings)  # its port, not served yet
+    try:
+        ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=2)
+        with caplog.at_level(logging.ERROR, logger="worker.runtime.checkpointing"):
+            ckpt.save(1, 0, lambda: state_of(model, 1))
+            ckpt.wait()
+        assert "checkpoint at step 1 not recorded" in caplog.text
+        assert not ckpt.should_stop() and ckpt.last_saved is None
+        assert not artifacts.checkpoint_path(artifact_dir, job_id, 1).exists()
+        api.start()
+        ckpt.save(2, 0, lambda: state_of(model, 2))
+        ckpt.close()
+    finally:
+        api.stop()
+    assert [c.step for c in live(db, job_id)] == [2]
+    ckpt_dir = artifacts.checkpoint_dir(artifact_dir, job_id)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-2.pt"]
 
 
 # -- full disk ---------------------------------------------------------------------------------
@@ -202,6 +232,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.fixture
+def disk_api(db: Database, settings: Settings, small_disk: Path) -> Iterator[LiveApi]:
+    """The attempt API with the small disk as its artifact root (it accepts checkpoint
+    paths only under its own root)."""
+    with live_api(settings.model_copy(update={"artifact_dir": small_disk})) as served:
+        yield served
+
+
 def fill_disk(disk: Path, leave_bytes: int) -> Path:
     """Write a filler file until only about ``leave_bytes`` bytes are free on ``disk``."""
     stat = os.statvfs(disk)
@@ -217,12 +255,12 @@ def disk_state(model: nn.Module, step: int) -> dict[str, object]:
 
 
 def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
-    db: Database, job: tuple[int, int], small_disk: Path
+    db: Database, job: tuple[int, int], small_disk: Path, disk_api: LiveApi
 ) -> None:
     job_id, attempt = job
     torch.manual_seed(0)
     model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
-    ckpt = Checkpointer(db, small_disk, job_id, attempt, keep=1)
+    ckpt = Checkpointer(client_for(db, disk_api, job), small_disk, job_id, attempt, keep=1)
     ckpt.save(1, 0, lambda: disk_state(model, 1))
     ckpt.wait()
     first = artifacts.checkpoint_path(small_disk, job_id, 1)
@@ -243,7 +281,7 @@ def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
     assert sorted(p.name for p in first.parent.iterdir()) == ["step-1.pt"], (
         "no half-written checkpoint may be published and no temp file may be left"
     )
-    assert find_resume_checkpoint(db, artifact_dir=small_disk, job_id=job_id) == 1
+    assert find_resume_checkpoint(client_for(db, disk_api, job), small_disk, job_id) == 1
     with db.session(write=False) as s:
         reasons = [e.reason or "" for e in list_events(s, job_id)]
     assert any("step 2" in r and "No space left on device" in r for r in reasons), reasons
@@ -259,12 +297,12 @@ def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
 
 
 def test_a_final_checkpoint_on_a_full_disk_is_reported_by_close(
-    db: Database, job: tuple[int, int], small_disk: Path
+    db: Database, job: tuple[int, int], small_disk: Path, disk_api: LiveApi
 ) -> None:
     job_id, attempt = job
     model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
     fill_disk(small_disk, leave_bytes=64 << 10)
-    ckpt = Checkpointer(db, small_disk, job_id, attempt, keep=1)
+    ckpt = Checkpointer(client_for(db, disk_api, job), small_disk, job_id, attempt, keep=1)
     ckpt.save(5, 0, lambda: disk_state(model, 5))
     with pytest.raises(CheckpointWriteError, match=r"step 5 .*No space left on device"):
         ckpt.close()

@@ -1,5 +1,6 @@
 """Collectives of the runtime in two real gloo processes: the stop vote (every rank stops at the
-same step), the sink's averaged flush, and the resume-step broadcast."""
+same step), the sink's averaged flush (through the real attempt API), and the resume-step
+broadcast."""
 
 from __future__ import annotations
 
@@ -13,22 +14,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.core.spec import JobSpec
-from service.core.states import JobState
-from service.store.claims import claim_next_job
+from service.core.config import Settings
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, submit_job
 from service.store.metrics import query_points
-from service.store.workers import register_worker
+from tests.rank_api import live_api, mint_token, rank_environ, running_job
 from worker.runtime.distributed import DistContext, StopVote, broadcast_int
 from worker.runtime.sink import make_sink
+from worker.runtime.topology import RankEnv
 
 WORLD_SIZE = 2
 STEPS = 8
 STOP_RANK, STOP_AT_STEP = 1, 3
 
 
-def _rank_main(rank: int, store_path: str, db_url: str, job_id: int, out_dir: str) -> None:
+def _rank_main(rank: int, store_path: str, environ: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE
@@ -36,8 +35,8 @@ def _rank_main(rank: int, store_path: str, db_url: str, job_id: int, out_dir: st
     ctx = DistContext(
         rank, rank, WORLD_SIZE, torch.device("cpu"), "ddp", "gloo", dist.new_group(backend="gloo")
     )
-    db = Database.from_url(db_url)
-    sink = make_sink(rank, ctx, db, job_id, 1)
+    rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE)}
+    sink = make_sink(RankEnv.from_environ({**json.loads(environ), **rank_vars}), ctx)
     vote = StopVote(ctx)
     stopped_at = None
     for step in range(1, STEPS + 1):
@@ -55,29 +54,22 @@ def _rank_main(rank: int, store_path: str, db_url: str, job_id: int, out_dir: st
         json.dumps({"stopped_at": stopped_at, "resume_step": resume_step})
     )
     dist.destroy_process_group()
-    db.dispose()
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_two_ranks_stop_together_and_flush_the_mean(db: Database, tmp_path: Path) -> None:
-    with db.session() as s:
-        register_worker(s, worker_id="w", host="h", pid=1, launcher="local", capacity={})
-        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
-    with db.session() as s:
-        job = claim_next_job(s, worker_id="w", launcher="local", max_gpus_per_node=0, lease_s=600)
-        assert job is not None
-        job_id = job.id
-    with db.session() as s:
-        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
-
-    db_url = db.engine.url.render_as_string(hide_password=False)
+def test_two_ranks_stop_together_and_flush_the_mean(
+    db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    job_id, attempt = running_job(db)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [str(tmp_path / "store"), db_url, str(job_id), str(tmp_path)]
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env)
-        for rank in range(WORLD_SIZE)
-    ]
-    codes = [p.wait(timeout=240) for p in procs]
+    with live_api(settings) as api:
+        environ = rank_environ(api.url, mint_token(db, job_id, attempt), job_id, attempt)
+        args = [str(tmp_path / "store"), json.dumps(environ), str(tmp_path)]
+        procs = [
+            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env)
+            for rank in range(WORLD_SIZE)
+        ]
+        codes = [p.wait(timeout=240) for p in procs]
     assert codes == [0] * WORLD_SIZE
     results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD_SIZE)]
     # Rank 1 raised its flag at step 3; the vote is read one step later, on every rank.
@@ -90,4 +82,4 @@ def test_two_ranks_stop_together_and_flush_the_mean(db: Database, tmp_path: Path
 
 
 if __name__ == "__main__":  # one rank, started by the test above
-    _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

@@ -27,7 +27,7 @@ def _ctx(tmp_path: Path, mode: str) -> tuple[TrainContext, NullSink]:
     )
     sink = NullSink(dist)
     ctx = TrainContext(spec=spec, dist=dist, sink=sink, checkpointer=NullCheckpointer(),
-                       stop=StopFlag(), db=None, artifact_dir=tmp_path, job_id=1,
+                       stop=StopFlag(), api=None, artifact_dir=tmp_path, job_id=1,
                        attempt=1)  # fmt: skip
     return ctx, sink
 

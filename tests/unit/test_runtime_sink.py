@@ -1,6 +1,7 @@
-"""The metrics sink on real SQLite and PostgreSQL: cheap reports, batched writes, duplicates
-ignored, a backlog (then a spill file) while the writer is blocked, fencing on a stale attempt.
-Database outages: test_runtime_sink_outage.py."""
+"""The rank-0 metrics sink through the real attempt API (uvicorn on loopback) into real SQLite
+and PostgreSQL: cheap reports, batched writes, duplicates ignored, a backlog (then a spill file)
+while the writer is blocked, fencing on a stale attempt. API outages:
+test_runtime_sink_outage.py."""
 
 from __future__ import annotations
 
@@ -15,31 +16,23 @@ import torch
 from sqlalchemy import select
 
 from service.core.artifacts import metrics_spill_path
-from service.core.spec import JobSpec
+from service.core.config import Settings
 from service.core.states import JobState
-from service.store.claims import claim_next_job
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.jobs import Transition, apply_transition, get_job
 from service.store.metrics import query_points
 from service.store.models import Job
-from service.store.workers import register_worker
+from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
 from worker.runtime.backlog import decode_point
-from worker.runtime.sink import DatabaseSink, make_sink
+from worker.runtime.sink import ApiSink, make_sink
 from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS, NullSink, Progress
+from worker.runtime.topology import RankEnv
 
 
-def running_job(db: Database) -> tuple[int, int]:
-    """A job claimed by a worker and marked running: ``(job_id, attempt)``."""
-    with db.session() as s:
-        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={"slots": 1})
-        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
-    with db.session() as s:
-        job = claim_next_job(s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600)
-        assert job is not None
-        job_id, attempt = job.id, job.attempt
-    with db.session() as s:
-        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
-    return job_id, attempt
+@pytest.fixture
+def api(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    with live_api(settings) as served:
+        yield served
 
 
 @pytest.fixture
@@ -47,9 +40,13 @@ def job(db: Database) -> tuple[int, int]:
     return running_job(db)
 
 
+def api_sink(db: Database, api: LiveApi, job: tuple[int, int], **kw: object) -> ApiSink:
+    return ApiSink(None, attempt_client(db, api.url, *job), **kw)  # type: ignore[arg-type]
+
+
 @pytest.fixture
-def sink(db: Database, job: tuple[int, int]) -> Iterator[DatabaseSink]:
-    s = DatabaseSink(None, db, *job)
+def sink(db: Database, api: LiveApi, job: tuple[int, int]) -> Iterator[ApiSink]:
+    s = api_sink(db, api, job)
     yield s
     s.close()
 
@@ -60,11 +57,17 @@ def loss_values(db: Database, job_id: int, name: str = "loss") -> dict[int, floa
         return {p.step: p.value for p in points}
 
 
-def test_make_sink_picks_by_rank(db: Database, job: tuple[int, int], tmp_path: Path) -> None:
-    chief = make_sink(0, None, db, *job, artifact_dir=tmp_path)
-    other = make_sink(1, None, db, *job, artifact_dir=tmp_path)
+def test_make_sink_picks_by_rank(
+    db: Database, api: LiveApi, job: tuple[int, int], tmp_path: Path
+) -> None:
+    environ = rank_environ(api.url, mint_token(db, *job), *job)
+    chief = make_sink(RankEnv.from_environ(environ), None, artifact_dir=tmp_path)
+    other = make_sink(
+        RankEnv.from_environ({**environ, "RANK": "1", "WORLD_SIZE": "2"}), None,
+        artifact_dir=tmp_path,
+    )  # fmt: skip
     try:
-        assert isinstance(chief, DatabaseSink)
+        assert isinstance(chief, ApiSink)
         assert isinstance(other, NullSink)
         assert chief.spill_path == metrics_spill_path(tmp_path, *job)
     finally:
@@ -72,7 +75,7 @@ def test_make_sink_picks_by_rank(db: Database, job: tuple[int, int], tmp_path: P
 
 
 def test_report_is_cheap_and_writes_nothing_until_flush(
-    db: Database, job: tuple[int, int], sink: DatabaseSink
+    db: Database, job: tuple[int, int], sink: ApiSink
 ) -> None:
     losses = [torch.tensor(float(i)) for i in range(10_000)]
     start = time.perf_counter()
@@ -85,7 +88,7 @@ def test_report_is_cheap_and_writes_nothing_until_flush(
     assert sink.flush_due()
 
 
-def test_first_report_is_due_at_once_then_every_batch(sink: DatabaseSink) -> None:
+def test_first_report_is_due_at_once_then_every_batch(sink: ApiSink) -> None:
     """The first loss is flushed at its own step (launch latency, issue 7 #3); after that
     only every FLUSH_EVERY_POINTS reports (or the time vote) make a flush due."""
     assert not sink.flush_due(), "nothing buffered: nothing due"
@@ -100,7 +103,7 @@ def test_first_report_is_due_at_once_then_every_batch(sink: DatabaseSink) -> Non
 
 
 def test_flush_writes_one_batch_with_progress(
-    db: Database, job: tuple[int, int], sink: DatabaseSink
+    db: Database, job: tuple[int, int], sink: ApiSink
 ) -> None:
     job_id, _ = job
     for step in range(1, 121):
@@ -128,7 +131,7 @@ def test_flush_writes_one_batch_with_progress(
 
 
 def test_duplicates_are_ignored_on_replay(
-    db: Database, job: tuple[int, int], sink: DatabaseSink, caplog: pytest.LogCaptureFixture
+    db: Database, job: tuple[int, int], sink: ApiSink, caplog: pytest.LogCaptureFixture
 ) -> None:
     job_id, _ = job
     for step in range(1, 11):
@@ -149,17 +152,20 @@ def test_duplicates_are_ignored_on_replay(
 
 
 def _hold_job_row(db: Database, job_id: int) -> object:
-    """Open a write transaction that blocks the sink's fenced insert (SQLite: the database
-    write lock; PostgreSQL: the job row lock)."""
+    """Open a write transaction that blocks the API's fenced insert (SQLite: the database
+    write lock; PostgreSQL: the job row lock): the sink's requests wait, time out or get a
+    503, and the sink must hold its points meanwhile."""
     scope = db.session()
     session = scope.__enter__()
     session.execute(select(Job).where(Job.id == job_id).with_for_update()).one()
     return scope
 
 
-def test_flush_never_waits_for_a_blocked_writer(db: Database, job: tuple[int, int]) -> None:
+def test_flush_never_waits_for_a_blocked_writer(
+    db: Database, api: LiveApi, job: tuple[int, int]
+) -> None:
     job_id, _ = job
-    sink = DatabaseSink(None, db, *job)
+    sink = api_sink(db, api, job)
     lock = _hold_job_row(db, job_id)
     try:
         for batch in range(4):  # the writer is stuck on its first batch meanwhile
@@ -178,11 +184,11 @@ def test_flush_never_waits_for_a_blocked_writer(db: Database, job: tuple[int, in
 
 
 def test_backlog_past_the_cap_spills_to_a_file_then_drains_in_order(
-    db: Database, job: tuple[int, int], tmp_path: Path
+    db: Database, api: LiveApi, job: tuple[int, int], tmp_path: Path
 ) -> None:
     job_id, _ = job
     spill = tmp_path / "attempt-1" / "metrics-spill.jsonl"
-    sink = DatabaseSink(None, db, *job, spill_path=spill, memory_cap=15)
+    sink = api_sink(db, api, job, spill_path=spill, memory_cap=15)
     lock = _hold_job_row(db, job_id)
     try:
         for batch in range(4):
@@ -204,7 +210,7 @@ def test_backlog_past_the_cap_spills_to_a_file_then_drains_in_order(
 
 
 def test_stale_attempt_stops_writing_and_asks_to_stop(
-    db: Database, job: tuple[int, int], sink: DatabaseSink
+    db: Database, job: tuple[int, int], sink: ApiSink
 ) -> None:
     job_id, _ = job
     with db.session() as s:  # the worker requeues the job: attempt 2 takes over

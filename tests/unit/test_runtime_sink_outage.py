@@ -1,12 +1,14 @@
-"""The rank-0 sink through a database outage, on real SQLite and PostgreSQL.
+"""The rank-0 sink through an attempt API outage, on real SQLite and PostgreSQL.
 
-The outage is real: the sink first writes to a PostgreSQL URL on a closed port (every
-connection is refused), then is pointed at the test's database. Also: a flush whose
+The outage is real: the sink first posts to the attempt API's port while nobody serves it
+(every connection is refused), then the real API is started on that port, as when
+``ddpq serve`` restarts. Also: 429 with ``Retry-After`` is honoured, and a flush whose
 all_reduce breaks (the peer rank died) still hands rank 0's points over (two gloo processes).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -17,50 +19,42 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
 from sqlalchemy import func, select
 
-from service.core.spec import JobSpec
-from service.core.states import JobState
-from service.store.claims import claim_next_job
+from service.core.attempt_api import METRICS_PATH, MetricBatchAck
+from service.core.config import Settings
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.jobs import get_job
 from service.store.metrics import MetricPoint, query_points, record_metrics
 from service.store.models import Metric
-from service.store.workers import register_worker
+from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
+from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.backlog import decode_point
 from worker.runtime.distributed import DistContext
-from worker.runtime.sink import DatabaseSink, make_sink
+from worker.runtime.sink import ApiSink, make_sink
 from worker.runtime.sink_buffer import Progress
+from worker.runtime.topology import RankEnv
 
-UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
+# Nothing listens on port 1: every connection is refused at once.
+UNREACHABLE_URL = "http://127.0.0.1:1"
 
 
 @pytest.fixture
-def down() -> Iterator[Database]:
-    """A database nobody answers for (connection refused)."""
-    database = Database.from_url(UNREACHABLE_URL)
-    yield database
-    database.dispose()
+def down(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    """The attempt API's port, not served yet (``start()`` ends the outage)."""
+    api = LiveApi(settings)
+    yield api
+    api.stop()
 
 
 @pytest.fixture
 def job(db: Database) -> tuple[int, int]:
     """A job claimed by a worker and running: ``(job_id, attempt)``."""
-    with db.session() as s:
-        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
-        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
-    with db.session() as s:
-        claimed = claim_next_job(
-            s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600
-        )
-        assert claimed is not None
-        job_id, attempt = claimed.id, claimed.attempt
-    with db.session() as s:
-        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
-    return job_id, attempt
+    return running_job(db)
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -70,7 +64,7 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def report_steps(sink: DatabaseSink, first: int, last: int, total: int) -> None:
+def report_steps(sink: ApiSink, first: int, last: int, total: int) -> None:
     """Report ``loss = step`` for each step, flushing every 10 steps with progress."""
     for step in range(first, last + 1):
         sink.report(step, 0, torch.tensor(float(step)))
@@ -87,14 +81,13 @@ def stored_losses(db: Database, job_id: int) -> tuple[dict[int, float | None], i
 
 
 def test_outage_spills_then_replays_every_point_exactly_once(
-    db: Database, down: Database, job: tuple[int, int], tmp_path: Path,
+    db: Database, down: LiveApi, job: tuple[int, int], tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     job_id, attempt = job
     spill = tmp_path / "metrics-spill.jsonl"
-    sink = DatabaseSink(
-        None, down, job_id, attempt, spill_path=spill, memory_cap=20, close_timeout_s=5
-    )
+    client = attempt_client(db, down.url, *job)
+    sink = ApiSink(None, client, spill_path=spill, memory_cap=20, close_timeout_s=5)
     try:
         with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
             start = time.perf_counter()
@@ -104,12 +97,12 @@ def test_outage_spills_then_replays_every_point_exactly_once(
         assert sink.held_back == 100
         spilled = [decode_point(line).step for line in spill.read_bytes().splitlines()]
         assert spilled == list(range(21, 101)), "points past the cap must go to the file"
-        # A batch whose commit went through just before the connection died, unacknowledged:
-        # replaying it must not store it twice.
+        # A batch the API stored just before the connection died, unacknowledged: replaying
+        # it must not store it twice.
         with db.session() as s:
             record_metrics(s, job_id, attempt, [MetricPoint("loss", 5, 5.0, 0)])
 
-        sink.db = db  # the database is back
+        down.start()  # the API is back, on the same port
         wait_until(lambda: sink.held_back == 0, 60, "the backlog to drain")
     finally:
         sink.close()
@@ -119,23 +112,23 @@ def test_outage_spills_then_replays_every_point_exactly_once(
     with db.session(write=False) as s:
         assert get_job(s, job_id).progress["step"] == 100  # type: ignore[index]
     assert not spill.exists(), "the spill file is removed once replayed"
+    assert "attempt API back after" in caplog.text or sink.written == 100
 
 
-def test_close_waits_for_the_database_to_come_back(
-    db: Database, down: Database, job: tuple[int, int], tmp_path: Path
+def test_close_waits_for_the_api_to_come_back(
+    db: Database, down: LiveApi, job: tuple[int, int], tmp_path: Path
 ) -> None:
-    """The stop path: the final batch is handed over while the database fails; close() must
+    """The stop path: the final batch is handed over while the API is down; close() must
     keep it until it is written, not drop it after one failed try."""
-    job_id, attempt = job
-    sink = DatabaseSink(
-        None, down, job_id, attempt, spill_path=tmp_path / "spill.jsonl", close_timeout_s=30
-    )
+    job_id, _attempt = job
+    client = attempt_client(db, down.url, *job)
+    sink = ApiSink(None, client, spill_path=tmp_path / "spill.jsonl", close_timeout_s=30)
     report_steps(sink, 1, 30, total=30)
     closer = threading.Thread(target=sink.close)
     closer.start()
     time.sleep(1.0)  # a few refused writes
     assert closer.is_alive(), "close() must not give up while it has points to write"
-    sink.db = db
+    down.start()
     closer.join(60)
     assert not closer.is_alive()
     values, rows = stored_losses(db, job_id)
@@ -143,10 +136,11 @@ def test_close_waits_for_the_database_to_come_back(
 
 
 def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
-    down: Database, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     spill = tmp_path / "attempt-1" / "metrics-spill.jsonl"
-    sink = DatabaseSink(None, down, 1, 1, spill_path=spill, memory_cap=5, close_timeout_s=0.5)
+    client = AttemptClient(UNREACHABLE_URL, "ddpqa_never")
+    sink = ApiSink(None, client, spill_path=spill, memory_cap=5, close_timeout_s=0.5)
     report_steps(sink, 1, 12, total=12)
     with caplog.at_level(logging.ERROR, logger="worker.runtime.sink"):
         sink.close()
@@ -156,7 +150,33 @@ def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
     assert [p.value for p in kept] == [float(s) for s in range(1, 13)]
 
 
-def _broken_flush_rank(rank: int, store_path: str, db_url: str, job_id: int, out: str) -> None:
+def test_429_retry_after_is_honoured_and_the_batch_resent_once(tmp_path: Path) -> None:
+    """Back-pressure: the API refuses the batch twice with 429 + Retry-After: 1; the sink
+    waits at least that long each time, then the same batch goes through, once."""
+    calls: list[tuple[float, list[list[object]]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/api/v1" + METRICS_PATH
+        assert request.headers["Authorization"] == "Bearer ddpqa_t"
+        body = json.loads(request.content)
+        calls.append((time.monotonic(), body["points"]))
+        if len(calls) <= 2:
+            return httpx.Response(429, headers={"Retry-After": "1"}, json={"detail": "busy"})
+        n = len(body["points"])
+        return httpx.Response(200, json=MetricBatchAck(accepted=n, inserted=n).model_dump())
+
+    client = AttemptClient("http://api.test", "ddpqa_t", transport=httpx.MockTransport(answer))
+    sink = ApiSink(None, client, spill_path=tmp_path / "spill.jsonl", close_timeout_s=10)
+    report_steps(sink, 1, 10, total=10)
+    sink.close()
+    assert len(calls) == 3, f"two refusals, then one accepted batch: {len(calls)} requests"
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(calls)]
+    assert all(gap >= 0.95 for gap in gaps), f"Retry-After (1 s) not honoured: {gaps}"
+    assert [row[1] for row in calls[-1][1]] == list(range(1, 11)), "the same batch, in order"
+    assert sink.written == 10 and sink.held_back == 0
+
+
+def _broken_flush_rank(rank: int, store_path: str, environ: str, out: str) -> None:
     """Rank 1 leaves after one all_reduce; rank 0 then flushes 5 reported steps."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
@@ -164,8 +184,7 @@ def _broken_flush_rank(rank: int, store_path: str, db_url: str, job_id: int, out
     if rank == 1:
         os._exit(0)  # dies without a word, as a killed peer would
     ctx = DistContext(0, 0, 2, torch.device("cpu"), "ddp", "gloo", None)
-    db = Database.from_url(db_url)
-    sink = make_sink(0, ctx, db, job_id, 1)
+    sink = make_sink(RankEnv.from_environ(json.loads(environ)), ctx)
     for step in range(1, 6):
         sink.report(step, 0, torch.tensor(float(step)))
     time.sleep(1.0)  # let rank 1 be gone
@@ -175,28 +194,30 @@ def _broken_flush_rank(rank: int, store_path: str, db_url: str, job_id: int, out
     except RuntimeError as exc:
         raised = str(exc)
     sink.close()
-    db.dispose()
     Path(out).write_text(json.dumps({"raised": raised}))
     os._exit(0)  # skip gloo's teardown with a dead peer
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_flush_whose_all_reduce_breaks_still_writes_rank0_points(
-    db: Database, job: tuple[int, int], tmp_path: Path
+    db: Database, settings: Settings, job: tuple[int, int], tmp_path: Path
 ) -> None:
-    job_id, _ = job
-    db_url = db.engine.url.render_as_string(hide_password=False)
+    job_id, attempt = job
     out = tmp_path / "rank-0.json"
-    args = [str(tmp_path / "store"), db_url, str(job_id), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env) for rank in range(2)
-    ]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    assert json.loads(out.read_text())["raised"], "the flush must report the broken collective"
+    with live_api(settings) as api:
+        environ = rank_environ(api.url, mint_token(db, job_id, attempt), job_id, attempt)
+        args = [str(tmp_path / "store"), json.dumps(environ), str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [
+            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env)
+            for rank in range(2)
+        ]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    written = json.loads(out.read_text())
+    assert written["raised"], "the flush must report the broken collective"
     values, _ = stored_losses(db, job_id)
     assert values == {step: float(step) for step in range(1, 6)}, "rank 0's own values"
 
 
 if __name__ == "__main__":  # one rank, started by the test above
-    _broken_flush_rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    _broken_flush_rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

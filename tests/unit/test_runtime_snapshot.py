@@ -4,6 +4,7 @@ the Checkpointer never refills them while its writer still reads them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,12 +13,9 @@ from torch import nn
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
-from service.core.states import JobState
-from service.store.claims import claim_next_job
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, submit_job
-from service.store.workers import register_worker
+from tests.rank_api import LiveApi, attempt_client, live_api
+from tests.rank_api import running_job as start_running_job
 from worker.runtime.checkpointing import Checkpointer, load_checkpoint_file
 from worker.runtime.snapshot import SnapshotPool, state_layout
 
@@ -142,27 +140,26 @@ class Gate:
 
 @pytest.fixture
 def running_job(db: Database) -> tuple[int, int]:
-    with db.session() as s:
-        register_worker(s, worker_id="w1", host="h", pid=1, launcher="local", capacity={})
-        submit_job(s, JobSpec(name="t", task="regression"), owner="o")
-    with db.session() as s:
-        job = claim_next_job(s, worker_id="w1", launcher="local", max_gpus_per_node=0, lease_s=600)
-        assert job is not None
-        job_id, attempt = job.id, job.attempt
-    with db.session() as s:
-        apply_transition(s, Transition(job_id, JobState.STARTING, JobState.RUNNING))
-    return job_id, attempt
+    return start_running_job(db)
+
+
+@pytest.fixture
+def api(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    with live_api(settings) as served:
+        yield served
 
 
 def test_next_save_waits_for_the_writer_before_refilling_the_buffers(
-    db: Database, settings: Settings, running_job: tuple[int, int]
+    db: Database, settings: Settings, api: LiveApi, running_job: tuple[int, int]
 ) -> None:
     artifact_dir = settings.resolved_artifact_dir
     model, opt = model_and_optimizer()
     train_one_step(model, opt)
     at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
     gate = Gate()
-    ckpt = Checkpointer(db, artifact_dir, *running_job, keep=5)
+    ckpt = Checkpointer(
+        attempt_client(db, api.url, *running_job), artifact_dir, *running_job, keep=5
+    )
     ckpt.save(1, 0, lambda: {"gate": gate, **full_state(model, opt)})
     train_one_step(model, opt)
     at_step_2 = {k: v.clone() for k, v in model.state_dict().items()}
@@ -182,11 +179,12 @@ def test_next_save_waits_for_the_writer_before_refilling_the_buffers(
 
 
 def test_checkpointer_reuses_its_buffers_and_frees_them_on_close(
-    db: Database, settings: Settings, running_job: tuple[int, int]
+    db: Database, settings: Settings, api: LiveApi, running_job: tuple[int, int]
 ) -> None:
     model, opt = model_and_optimizer()
     train_one_step(model, opt)
-    ckpt = Checkpointer(db, settings.resolved_artifact_dir, *running_job, keep=1)
+    client = attempt_client(db, api.url, *running_job)
+    ckpt = Checkpointer(client, settings.resolved_artifact_dir, *running_job, keep=1)
     for step in (1, 2, 3):
         train_one_step(model, opt)
         ckpt.save(step, 0, lambda: full_state(model, opt))

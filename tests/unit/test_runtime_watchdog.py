@@ -323,7 +323,7 @@ def test_train_context_calls_start_and_pet_the_watchdog(tmp_path: Path) -> None:
     dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
     spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})
     ctx = TrainContext(spec=spec, dist=dist, sink=NullSink(dist), checkpointer=NullCheckpointer(),
-                       stop=StopFlag(), db=None, artifact_dir=tmp_path, job_id=1, attempt=1,
+                       stop=StopFlag(), api=None, artifact_dir=tmp_path, job_id=1, attempt=1,
                        watchdog=dog)  # fmt: skip
     try:
         time.sleep(0.6)  # the entrypoint builds its model: no clock before the first call
@@ -362,7 +362,7 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
     dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
     spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})
     ctx = TrainContext(spec=spec, dist=dist, sink=NullSink(dist), checkpointer=NullCheckpointer(),
-                       stop=StopFlag(), db=None, artifact_dir=tmp_path, job_id=1,
+                       stop=StopFlag(), api=None, artifact_dir=tmp_path, job_id=1,
                        attempt=1)  # fmt: skip
     with pytest.raises(ValueError, match=says):
         ctx.report(step, epoch, **{name: 1.0})

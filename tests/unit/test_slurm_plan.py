@@ -19,6 +19,7 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from worker.errors import LaunchError
+from worker.launchers.base import with_attempt_token
 from worker.launchers.slurm import SlurmLauncher
 from worker.launchers.slurm_rank import (
     MASTER_PORT_BASE,
@@ -40,6 +41,7 @@ def _settings(tmp_path: Path) -> Settings:
         database_url=f"sqlite:///{tmp_path}/ddpq.db",
         artifact_dir=tmp_path / "artifacts",
         slurm_enabled=True,
+        api_url="http://api.example:8000",
     )
 
 
@@ -74,8 +76,9 @@ def _spec(**overrides: object) -> JobSpec:
 
 def test_one_node_two_ranks_plan_matches_golden(launcher: SlurmLauncher, tmp_path: Path) -> None:
     spec = _spec(resources={"nproc_per_node": 2, "cpus_per_task": 1, "timeout_min": 5})
-    plan = launcher.plan(spec, 7, 1)
+    plan = with_attempt_token(launcher.plan(spec, 7, 1), "ddpqa_s3cret-token")
     _check_golden("slurm_plan_1x2.txt", _normalise(plan.render(), tmp_path))
+    assert "s3cret" not in plan.render() and "s3cret" not in (plan.script or "")
     assert plan.launcher == "slurm" and plan.argv == ["sbatch"]
     assert plan.request is not None
     assert plan.request.folder == str(artifacts.slurm_dir(tmp_path / "artifacts", 7, 1))

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from service.core.spec import JobSpec
-from worker.attempt import FailureReason
+from worker.attempt import ATTEMPT_TOKEN, FailureReason
+
+# Plan entries whose value is a secret: rendered as MASKED, never printed or logged.
+SECRET_ENV_NAMES = frozenset({ATTEMPT_TOKEN})
+MASKED = "***"
 
 
 class RunPhase(StrEnum):
@@ -47,9 +53,13 @@ class LaunchPlan(Generic[RequestT]):
     """Everything needed to start one attempt, as plain values (printable, golden-tested).
 
     ``argv``/``env``/``cwd`` start the processes; ``script`` holds a rendered batch script
-    where the backend has one (Slurm). ``env`` holds only what the launcher adds to the
-    worker's environment. ``request`` is the launcher's own typed part of the plan (e.g. a
-    timeout, the sbatch parameters); None only in plans no launcher made (tests' fakes).
+    where the backend has one (Slurm). ``env`` holds what the launcher adds to the part of the
+    worker's environment ranks inherit (``worker.attempt.inherited_env``), the attempt token
+    included once the loop minted it (``with_attempt_token``; rendered masked). ``files`` are
+    written into the attempt directory (``log_dir``) before the processes start: name
+    (relative to it) → text, e.g. the spec as ``spec.json``. ``request`` is the launcher's own
+    typed part of the plan (e.g. a timeout, the sbatch parameters); None only in plans no
+    launcher made (tests' fakes).
     """
 
     launcher: str
@@ -61,16 +71,60 @@ class LaunchPlan(Generic[RequestT]):
     log_dir: str
     script: str | None = None
     request: RequestT | None = None
+    files: dict[str, str] = field(default_factory=dict)
 
     def render(self) -> str:
-        """The plan as text: environment, command line, and the script if any."""
+        """The plan as text: environment (secrets masked), the files it writes (their
+        names: a spec's text is the job's, shown elsewhere), command line, and the script if
+        any."""
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
-        lines += [f"export {k}={v}" for k, v in sorted(self.env.items())]
+        lines += [
+            f"export {k}={MASKED if k in SECRET_ENV_NAMES else v}"
+            for k, v in sorted(self.env.items())
+        ]
+        lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
         lines.append(" ".join(self.argv))
         if self.script:
             lines += ["", self.script]
         return "\n".join(lines)
+
+
+def with_attempt_token(plan: LaunchPlan[RequestT], token: str) -> LaunchPlan[RequestT]:
+    """``plan`` with the attempt token the worker minted for it in the ranks' environment
+    (``worker.attempt.ATTEMPT_TOKEN``); touches nothing."""
+    return replace(plan, env={**plan.env, ATTEMPT_TOKEN: token})
+
+
+def write_plan_files(plan: LaunchPlan[Any], *, owner: tuple[int, int] | None = None) -> None:
+    """Write the plan's ``files`` into its attempt directory (``log_dir``), mode 0600.
+
+    Each file is created fresh (``O_EXCL`` on a temp name, then renamed), so a symlink or a
+    file left in the directory is never written through.
+
+    Args:
+        owner: (uid, gid) to give each file (the rank user's), else the caller's.
+    Raises:
+        OSError: a file could not be written or given away.
+        ValueError: a file name is not a plain name (a path).
+    """
+    directory = Path(plan.log_dir)
+    for name, text in plan.files.items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"plan file {name!r}: only plain file names, no paths")
+        path = directory / name
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            if owner is not None:
+                os.fchown(fd, *owner)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fd = -1
+                fh.write(text)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        os.replace(tmp, path)
 
 
 class Launcher(Protocol):

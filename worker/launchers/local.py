@@ -13,12 +13,19 @@ too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun st
 Every attempt starts in an empty directory: one left over from an earlier life of the same
 job id and attempt (e.g. the database was recreated but the artifact dir kept) is moved aside
 to ``attempt-<n>.stale-<UTC time>``, and a ``result.json`` counts only if it was written after
-the attempt started (by the file system's clock).
+the attempt started (by the file system's clock). The plan's files (the spec as
+``spec.json``, mode 0600) are written there before torchrun starts.
+
+The ranks hold no secret of the worker's: their environment is ``inherited_env`` of the
+worker's (an allow-list) plus the plan's entries (the API URL and the attempt token; no
+database URL). With ``DDPQ_RANK_USER`` a root-run worker starts torchrun as that user
+(``worker.launchers.rank_user``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -28,15 +35,22 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Self
 
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
-from worker.attempt import ARTIFACT_DIR, DATABASE_URL, FailureReason, attempt_tags, rank_env
+from worker.attempt import (
+    ALLOWED_ENTRYPOINTS,
+    API_URL,
+    ARTIFACT_DIR,
+    FailureReason,
+    attempt_tags,
+    rank_env,
+)
 from worker.errors import LaunchError
+from worker.launchers.attempt_dir import prepare_attempt_dir
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import (
     RankFailure,
@@ -45,6 +59,7 @@ from worker.launchers.failure_text import (
     earliest_failure,
     tail_lines,
 )
+from worker.launchers.rank_user import RankUser, popen_identity, process_env, resolve_rank_user
 from worker.processes import find_tagged_processes, parent_death_preexec
 
 log = logging.getLogger(__name__)
@@ -72,26 +87,6 @@ class LocalRequest:
     None for no limit."""
 
     timeout_s: float | None = None
-
-
-def move_aside_stale_attempt(attempt_dir: Path) -> Path | None:
-    """Rename a non-empty ``attempt_dir`` to ``<name>.stale-<UTC time>`` so the attempt
-    starts empty (no earlier result.json, error files or logs can be mistaken for its own).
-
-    Returns:
-        Where it was moved, or None when there was nothing to move (absent or empty).
-    Raises:
-        OSError: the rename failed.
-    """
-    try:
-        if not any(attempt_dir.iterdir()):
-            return None
-    except FileNotFoundError:
-        return None
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
-    target = attempt_dir.with_name(f"{attempt_dir.name}.stale-{stamp}")
-    attempt_dir.rename(target)
-    return target
 
 
 @dataclass
@@ -127,16 +122,24 @@ class LocalLauncher:
         python: str = sys.executable,
     ) -> None:
         """Args:
-        settings: where ranks find the database and the artifact root; ``warm_ranks``
-            picks worker.runtime.agent (default) or plain torchrun.
+        settings: where ranks find the API (``resolved_api_url``) and the artifact root;
+            ``warm_ranks`` picks worker.runtime.agent (default) or plain torchrun;
+            ``rank_user`` the Unix user ranks run as (the worker must be root).
         cwd: the ranks' working directory (default: the worker's; user entrypoints such as
             ``examples.*`` are imported relative to it).
         grace_s: seconds between SIGTERM and SIGKILL on cancel.
         teardown_grace_s: seconds an attempt may linger after rank 0 wrote result.json.
         entry: what torchrun runs per rank (default ``-m worker.runtime``).
         python: the interpreter that runs torchrun.
+        Raises:
+            LaunchError: ``rank_user`` is set but this process is not root, or there is no
+                such user.
         """
-        self.database_url = settings.resolved_database_url
+        self.api_url = settings.resolved_api_url
+        self.allowed_entrypoints = list(settings.allowed_entrypoints)
+        self.rank_user: RankUser | None = (
+            resolve_rank_user(settings.rank_user) if settings.rank_user else None
+        )
         self.artifact_dir = settings.resolved_artifact_dir
         self.cwd = (cwd or Path.cwd()).resolve()
         self.grace_s = grace_s
@@ -158,7 +161,9 @@ class LocalLauncher:
         return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
 
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[LocalRequest]:
-        """The torchrun command line and environment for one attempt; touches nothing.
+        """The torchrun command line, environment and spec file for one attempt; touches
+        nothing. The environment names the API the ranks report to, never the database; the
+        loop adds the attempt token (``base.with_attempt_token``).
 
         GPU jobs see GPUs ``0..gpus_per_node-1`` unless the worker rebinds them with
         ``bind_gpus``; CPU jobs get ``CUDA_VISIBLE_DEVICES=""``.
@@ -175,9 +180,13 @@ class LocalLauncher:
         env = {
             **rank_env(job_id, attempt, artifact_dir=self.artifact_dir,
                        cpus_per_task=r.cpus_per_task),
-            DATABASE_URL: self.database_url,
+            API_URL: self.api_url,
             CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
         }  # fmt: skip
+        if self.allowed_entrypoints:
+            # The ranks check the task against the worker's list, whatever their environment.
+            env[ALLOWED_ENTRYPOINTS] = json.dumps(self.allowed_entrypoints)
+        spec_file = artifacts.spec_path(self.artifact_dir, job_id, attempt).name
         return LaunchPlan(
             launcher=NAME,
             job_id=job_id,
@@ -187,10 +196,14 @@ class LocalLauncher:
             cwd=str(self.cwd),
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
             request=LocalRequest(timeout_s=float(r.timeout_min * 60)),
+            files={spec_file: spec.model_dump_json()},
         )
 
     def start(self, plan: LaunchPlan[LocalRequest]) -> str:
-        """Start torchrun in a new session, its output appended to ``launcher.log``.
+        """Start torchrun in a new session, its output appended to ``launcher.log``, after
+        writing the plan's files (the spec) into the fresh attempt directory. torchrun gets
+        ``inherited_env`` of the worker's environment plus the plan's; with a rank user it
+        runs as that user, who owns the attempt and checkpoint directories.
 
         Returns:
             The handle: torchrun's pid (also its process group id), as a string.
@@ -199,11 +212,10 @@ class LocalLauncher:
         """
         log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
         try:
-            stale = move_aside_stale_attempt(log_path.parent)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
+            stale = prepare_attempt_dir(plan, self.artifact_dir, self.rank_user)
             log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
             started_fs_ns = os.fstat(log_file.fileno()).st_mtime_ns
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise LaunchError(f"could not prepare {log_path.parent}: {exc}") from exc
         if stale is not None:
             log.warning("job_id=%d attempt=%d: moved a stale attempt directory aside to %s",
@@ -212,12 +224,13 @@ class LocalLauncher:
             popen = subprocess.Popen(
                 plan.argv,
                 cwd=plan.cwd,
-                env={**os.environ, **plan.env},
+                env=process_env(plan.env, self.rank_user),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=parent_death_preexec(signal.SIGTERM),
+                **popen_identity(self.rank_user),
             )
         except OSError as exc:
             log_file.close()

@@ -18,6 +18,7 @@ ddpq's relaunch runs.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -30,9 +31,9 @@ from typing import Any, Self
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
-from worker.attempt import DATABASE_URL, FailureReason
+from worker.attempt import FailureReason, inherited_env
 from worker.errors import LaunchError
-from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, write_plan_files
 from worker.launchers.failure_text import earliest_failure, tail_lines
 from worker.launchers.slurm_params import (
     DEFAULT_SIGNAL_DELAY_S,
@@ -49,7 +50,12 @@ from worker.launchers.slurm_states import (
     slurm_job_name,
     status_from_records,
 )
-from worker.launchers.submitit_adapter import sbatch_script, submission_script, task_command
+from worker.launchers.submitit_adapter import (
+    sbatch_script,
+    submission_script,
+    submit_with_environment,
+    task_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +97,9 @@ class SlurmLauncher:
         sacct: str = "sacct",
     ) -> None:
         """Args:
-        settings: where ranks find the database and the artifact root (which every Slurm
-            node must see at the same path).
+        settings: where ranks find the API (``resolved_api_url``: it must be reachable
+            from the compute nodes) and the artifact root (which every Slurm node must see
+            at the same path).
         cwd: the ranks' working directory (``--chdir``; default: the worker's).
         python: the interpreter the ranks run (same path on every node).
         partition: used when a spec names none (else Slurm's default partition).
@@ -103,7 +110,7 @@ class SlurmLauncher:
         sacct: the sacct executable.
         """
         self.settings = settings
-        self.database_url = settings.resolved_database_url
+        self.api_url = settings.resolved_api_url
         self.artifact_dir = settings.resolved_artifact_dir
         self.cwd = (cwd or Path.cwd()).resolve()
         self.python = python
@@ -150,6 +157,7 @@ class SlurmLauncher:
             attempt,
             cwd=str(self.cwd),
             artifact_dir=self.artifact_dir,
+            api_url=self.api_url,
             default_partition=self.partition,
             signal_delay_s=self.signal_delay_s,
         )
@@ -159,18 +167,25 @@ class SlurmLauncher:
             job_id=job_id,
             attempt=attempt,
             argv=["sbatch"],
-            env=rank_environment(spec, job_id, attempt, artifact_dir=self.artifact_dir),
+            env=rank_environment(
+                spec, job_id, attempt, artifact_dir=self.artifact_dir, api_url=self.api_url
+            ),
             cwd=str(self.cwd),
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
             script=script,
             request=SlurmBatchRequest(folder=str(folder), parameters=params),
-        )
+            files={artifacts.spec_path(self.artifact_dir, job_id, attempt).name:
+                   spec.model_dump_json()},
+        )  # fmt: skip
 
     # -- start ---------------------------------------------------------------------------
 
     def start(self, plan: LaunchPlan[SlurmBatchRequest]) -> str:
-        """Submit the plan's script through submitit (the worker loop records the handle as
-        the job's ``scheduler_job_id``: this launcher writes nothing to the database).
+        """Write the plan's files (the spec) into the attempt directory, then submit the
+        plan's script through submitit (the worker loop records the handle as the job's
+        ``scheduler_job_id``: this launcher writes nothing to the database). The plan's
+        environment, attempt token included, travels in submitit's pickle (``SlurmRank``),
+        in a folder only the worker's user can read.
 
         Returns:
             The handle: Slurm's job id.
@@ -185,17 +200,24 @@ class SlurmLauncher:
         folder = Path(plan.request.folder)
         # A copy: submitit's executor and the plan must not share a mutable dict.
         params = dict(plan.request.parameters)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # submitit's pickle carries the database URL (maybe with a password): owner only.
-        folder.mkdir(mode=0o700, exist_ok=True)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            write_plan_files(plan)
+            # submitit's pickle carries the attempt token: owner only (mkdir's mode is
+            # masked by the umask, and an existing folder keeps its mode: chmod).
+            folder.mkdir(mode=0o700, exist_ok=True)
+            folder.chmod(0o700)
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"could not prepare {folder}: {exc}") from exc
         try:
             executor = SlurmExecutor(folder=folder, python=shlex.quote(self.python))
         except RuntimeError as exc:
             raise LaunchError(f"cannot submit to Slurm: {exc}") from exc
         executor.update_parameters(**params)
+        submit_with_environment(executor, inherited_env(os.environ))
         if submission_script(executor) != plan.script:
             raise LaunchError("the sbatch script submitit would submit differs from the plan")
-        rank = SlurmRank(env={**plan.env, DATABASE_URL: self.database_url})
+        rank = SlurmRank(env=dict(plan.env))
         try:
             job = executor.submit(rank)
         except Exception as exc:  # submitit wraps sbatch's failure in several types

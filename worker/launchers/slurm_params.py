@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from service.core.spec import JobSpec
-from worker.attempt import rank_env
+from worker.attempt import API_URL, rank_env
 from worker.errors import LaunchError
 from worker.launchers.slurm_states import PREEMPT_SIGNAL, slurm_job_name
 from worker.launchers.submitit_adapter import convert_mem
@@ -30,7 +30,7 @@ class SlurmBatchRequest:
     ``folder``: submitit's folder for the attempt (the job's pickles and task logs).
     ``parameters``: ``SlurmExecutor.update_parameters`` keyword arguments (submitit's names,
     as ``sbatch_parameters`` builds them); the rendered script is made from exactly these.
-    Holds no database URL (the ranks get it through submitit's pickle).
+    Holds no secret: the attempt token travels only in submitit's pickle (``SlurmRank``).
     """
 
     folder: str
@@ -44,6 +44,7 @@ def sbatch_parameters(
     *,
     cwd: str,
     artifact_dir: Path,
+    api_url: str,
     default_partition: str | None = None,
     signal_delay_s: int = DEFAULT_SIGNAL_DELAY_S,
 ) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def sbatch_parameters(
                 f"{', '.join(sorted(RESERVED_SBATCH_OPTIONS))})"
             )
         extra[name] = value
-    env = rank_environment(spec, job_id, attempt, artifact_dir=artifact_dir)
+    env = rank_environment(spec, job_id, attempt, artifact_dir=artifact_dir, api_url=api_url)
     params: dict[str, Any] = {
         "job_name": slurm_job_name(job_id, attempt),
         "time": (opts.time_limit_min if opts and opts.time_limit_min else r.timeout_min),
@@ -95,11 +96,12 @@ def sbatch_parameters(
 
 
 def rank_environment(
-    spec: JobSpec, job_id: int, attempt: int, *, artifact_dir: Path
+    spec: JobSpec, job_id: int, attempt: int, *, artifact_dir: Path, api_url: str
 ) -> dict[str, str]:
-    """ddpq's variables every rank gets (``worker.attempt.rank_env``), exported by the sbatch
-    script (the database URL, which may hold a password, and the topology are added inside
-    the task)."""
-    return rank_env(
+    """ddpq's variables every rank gets (``worker.attempt.rank_env``) and the API's URL,
+    exported by the sbatch script. Nothing secret: the attempt token and the topology are
+    added inside the task (``SlurmRank``); no database URL reaches a Slurm rank at all."""
+    env = rank_env(
         job_id, attempt, artifact_dir=artifact_dir, cpus_per_task=spec.resources.cpus_per_task
     )
+    return {**env, API_URL: api_url}

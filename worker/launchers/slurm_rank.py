@@ -169,9 +169,10 @@ def near_time_limit(scheduler_job_id: str, margin_s: float = TIME_LIMIT_MARGIN_S
 class SlurmRank:
     """The picklable function submitit runs once per Slurm task (one task = one rank).
 
-    ``env`` holds ddpq's variables for the ranks (job id, attempt, database URL, artifact
-    directory); they travel in submitit's pickle, not in the sbatch script, so the database
-    URL (which may hold a password) never appears in the script or in ``scontrol show job``.
+    ``env`` holds ddpq's variables for the ranks (job id, attempt, artifact directory, the
+    API's URL and the attempt token); they travel in submitit's pickle (its folder is the
+    worker user's alone, mode 0700), so the token never appears in the sbatch script or in
+    ``scontrol show job``. No database URL: Slurm ranks report through the attempt API.
     """
 
     env: dict[str, str] = field(default_factory=dict)

@@ -30,6 +30,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("submitit.slurm.slurm", "_parse_node_list"),
     ("submitit.slurm.slurm", "SlurmExecutor._make_submission_file_text"),
     ("submitit.slurm.slurm", "SlurmExecutor._submitit_command_str"),
+    ("submitit.slurm.slurm", "SlurmExecutor._make_submission_command"),
     (SUBMIT_MODULE, ""),
 )
 
@@ -105,3 +106,18 @@ def parse_node_list(nodelist: str) -> list[str]:
     from submitit.slurm.slurm import _parse_node_list
 
     return [str(node) for node in _parse_node_list(nodelist)]
+
+
+def submit_with_environment(executor: SlurmExecutor, environ: dict[str, str]) -> None:
+    """Have ``executor`` run sbatch with exactly ``environ`` (``env -i NAME=value … sbatch``):
+    sbatch hands its whole environment to the job (``--export=ALL``), and the worker's holds
+    its database URL. Wraps ``SlurmExecutor._make_submission_command``. The values appear on
+    sbatch's command line: pass only what is not secret (``worker.attempt.inherited_env``).
+    """
+    make_command = executor._make_submission_command
+    assignments = [f"{name}={value}" for name, value in sorted(environ.items())]
+
+    def _scrubbed(submission_file_path: Path) -> list[str]:
+        return ["env", "-i", *assignments, *make_command(submission_file_path)]
+
+    executor._make_submission_command = _scrubbed  # type: ignore[method-assign]

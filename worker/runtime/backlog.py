@@ -1,11 +1,11 @@
-"""Rank 0's metric backlog: points handed to the writer but not yet in the database.
+"""Rank 0's metric backlog: points handed to the writer but not yet accepted by the attempt API.
 
 A FIFO, oldest first. At most ``memory_cap`` points stay in memory; past that, newer points
 are appended to a spill file (JSON lines, ``service.core.artifacts.metrics_spill_path``) and read
-back in order as the writer catches up, so a long database outage costs disk, not memory,
+back in order as the writer catches up, so a long API outage costs disk, not memory,
 and loses nothing. The training thread appends (a list extend; a file append only while
 spilling); the writer thread peeks at the oldest points, writes them, then drops them. One
-lock guards both sides and is never held across a database call.
+lock guards both sides and is never held across a request.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def decode_point(line: bytes) -> CheckedPoint:
 
 
 class MetricBacklog:
-    """Points waiting for the database, oldest first: memory up to ``memory_cap``, then a file.
+    """Points waiting for the attempt API, oldest first: memory up to ``memory_cap``, then a file.
 
     Invariant: every point in the file is newer than every point in memory, so reading the
     file back after the memory drains keeps the order. Thread-safe.

@@ -2,9 +2,11 @@
 
 Only rank 0 writes (``make_checkpointer``). The training thread copies the state's tensors
 into reused host buffers (``worker.runtime.snapshot``); one background thread writes a temp
-file in the checkpoint directory, fsyncs it, records it with
-``service.store.checkpoints.record_checkpoint`` (fenced by attempt) and renames it into place inside
-that transaction, then rotates old checkpoints away.
+file in the checkpoint directory, fsyncs it, records it through the attempt API
+(``POST /attempts/self/checkpoints``, fenced by the attempt token) and only then renames it
+into place, so a fenced-off attempt never replaces a file; then it rotates old checkpoints
+away (recording their deletion). Resume reads the job's checkpoint list from the API and
+verifies each file (size and sha256) in the shared artifact directory.
 
 A write that fails (full disk, I/O error) publishes nothing and leaves the previous checkpoint
 as it was: the temp file is removed, the failure is logged and recorded as a job event, and
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,29 +33,23 @@ from typing import Any, Protocol
 import torch
 
 from service.core import artifacts
-from service.core.errors import (
-    DatabaseUnavailableError,
-    DdpqError,
-    NotFoundError,
-    StaleAttemptError,
-)
-from service.store.checkpoints import (
-    list_checkpoints,
-    mark_checkpoints_deleted,
-    record_checkpoint,
-    record_checkpoint_failure,
-)
-from service.store.db import Database
+from service.core.attempt_api import CheckpointEntry, CheckpointFailure, CheckpointRecord
+from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.distributed import DistContext, broadcast_int
 from worker.runtime.snapshot import Snapshot, SnapshotPool
+from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
 _READ_CHUNK_BYTES = 1 << 20
+# How long rank 0 keeps asking for the checkpoint list at resume while the API is down
+# (seconds); the other ranks wait in the broadcast meanwhile (well under the pg timeout).
+RESUME_LIST_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """A checkpoint that is durable on disk and recorded in the database."""
+    """A checkpoint that is durable on disk and recorded through the attempt API."""
 
     step: int
     epoch: int
@@ -177,12 +174,16 @@ class Checkpointer(NullCheckpointer):
     """Rank 0's ``CheckpointSaver``: one background write at a time, newest ``keep`` kept.
 
     Host memory: one copy of the state's tensors (the snapshot buffers), kept until ``close``.
+
+    Args:
+        client: the attempt API client (the checkpointer closes it in ``close``).
+        keep: the newest checkpoints kept; older ones are deleted after each save.
     """
 
     def __init__(
-        self, db: Database, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
+        self, client: AttemptClient, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
     ) -> None:
-        self._db, self._artifact_dir = db, artifact_dir
+        self._client, self._artifact_dir = client, artifact_dir
         self.job_id, self.attempt, self.keep = job_id, attempt, keep
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt")
         self._future: Future[None] | None = None
@@ -219,6 +220,7 @@ class Checkpointer(NullCheckpointer):
         finally:
             self._executor.shutdown(wait=True)
             self._pool.release()
+            self._client.close()
         if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
             step, reason = self.failed[-1]
             raise CheckpointWriteError(f"checkpoint at step {step} could not be written: {reason}")
@@ -237,29 +239,24 @@ class Checkpointer(NullCheckpointer):
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
             return
+        record = CheckpointRecord(
+            step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256
+        )
         try:
-            with self._db.session() as session:
-                record_checkpoint(
-                    session,
-                    self.job_id,
-                    self.attempt,
-                    step=step,
-                    epoch=epoch,
-                    path=str(path),
-                    size_bytes=size_bytes,
-                    sha256=sha256,
-                )
-                # Inside the fenced transaction: a stale attempt never replaces a file.
+            # Recorded first, published after: the fence decides before a file is replaced.
+            self._client.record_checkpoint(record)
+            try:
                 publish_checkpoint(tmp, path)
-        except (StaleAttemptError, NotFoundError) as exc:
+            except OSError as exc:  # the rename or the directory fsync
+                self._report_failure(step, describe_write_error(exc))
+                self._forget([step])  # recorded, but its file is not in place
+                return
+        except StaleAttemptError as exc:
             log.warning("checkpoint at step %d fenced off, stopping: %s", step, exc)
             self._stale.set()
             return
-        except DatabaseUnavailableError as exc:
+        except (ApiUnavailableError, AttemptRequestError) as exc:
             log.error("checkpoint at step %d not recorded: %s", step, exc)
-            return
-        except OSError as exc:  # the rename or the directory fsync
-            self._report_failure(step, describe_write_error(exc))
             return
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -278,49 +275,81 @@ class Checkpointer(NullCheckpointer):
             reason,
         )
         try:
-            with self._db.session() as session:
-                record_checkpoint_failure(
-                    session, self.job_id, self.attempt, step=step, reason=reason
-                )
-        except (StaleAttemptError, NotFoundError) as exc:
+            self._client.record_checkpoint_failure(CheckpointFailure(step=step, reason=reason))
+        except StaleAttemptError as exc:
             log.warning("checkpoint failure at step %d not recorded, stopping: %s", step, exc)
             self._stale.set()
-        except DatabaseUnavailableError as exc:
+        except (ApiUnavailableError, AttemptRequestError) as exc:
             log.warning("checkpoint failure at step %d not recorded: %s", step, exc)
 
-    def _rotate(self) -> None:
+    def _forget(self, steps: list[int]) -> None:
+        """Record ``steps`` as deleted (best effort: resume verifies every file anyway)."""
         try:
-            with self._db.session() as session:
-                old = list_checkpoints(session, self.job_id)[self.keep :]
-                mark_checkpoints_deleted(session, self.job_id, [c.step for c in old])
-                paths = [Path(c.path) for c in old]
-        except DatabaseUnavailableError as exc:
+            self._client.record_deletions(steps)
+        except StaleAttemptError as exc:
+            log.warning("checkpoint deletion not recorded, stopping: %s", exc)
+            self._stale.set()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("checkpoint deletion of steps %s not recorded: %s", steps, exc)
+
+    def _rotate(self) -> None:
+        """Delete the checkpoints past the newest ``keep``: the record first (so resume never
+        picks a file about to vanish), then the file."""
+        try:
+            old = self._client.list_checkpoints()[self.keep :]
+            if old:
+                self._client.record_deletions([c.step for c in old])
+        except StaleAttemptError as exc:
+            log.warning("checkpoint rotation fenced off, stopping: %s", exc)
+            self._stale.set()
+            return
+        except (ApiUnavailableError, AttemptRequestError) as exc:
             log.warning("checkpoint rotation skipped: %s", exc)
             return
-        for path in paths:
+        for entry in old:
             with contextlib.suppress(NotFoundError, FileNotFoundError):
-                artifacts.confine(self._artifact_dir, path).unlink()
+                artifacts.confine(self._artifact_dir, entry.path).unlink()
 
 
-def make_checkpointer(
-    rank: int, db: Database, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
-) -> CheckpointSaver:
-    """The one place that decides who writes checkpoints: a Checkpointer on rank 0, else the
-    null object NullCheckpointer."""
-    if rank == 0:
-        return Checkpointer(db, artifact_dir, job_id, attempt, keep=keep)
+def make_checkpointer(env: RankEnv, artifact_dir: Path, *, keep: int) -> CheckpointSaver:
+    """The one place that decides who writes checkpoints: a Checkpointer on rank 0 (with its
+    own ``AttemptClient`` for ``env``), else the null object NullCheckpointer."""
+    if env.rank == 0:
+        client = AttemptClient(env.api_url, env.attempt_token)
+        return Checkpointer(client, artifact_dir, env.job_id, env.attempt, keep=keep)
     return NullCheckpointer()
 
 
-def find_resume_checkpoint(db: Database, artifact_dir: Path, job_id: int) -> int | None:
+def _list_checkpoints(client: AttemptClient) -> list[CheckpointEntry]:
+    """The job's checkpoint list, retried with backoff (and ``Retry-After``) for up to
+    ``RESUME_LIST_WAIT_S`` while the API is unavailable: a rank may start during an outage."""
+    deadline_s = time.monotonic() + RESUME_LIST_WAIT_S
+    delay_s = 0.25
+    while True:
+        try:
+            return client.list_checkpoints()
+        except ApiUnavailableError as exc:
+            wait_s = max(delay_s, exc.retry_after_s or 0.0)
+            if time.monotonic() + wait_s > deadline_s:
+                raise
+            log.warning("checkpoint list unavailable, retrying in %.1f s: %s", wait_s, exc)
+            time.sleep(wait_s)
+            delay_s = min(delay_s * 2, 5.0)
+
+
+def find_resume_checkpoint(client: AttemptClient, artifact_dir: Path, job_id: int) -> int | None:
     """The step of the newest recorded checkpoint whose file exists with the recorded size and
-    sha256. Corrupt or missing ones are logged and marked deleted so rotation ignores them.
+    sha256 (the list from ``GET /attempts/self/checkpoints``). Corrupt or missing ones are
+    logged and recorded deleted so rotation ignores them (best effort).
 
     Returns:
         The step, or None when there is nothing to resume from.
+    Raises:
+        StaleAttemptError: the attempt is fenced off.
+        ApiUnavailableError: the list could not be read within ``RESUME_LIST_WAIT_S``
+            (starting from nothing instead would redo finished steps: the rank fails).
     """
-    with db.session(write=False) as session:
-        candidates = [(c.step, c.size_bytes, c.sha256) for c in list_checkpoints(session, job_id)]
+    candidates = [(c.step, c.size_bytes, c.sha256) for c in _list_checkpoints(client)]
     bad: list[int] = []
     chosen: int | None = None
     for step, size_bytes, sha256 in candidates:
@@ -334,17 +363,29 @@ def find_resume_checkpoint(db: Database, artifact_dir: Path, job_id: int) -> int
             break
         bad.append(step)
     if bad:
-        with db.session() as session:
-            mark_checkpoints_deleted(session, job_id, bad)
+        try:
+            client.record_deletions(bad)
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("damaged checkpoints %s not recorded deleted: %s", bad, exc)
     return chosen
 
 
-def agree_on_resume(ctx: DistContext, db: Database, artifact_dir: Path, job_id: int) -> Path | None:
+def agree_on_resume(
+    ctx: DistContext, client: AttemptClient | None, artifact_dir: Path, job_id: int
+) -> Path | None:
     """Rank 0 picks the checkpoint to resume from and broadcasts its step; every rank returns
-    the same path (None: start from scratch). A collective: all ranks must call it."""
+    the same path (None: start from scratch). A collective: all ranks must call it.
+
+    Args:
+        client: rank 0's attempt API client (other ranks may pass None).
+    Raises:
+        ValueError: rank 0 without a client.
+    """
     step = 0
     if ctx.rank == 0:
-        step = find_resume_checkpoint(db, artifact_dir, job_id) or 0
+        if client is None:
+            raise ValueError("rank 0 needs an AttemptClient to find its resume checkpoint")
+        step = find_resume_checkpoint(client, artifact_dir, job_id) or 0
     step = broadcast_int(step, ctx)
     return artifacts.checkpoint_path(artifact_dir, job_id, step) if step > 0 else None
 

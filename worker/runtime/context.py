@@ -18,6 +18,7 @@ from service.core.config import Settings
 from service.core.errors import DdpqError
 from service.core.metric_points import checked_report
 from service.core.spec import JobSpec
+from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpointing import CheckpointSaver, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
     DistContext,
@@ -114,7 +115,7 @@ class TrainContext:
         sink: Sink,
         checkpointer: CheckpointSaver,
         stop: StopFlag,
-        db: Any,
+        api: AttemptClient | None,
         artifact_dir: Path,
         job_id: int,
         attempt: int,
@@ -129,7 +130,7 @@ class TrainContext:
         )
         self.nonfinite = NonFinitePolicy(spec.training.nonfinite_loss, dist.rank)
         self.clock = ProgressClock()
-        self._db, self._artifact_dir = db, artifact_dir
+        self._api, self._artifact_dir = api, artifact_dir
         self._vote = StopVote(dist)
         self.last_step = 0
         self.last_epoch: int | None = None
@@ -207,7 +208,7 @@ class TrainContext:
     def agree_on_resume(self) -> Path | None:
         """The newest intact checkpoint of this job (any attempt), the same on every rank;
         None on a fresh start. A collective."""
-        return agree_on_resume(self.dist, self._db, self._artifact_dir, self.job_id)
+        return agree_on_resume(self.dist, self._api, self._artifact_dir, self.job_id)
 
     def _warn_skip_not_applied(self) -> None:
         self._warned_skip = True

@@ -1,5 +1,9 @@
 """One rank's life: environment → log redirect → spec → process group → train → result/error.
 
+The rank holds no database handle: its spec is the JSON file the worker wrote into the
+attempt directory (``service.core.artifacts.spec_path``), and everything it records goes
+through the attempt API (``worker.runtime.attempt_client``) with the attempt's token.
+
 ``python -m worker.runtime`` (under torchrun) and the Slurm launcher's submitit function both
 call ``run_rank``; its return value is the rank's exit code (``worker.attempt.ExitCode``).
 Under torchrun a rank also dies with torchrun (``die_with_parent``).
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import random
@@ -19,17 +24,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
-from service.core.artifacts import rank_log_path
+from service.core.artifacts import rank_log_path, spec_path
 from service.core.config import Settings
-from service.core.errors import StaleAttemptError
+from service.core.errors import DdpqError, StaleAttemptError
 from service.core.metric_points import json_safe
 from service.core.spec import JobSpec
-from service.store.db import Database
-from service.store.leases import spec_for_attempt
 from worker import attempt as contract
 from worker.attempt import (
     ExitCode,
+    FailureReason,
     mark_before_first_step,
     now_s,
     signal_exit,
@@ -37,6 +42,7 @@ from worker.attempt import (
     write_result,
 )
 from worker.processes import has_tags, set_parent_death_signal
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpointing import CheckpointSaver, make_checkpointer
 from worker.runtime.context import Entrypoint, TrainContext, load_entrypoint
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
@@ -52,6 +58,15 @@ log = logging.getLogger(__name__)
 
 # Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
+
+
+class SpecFileError(DdpqError):
+    """The attempt's spec file is missing or does not hold a valid job spec (a setup failure:
+    relaunching the same attempt would find the same file)."""
+
+    status_code = 500
+    code = "spec_file"
+    reason = FailureReason.SETUP
 
 
 def die_with_parent(environ: Mapping[str, str], sig: signal.Signals = signal.SIGTERM) -> bool:
@@ -98,10 +113,11 @@ def run_rank(environ: Mapping[str, str] | None = None) -> int:
 
     Args:
         environ: the launcher's variables (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``,
-            ``DDPQ_DATABASE_URL``, ``DDPQ_ARTIFACT_DIR``, ``RANK``, ``LOCAL_RANK``,
-            ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Default:
-            ``os.environ``. A given mapping is copied into ``os.environ`` first, because
-            torch's env:// rendezvous and ``Settings`` read from there.
+            ``DDPQ_API_URL``, ``DDPQ_ATTEMPT_TOKEN``, ``DDPQ_ARTIFACT_DIR``, ``RANK``,
+            ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+            ``MASTER_PORT``). Default: ``os.environ``. A given mapping is copied into
+            ``os.environ`` first, because torch's env:// rendezvous and ``Settings`` read
+            from there.
     Returns:
         0 on success (rank 0 has written result.json); 1 on failure (this rank wrote
         error-rank-<rank>.json); 128 + signum when stopped by a signal; 75 when the attempt
@@ -141,11 +157,12 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
         env.local_rank,
         os.getpid(),
     )
-    db = Database.from_url(settings.resolved_database_url)
+    api = AttemptClient(env.api_url, env.attempt_token)
     try:
-        spec = load_spec(db, env)
+        spec = load_spec(artifact_dir, env)
+        check_attempt(api, env)
         ctx = init_distributed(spec, env)
-        code = _train(spec, ctx, env, settings, db, artifact_dir, stop)
+        code = _train(spec, ctx, env, settings, api, artifact_dir, stop)
         if code == ExitCode.OK:
             shutdown_distributed(ctx)
         return code
@@ -165,18 +182,55 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
         write_rank_error(artifact_dir, env.job_id, env.attempt, env.rank, exc, at_s)
         return ExitCode.FAILED
     finally:
-        db.dispose()
+        api.close()
 
 
-def load_spec(db: Database, env: RankEnv) -> JobSpec:
-    """The job's spec, after checking this attempt is still the job's current, active one.
+def load_spec(artifact_dir: Path, env: RankEnv) -> JobSpec:
+    """The job's spec, from the file the worker wrote for this attempt before launching it
+    (``spec_path``): a rank starts even while the API is down.
 
     Raises:
-        NotFoundError: no such job.
-        StaleAttemptError: the job moved on (requeued, cancelled, finished) before we started.
+        SpecFileError: the file is missing, unreadable, not JSON or not a valid spec (the
+            message names the file).
     """
-    with db.session(write=False) as session:
-        return JobSpec.model_validate(spec_for_attempt(session, env.job_id, env.attempt))
+    path = spec_path(artifact_dir, env.job_id, env.attempt)
+    try:
+        return JobSpec.model_validate(json.loads(path.read_bytes()))
+    except FileNotFoundError:
+        raise SpecFileError(
+            f"no spec file at {path}: the worker writes it before it starts the ranks "
+            f"(is {contract.ARTIFACT_DIR} the worker's artifact directory?)"
+        ) from None
+    except OSError as exc:
+        raise SpecFileError(f"cannot read the spec file {path}: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError and pydantic's ValidationError alike
+        count = exc.error_count() if isinstance(exc, ValidationError) else 1
+        raise SpecFileError(
+            f"the spec file {path} does not hold a valid job spec ({count} error(s)): {exc}"
+        ) from None
+
+
+def check_attempt(api: AttemptClient, env: RankEnv) -> None:
+    """Ask the attempt API once whether this attempt is still the job's current one, so a rank
+    of a superseded attempt stops before it joins the process group.
+
+    An unreachable API is no reason not to start (the sink retries; the fence still holds on
+    every write): logged, and the rank goes on.
+
+    Raises:
+        StaleAttemptError: the API refused the token (409 superseded, 401 invalid).
+        RankEnvironmentError: the token stands for another job or attempt.
+    """
+    try:
+        me = api.self_check()
+    except (ApiUnavailableError, AttemptRequestError) as exc:
+        log.warning("attempt API not reachable at start, going on: %s", exc)
+        return
+    if (me.job_id, me.attempt) != (env.job_id, env.attempt):
+        raise RankEnvironmentError(
+            f"{contract.ATTEMPT_TOKEN} is the token of job {me.job_id} attempt {me.attempt}, "
+            f"not of job {env.job_id} attempt {env.attempt}"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -202,17 +256,15 @@ def _train(
     dist: DistContext,
     env: RankEnv,
     settings: Settings,
-    db: Database,
+    api: AttemptClient,
     artifact_dir: Path,
     stop: StopFlag,
 ) -> int:
     """The one training path: resolve the entrypoint, build its TrainContext, call it, close,
     then rank 0 records the result."""
     seed_everything(spec.training.seed)
-    sink = make_sink(env.rank, dist, db, env.job_id, env.attempt, artifact_dir=artifact_dir)
-    checkpointer = make_checkpointer(
-        env.rank, db, artifact_dir, env.job_id, env.attempt, keep=spec.training.keep_checkpoints
-    )
+    sink = make_sink(env, dist, artifact_dir=artifact_dir)
+    checkpointer = make_checkpointer(env, artifact_dir, keep=spec.training.keep_checkpoints)
     on_stall = functools.partial(
         exit_on_stall,
         artifact_dir=artifact_dir,
@@ -221,7 +273,7 @@ def _train(
         rank=env.rank,
     )
     # Started by the first step (built-in tasks) or the first ctx call (entrypoints); stopped
-    # before the final close, which waits on the database and the checkpoint writer.
+    # before the final close, which waits on the attempt API and the checkpoint writer.
     watchdog = StallWatchdog(spec.training.stall_timeout_s, on_stall, on_expired=dump_on_expiry)
     try:
         entrypoint = resolve_entrypoint(spec.task, settings)
@@ -231,7 +283,7 @@ def _train(
             sink=sink,
             checkpointer=checkpointer,
             stop=stop,
-            db=db,
+            api=api,
             artifact_dir=artifact_dir,
             job_id=env.job_id,
             attempt=env.attempt,

@@ -3,8 +3,8 @@ rank holds (``MetricsSink``), and ``NullSink``, the null object for ranks that r
 
 ``report`` only appends the detached loss tensor (no ``.item()``, no host sync). ``flush`` is
 collective in the trainer: all ranks average the stacked buffer with one all_reduce, then
-hand it to ``_publish``, which rank 0's ``worker.runtime.sink.DatabaseSink`` turns into
-points for the database.
+hand it to ``_publish``, which rank 0's ``worker.runtime.sink.ApiSink`` turns into
+points for the attempt API.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Progress:
 class Sink(Protocol):
     """What the training loop (``Trainer``, ``TrainContext``) reports to, on every rank.
 
-    ``make_sink`` builds the one for a rank: ``DatabaseSink`` on rank 0, the null object
+    ``make_sink`` builds the one for a rank: ``ApiSink`` on rank 0, the null object
     ``NullSink`` elsewhere; the loop never asks which rank it is. ``report``,
     ``report_values`` and ``buffered`` never sync with the device; ``flush`` with
     ``average=True`` is a collective.

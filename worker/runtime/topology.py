@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.core.errors import DdpqError
 from worker import attempt as contract
@@ -31,9 +31,23 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         raise RankEnvironmentError(f"{name}={raw!r} is not an integer") from None
 
 
+def _required(environ: Mapping[str, str], name: str) -> str:
+    value = (environ.get(name) or "").strip()
+    if not value:
+        raise RankEnvironmentError(
+            f"{name} is not set; the worker must set it for every rank (the attempt API's "
+            "URL and this attempt's token: a rank reports through the API, never the database)"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class RankEnv:
-    """One rank's identity. ``rank``/``world_size`` default to 0/1 (a lone process, e.g. dp)."""
+    """One rank's identity. ``rank``/``world_size`` default to 0/1 (a lone process, e.g. dp).
+
+    ``api_url`` and ``attempt_token`` are where and as whom the rank reports (the attempt
+    API); the token is the only secret a rank holds. Its repr hides the token.
+    """
 
     job_id: int
     attempt: int
@@ -44,13 +58,16 @@ class RankEnv:
     master_addr: str | None
     master_port: int | None
     pg_timeout_s: float
+    api_url: str
+    attempt_token: str = field(repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RankEnv:
         """Parse the launcher's variables (names in ``worker.attempt``).
 
         Raises:
-            RankEnvironmentError: ``DDPQ_JOB_ID``/``DDPQ_ATTEMPT`` missing, or a bad number.
+            RankEnvironmentError: ``DDPQ_JOB_ID``/``DDPQ_ATTEMPT``/``DDPQ_API_URL``/
+                ``DDPQ_ATTEMPT_TOKEN`` missing, or a bad number.
         """
         world_size = _int(environ, contract.WORLD_SIZE, 1)
         rank = _int(environ, contract.RANK, 0)
@@ -74,4 +91,6 @@ class RankEnv:
             master_addr=environ.get(contract.MASTER_ADDR) or None,
             master_port=int(port) if port else None,
             pg_timeout_s=pg_timeout_s,
+            api_url=_required(environ, contract.API_URL),
+            attempt_token=_required(environ, contract.ATTEMPT_TOKEN),
         )

@@ -1,0 +1,355 @@
+"""The attempt API: what a job's rank 0 writes while its attempt runs (metric batches and
+progress, checkpoint records, failed saves, rotations) and reads back (its own identity, the
+job's checkpoints for resume).
+
+Who may call it: only a holder of an attempt token (``Authorization: Bearer ddpqa_…``,
+minted by the worker at launch; ``deps.get_attempt``), whether the server's auth is on or
+off. An API token, a user, an admin: 401. No route takes a job id; the token names the job
+and attempt, so a rank can touch nothing but its own job, and only while its attempt is the
+job's current, active one (the fence, checked in the statement that writes): else 409 with a
+``detail`` starting ``attempt superseded``, and the rank stops.
+
+The wire format (paths, payloads) is ``service.core.attempt_api``, shared with the rank's
+client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
+from service.core import attempt_api as wire
+from service.core.artifacts import artifact_relative_path
+from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
+from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
+from service.store.attempt_tokens import AttemptRef, current_state
+from service.store.checkpoints import (
+    list_checkpoints,
+    mark_checkpoints_deleted,
+    record_checkpoint,
+    record_checkpoint_failure,
+)
+from service.store.db import Database
+from service.store.leases import check_attempt
+from service.store.metrics import record_metrics
+
+log = logging.getLogger(__name__)
+
+# Seconds a rank waits before it sends a batch refused for back-pressure again.
+RETRY_AFTER_S = 1
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    **ATTEMPT_UNAUTHORIZED,
+    409: {"description": "The attempt is no longer the job's current, active one: stop"},
+    422: {"description": "A malformed body (unknown fields included)"},
+}
+
+router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
+
+
+class AttemptInputError(DdpqError):
+    """A well-formed attempt request whose content cannot be accepted (e.g. a checkpoint
+    path outside the job's artifact directory)."""
+
+    status_code = 422
+    code = "invalid_attempt_input"
+
+
+# -- back-pressure ---------------------------------------------------------------------------
+
+
+@dataclass
+class IngestLimiter:
+    """How many metric batches this app writes at once, at most ``limit``.
+
+    Entered and left only on the event loop's thread (the routes are ``async``), so a plain
+    counter needs no lock.
+    """
+
+    limit: int
+    busy: int = 0
+
+    def try_enter(self) -> bool:
+        """Take a slot; False (take nothing) when all ``limit`` are busy."""
+        if self.busy >= self.limit:
+            return False
+        self.busy += 1
+        return True
+
+    def leave(self) -> None:
+        """Give a slot back."""
+        self.busy = max(0, self.busy - 1)
+
+
+def ingest_limiter(app: FastAPI) -> IngestLimiter:
+    """The app's limiter, built on first use from ``settings.attempt_ingest_concurrency``
+    (per process: each API process writes up to that many batches at once)."""
+    limiter: IngestLimiter | None = getattr(app.state, "attempt_ingest_limiter", None)
+    if limiter is None:
+        limiter = IngestLimiter(app.state.settings.attempt_ingest_concurrency)
+        app.state.attempt_ingest_limiter = limiter
+    return limiter
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _fenced(ref: AttemptRef) -> Iterator[None]:
+    """Turn the fence's refusal into the attempt API's 409: ``attempt superseded: …``. A job
+    gone meanwhile (its tokens went with it) is superseded too: the rank must stop."""
+    try:
+        yield
+    except (StaleAttemptError, NotFoundError) as exc:
+        raise StaleAttemptError(f"{wire.ATTEMPT_SUPERSEDED}: {exc.detail}") from None
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    # The loop's default executor, as get_job_route does: cheaper than anyio's thread hop.
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def _db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+def _checked_rows(rows: list[wire.MetricRow]) -> tuple[list[CheckedPoint], list[str]]:
+    """Wire rows as checked points, and why each other row was refused (``row <i>: …``)."""
+    good: list[CheckedPoint] = []
+    refused: list[str] = []
+    for i, (name, step, epoch, value, time_s) in enumerate(rows):
+        try:
+            at = datetime.fromtimestamp(time_s, UTC)
+            good.append(checked_point(MetricPoint(name, step, wire.decode_value(value), epoch, at)))
+        except (ValueError, OverflowError, OSError) as exc:  # OSError: a time out of range
+            refused.append(f"row {i}: {exc}")
+    return good, refused
+
+
+def _progress(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The stored keys of a progress snapshot with a number or null each; others dropped."""
+    if raw is None:
+        return None
+    return {
+        k: v
+        for k in wire.PROGRESS_KEYS
+        if (v := raw.get(k)) is None or (isinstance(v, int | float) and not isinstance(v, bool))
+    }
+
+
+def _storable_text(text: str) -> str:
+    """``text`` without NUL and lone surrogates (neither database stores them)."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\0")
+
+
+def _own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
+    """``path`` as given, once it is known to resolve inside the job's own artifact directory
+    (``jobs/<job_id>/``; symlinks followed), so a record can name no other job's file.
+
+    Raises:
+        AttemptInputError: it lies elsewhere, or cannot be stored (NUL, lone surrogates).
+    """
+    if _storable_text(path) != path:
+        raise AttemptInputError("checkpoint path holds NUL or a lone surrogate")
+    relative = artifact_relative_path(root, path)
+    if relative is None or PurePosixPath(relative).parts[:2] != ("jobs", str(job_id)):
+        raise AttemptInputError(
+            f"checkpoint path must lie inside this job's artifact directory (jobs/{job_id}/ "
+            "under the server's artifact root)"
+        )
+    return path
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+@router.get(wire.SELF_PATH, response_model=wire.AttemptSelf, summary="The token's attempt")
+async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
+    """Which job and attempt the token stands for, while that attempt is current and active.
+
+    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt superseded``
+    once the job was requeued, cancelled or finished.
+    """
+
+    def read() -> wire.AttemptSelf:
+        with _fenced(ref), _db(request).session(write=False) as session:
+            state = current_state(session, ref)
+        return wire.AttemptSelf(job_id=ref.job_id, attempt=ref.attempt, state=state.value)
+
+    result: wire.AttemptSelf = await _in_thread(read)
+    return result
+
+
+@router.post(
+    wire.METRICS_PATH,
+    response_model=wire.MetricBatchAck,
+    summary="Append metric points and progress",
+    responses={
+        429: {
+            "description": "Too many batches in flight: send it again after `Retry-After` seconds"
+        }
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": wire.MetricBatch.model_json_schema()}},
+        }
+    },
+)
+async def metrics_route(request: Request, ref: AttemptDep) -> Response:
+    """Store a batch of points (``[name, step, epoch, value, time_s]`` rows) and, when given,
+    the job's progress snapshot, in one fenced statement. Idempotent per (job, name, step):
+    a resent batch inserts 0. A bad row is refused on its own (``refused``), the rest lands.
+
+    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
+    superseded`` when the attempt is no longer current (nothing stored), 422 for a body that
+    is not a ``MetricBatch``, 429 with ``Retry-After`` (seconds) when this process already
+    writes ``attempt_ingest_concurrency`` batches.
+    """
+    body = await request.body()
+    limiter = ingest_limiter(request.app)
+    if not limiter.try_enter():
+        raise HTTPException(
+            429,
+            "too many metric batches in flight: send this one again later",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    try:
+        ack: wire.MetricBatchAck = await _in_thread(_write_batch, _db(request), ref, body)
+    finally:
+        limiter.leave()
+    # Serialised here: a returned model would be validated once more by FastAPI.
+    return Response(ack.model_dump_json(), media_type="application/json")
+
+
+def _write_batch(db: Database, ref: AttemptRef, body: bytes) -> wire.MetricBatchAck:
+    """Parse, check and write one batch (in a worker thread: all of it is CPU or I/O).
+
+    Raises:
+        RequestValidationError: not a ``MetricBatch`` (422).
+        StaleAttemptError: the attempt is superseded (409).
+    """
+    try:
+        batch = wire.MetricBatch.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    points, refused = _checked_rows(batch.points)
+    with _fenced(ref), db.session(one_statement=True) as session:
+        inserted = record_metrics(
+            session, ref.job_id, ref.attempt, points, progress=_progress(batch.progress)
+        )
+    return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
+
+
+@router.get(wire.CHECKPOINTS_PATH, response_model=wire.CheckpointList, summary="Checkpoints")
+def checkpoints_route(request: Request, ref: AttemptDep) -> wire.CheckpointList:
+    """The job's committed, not deleted checkpoints of every attempt, newest step first,
+    paths as stored (for resume).
+
+    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` once
+    the attempt is not current.
+    """
+    with _fenced(ref), _db(request).session(write=False) as session:
+        current_state(session, ref)
+        rows = list_checkpoints(session, ref.job_id)
+        entries = [
+            wire.CheckpointEntry(
+                step=c.step,
+                epoch=c.epoch,
+                attempt=c.attempt,
+                path=c.path,
+                size_bytes=c.size_bytes,
+                sha256=c.sha256,
+            )
+            for c in rows
+        ]
+    return wire.CheckpointList(checkpoints=entries)
+
+
+@router.post(
+    wire.CHECKPOINTS_PATH,
+    status_code=201,
+    response_model=wire.CheckpointEntry,
+    summary="Record a checkpoint",
+)
+def record_checkpoint_route(
+    request: Request, ref: AttemptDep, record: wire.CheckpointRecord
+) -> wire.CheckpointEntry:
+    """Record a checkpoint file rank 0 wrote and verified (a re-record of a step replaces
+    it). ``path`` must resolve inside this job's artifact directory.
+
+    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
+    superseded`` when the attempt is not current (nothing recorded), 422 for a path
+    elsewhere.
+    """
+    root = request.app.state.settings.resolved_artifact_dir
+    path = _own_checkpoint_path(root, ref.job_id, record.path)
+    with _fenced(ref), _db(request).session() as session:
+        record_checkpoint(
+            session,
+            ref.job_id,
+            ref.attempt,
+            step=record.step,
+            epoch=record.epoch,
+            path=path,
+            size_bytes=record.size_bytes,
+            sha256=record.sha256,
+        )
+    return wire.CheckpointEntry(attempt=ref.attempt, **record.model_dump() | {"path": path})
+
+
+@router.post(
+    wire.CHECKPOINT_FAILURES_PATH,
+    status_code=204,
+    response_class=Response,
+    summary="Note a failed checkpoint save",
+)
+def checkpoint_failure_route(
+    request: Request, ref: AttemptDep, failure: wire.CheckpointFailure
+) -> Response:
+    """Note a checkpoint that could not be written, as a job event ("checkpoint at step N
+    not written: …").
+
+    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
+    the attempt is not current (nothing noted).
+    """
+    reason = _storable_text(failure.reason)
+    with _fenced(ref), _db(request).session() as session:
+        record_checkpoint_failure(
+            session, ref.job_id, ref.attempt, step=failure.step, reason=reason
+        )
+    return Response(status_code=204)
+
+
+@router.post(
+    wire.CHECKPOINT_DELETIONS_PATH,
+    status_code=204,
+    response_class=Response,
+    summary="Mark checkpoints deleted",
+)
+def checkpoint_deletions_route(
+    request: Request, ref: AttemptDep, deletion: wire.CheckpointDeletion
+) -> Response:
+    """Mark this job's checkpoints at ``steps`` deleted (rotated away or found damaged);
+    steps it has no checkpoint at are ignored.
+
+    Caller: a rank holding the attempt token (nobody else), for its own job only; 409
+    ``attempt superseded`` when the attempt is not current (nothing marked): a superseded
+    attempt must not rotate away what the current one relies on.
+    """
+    with _fenced(ref), _db(request).session() as session:
+        check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
+        mark_checkpoints_deleted(session, ref.job_id, sorted(set(deletion.steps)))
+    return Response(status_code=204)

@@ -1,0 +1,231 @@
+"""The rank's client of the attempt API (``service.core.attempt_api``): one pooled HTTP/1.1
+connection, the bearer attempt token, and the one table that turns an answer into an error.
+
+Only rank 0's background threads call it (the metrics sink's writer, the checkpoint writer)
+and ``worker.runtime.main`` once at start; the training thread never does. httpx's
+``Client`` is thread-safe, so the sink's thread and the checkpoint thread share one pool.
+
+Error protocol (``raise_for_answer``):
+
+- no answer (connection refused, reset, DNS, a timeout), 5xx, 429 → ``ApiUnavailableError``:
+  retryable, with ``retry_after_s`` from ``Retry-After`` (seconds) when the API sent one;
+- 401, 409 → ``StaleAttemptError``: the fence (the attempt was superseded or its token is no
+  longer valid); the rank stops as a fenced rank does;
+- 422 and any other 4xx → ``AttemptRequestError``: the request itself is wrong, sending it
+  again cannot help.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from service.core import attempt_api as wire
+from service.core.errors import DdpqError, StaleAttemptError
+
+log = logging.getLogger(__name__)
+
+# The API's route prefix; the attempt API's paths (``attempt_api``) are relative to it.
+API_PREFIX = "/api/v1"
+# Seconds: a connect that takes longer means the API is down or unreachable (retry later);
+# a read covers a batch of MAX_BATCH_ROWS points written to PostgreSQL under load.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 30.0
+# Idle keep-alive connections kept per client: the sink's thread and the checkpoint thread.
+POOL_CONNECTIONS = 2
+# The longest Retry-After honoured (seconds): a misconfigured proxy must not park the writer.
+MAX_RETRY_AFTER_S = 60.0
+
+_Answer = TypeVar("_Answer", bound=BaseModel)
+
+
+class ApiUnavailableError(DdpqError):
+    """The attempt API did not answer, or answered 5xx / 429: try again later.
+
+    ``retry_after_s`` is the server's ``Retry-After`` in seconds (None when it sent none).
+    """
+
+    status_code = 503
+    code = "api_unavailable"
+
+    def __init__(self, detail: str, *, retry_after_s: float | None = None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(detail)
+
+
+class AttemptRequestError(DdpqError):
+    """The attempt API refused the request itself (422, or another 4xx): not retryable."""
+
+    status_code = 422
+    code = "attempt_request_refused"
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    return str(detail)[:2000]
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """``Retry-After`` as seconds (capped at ``MAX_RETRY_AFTER_S``); None when absent or an
+    HTTP date (ddpq's API sends seconds; a date is treated as no hint)."""
+    raw = response.headers.get("Retry-After")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
+def raise_for_answer(response: httpx.Response) -> None:
+    """The one mapping of an error answer onto the rank's errors (see the module docstring).
+
+    Raises:
+        ApiUnavailableError: 5xx or 429 (``retry_after_s`` from ``Retry-After``).
+        StaleAttemptError: 401 or 409 (the fence).
+        AttemptRequestError: 422 or any other 4xx.
+    """
+    status = response.status_code
+    if status < 400:
+        return
+    detail = f"{response.request.method} {response.request.url.path}: {status} {_detail(response)}"
+    if status == 429 or status >= 500:
+        raise ApiUnavailableError(detail, retry_after_s=retry_after_s(response))
+    if status in (401, 409):
+        raise StaleAttemptError(detail)
+    raise AttemptRequestError(detail)
+
+
+class AttemptClient:
+    """The attempt API for one attempt, as its token allows.
+
+    Args:
+        api_url: the API's base URL (``DDPQ_API_URL``, e.g. ``http://127.0.0.1:8000``; a
+            trailing ``/api/v1`` is accepted too).
+        token: the attempt token (``DDPQ_ATTEMPT_TOKEN``), sent as ``Authorization: Bearer``.
+        connect_timeout_s, read_timeout_s: per request, in seconds.
+        transport: httpx's transport (default: its pooled HTTP/1.1 one); tests pass
+            ``httpx.MockTransport`` to play a server's answers.
+
+    Every method raises ``ApiUnavailableError`` (retryable), ``StaleAttemptError`` (fenced)
+    or ``AttemptRequestError`` (refused) as ``raise_for_answer`` decides.
+
+    Raises:
+        ApiUnavailableError: ``api_url`` is not a usable URL (said so in the message).
+    """
+
+    def __init__(
+        self,
+        api_url: str,
+        token: str,
+        *,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        base = api_url.rstrip("/")
+        if base.endswith(API_PREFIX):
+            base = base[: -len(API_PREFIX)]
+        self.api_url = base
+        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        limits = httpx.Limits(
+            max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS
+        )
+        try:
+            self._http = httpx.Client(
+                base_url=base + API_PREFIX,
+                headers={"Authorization": f"Bearer {token.strip()}"},
+                timeout=timeout,
+                limits=limits,
+                http1=True,
+                http2=False,
+                trust_env=False,  # a proxy from the user's environment must not see the token
+                transport=transport,
+            )
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ApiUnavailableError(f"invalid attempt API URL {api_url!r}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the connection pool. Idempotent."""
+        self._http.close()
+
+    def __enter__(self) -> AttemptClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    # -- the routes ----------------------------------------------------------------------------
+    def self_check(self) -> wire.AttemptSelf:
+        """``GET /attempts/self``: which attempt the token stands for, while it is current."""
+        return self._call("GET", wire.SELF_PATH, wire.AttemptSelf)
+
+    def send_metrics(self, batch: wire.MetricBatch) -> wire.MetricBatchAck:
+        """``POST /attempts/self/metrics``: safe to resend (idempotent per (job, name, step))."""
+        return self._call("POST", wire.METRICS_PATH, wire.MetricBatchAck, batch)
+
+    def list_checkpoints(self) -> list[wire.CheckpointEntry]:
+        """``GET /attempts/self/checkpoints``: the job's live checkpoints, newest step first."""
+        return self._call("GET", wire.CHECKPOINTS_PATH, wire.CheckpointList).checkpoints
+
+    def record_checkpoint(self, record: wire.CheckpointRecord) -> None:
+        """``POST /attempts/self/checkpoints``: a written, verified checkpoint file."""
+        self._call("POST", wire.CHECKPOINTS_PATH, None, record)
+
+    def record_checkpoint_failure(self, failure: wire.CheckpointFailure) -> None:
+        """``POST /attempts/self/checkpoints/failures``: a save that failed (a job event)."""
+        self._call("POST", wire.CHECKPOINT_FAILURES_PATH, None, failure)
+
+    def record_deletions(self, steps: Sequence[int]) -> None:
+        """``POST /attempts/self/checkpoints/deletions``: checkpoints rotated away or found
+        damaged (no request when ``steps`` is empty)."""
+        if steps:
+            body = wire.CheckpointDeletion(steps=list(steps))
+            self._call("POST", wire.CHECKPOINT_DELETIONS_PATH, None, body)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _call(
+        self,
+        method: str,
+        path: str,
+        answer: type[_Answer] | None,
+        body: BaseModel | None = None,
+    ) -> Any:
+        content = body.model_dump_json().encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        try:
+            response = self._http.request(method, path, content=content, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise ApiUnavailableError(
+                f"{method} {path}: the attempt API at {self.api_url} timed out "
+                f"({type(exc).__name__})"
+            ) from None
+        except httpx.TransportError as exc:  # refused, reset, DNS, protocol
+            raise ApiUnavailableError(
+                f"{method} {path}: cannot reach the attempt API at {self.api_url} "
+                f"({exc or type(exc).__name__})"
+            ) from None
+        raise_for_answer(response)
+        if answer is None:
+            return None
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            # An answer we cannot read: a proxy's page, or an API of another version.
+            raise ApiUnavailableError(
+                f"{method} {path}: {self.api_url} answered {response.status_code} with a body "
+                f"that does not parse as {answer.__name__}: {exc.error_count()} error(s)"
+            ) from None
