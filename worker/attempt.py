@@ -46,6 +46,9 @@ MASTER_PORT = "MASTER_PORT"
 # Optional, read by the rank runtime: seconds a collective may block before the process group
 # gives up (init_process_group's timeout). Default: worker.runtime.topology.DEFAULT_PG_TIMEOUT_S.
 PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"
+# Optional, read by the rank runtime: seconds from a stop signal (cancel, preemption) to the
+# first step boundary that sees it, else the rank exits at once (worker.runtime.signals).
+STOP_GRACE_S = "DDPQ_STOP_GRACE_S"
 
 # The entries that mark one attempt's processes (``worker.processes.find_tagged_processes``).
 TAG_NAMES = (JOB_ID, ATTEMPT, ARTIFACT_DIR)
