@@ -52,6 +52,9 @@ MASTER_PORT = "MASTER_PORT"
 # Optional, read by the rank runtime: seconds a collective may block before the process group
 # gives up (init_process_group's timeout). Default: worker.runtime.topology.DEFAULT_PG_TIMEOUT_S.
 PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"
+# Optional, read by the rank runtime: seconds from a stop signal (cancel, preemption) to the
+# first step boundary that sees it, else the rank exits at once (worker.runtime.signals).
+STOP_GRACE_S = "DDPQ_STOP_GRACE_S"
 # The user entrypoints a rank may run (fnmatch patterns, JSON list): the ranks check a spec's
 # task against it again (Settings.allowed_entrypoints), so the worker passes its own on.
 ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"
@@ -62,7 +65,8 @@ ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"
 # CUDA, NCCL/gloo, OpenMP/MKL, torch and Slurm read.
 INHERITED_NAMES = frozenset(
     {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR", "TERM", "PYTHONPATH",
-     "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", PG_TIMEOUT_S, ALLOWED_ENTRYPOINTS}
+     "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", PG_TIMEOUT_S, STOP_GRACE_S,
+     ALLOWED_ENTRYPOINTS}
 )  # fmt: skip
 INHERITED_PREFIXES = (
     "LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "TORCH_",

@@ -31,12 +31,24 @@ class _Out(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+EPOCH_DESCRIPTION = (
+    "The epoch in progress, 0-based as in code (the first epoch is 0); epoch_number is the "
+    "same epoch counted from 1."
+)
+EPOCH_NUMBER_DESCRIPTION = (
+    "The epoch in progress counted from 1 (epoch + 1): the number the CLI and the dashboard "
+    "show, e.g. 'epoch 3' is epoch_number 3, epoch 2."
+)
+
+
 class ProgressOut(_Out):
-    """Rank 0's latest progress snapshot of a job."""
+    """Rank 0's latest progress snapshot of a job. Epochs come twice, so nobody has to guess:
+    ``epoch`` 0-based (as in code and in metric points), ``epoch_number`` 1-based (as shown)."""
 
     step: int | None = Field(default=None, description="Global optimizer step (1-based).")
     total_steps: int | None = None
-    epoch: int | None = Field(default=None, description="0-based.")
+    epoch: int | None = Field(default=None, description=EPOCH_DESCRIPTION)
+    epoch_number: int | None = Field(default=None, description=EPOCH_NUMBER_DESCRIPTION)
     samples_per_s: JsonNumber = None
     eta_s: JsonNumber = Field(default=None, description="Seconds left (estimate).")
 
@@ -104,7 +116,7 @@ class MetricPointOut(_Out):
     """One point; ``value`` is null for NaN and "Infinity"/"-Infinity" for ±inf."""
 
     step: int
-    epoch: int | None
+    epoch: int | None = Field(description="0-based, as in code (the first epoch is 0).")
     value: JsonNumber
     time: datetime
 
@@ -127,7 +139,9 @@ class CheckpointOut(_Out):
     """A checkpoint file recorded by rank 0."""
 
     step: int
-    epoch: int
+    epoch: int = Field(description="0-based, as in code (the first epoch is 0).")
+    epoch_number: int = Field(description="1-based (epoch + 1): the number the CLI and the "
+                              "dashboard show.")  # fmt: skip
     attempt: int
     size_bytes: int
     sha256: str
@@ -205,10 +219,12 @@ def progress_out(progress: dict[str, Any] | None) -> ProgressOut | None:
     """The stored progress dict as a JSON-safe ProgressOut (unknown keys dropped)."""
     if not progress:
         return None
+    epoch = _int_or_none(progress.get("epoch"))
     return ProgressOut(
         step=_int_or_none(progress.get("step")),
         total_steps=_int_or_none(progress.get("total_steps")),
-        epoch=_int_or_none(progress.get("epoch")),
+        epoch=epoch,
+        epoch_number=epoch + 1 if epoch is not None else None,
         samples_per_s=_number(progress.get("samples_per_s")),
         eta_s=_number(progress.get("eta_s")),
     )
@@ -320,6 +336,7 @@ def checkpoint_out(ckpt: Checkpoint, artifact_dir: Path | None = None) -> Checkp
     return CheckpointOut(
         step=ckpt.step,
         epoch=ckpt.epoch,
+        epoch_number=ckpt.epoch + 1,
         attempt=ckpt.attempt,
         size_bytes=ckpt.size_bytes,
         sha256=ckpt.sha256,

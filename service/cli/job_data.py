@@ -9,16 +9,23 @@ import typer
 from rich.table import Table
 
 from service.cli.common import JSON_OPTION, app, friendly_errors, make_client, out, print_json
-from service.cli.output import cell, events_table, format_bytes, format_seconds, short_time
+from service.cli.output import (
+    cell,
+    epoch_number,
+    events_table,
+    format_bytes,
+    format_seconds,
+    short_time,
+)
 
 
 def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
-    """A job's checkpoints, newest step first: step, epoch (1-based, as the CLI shows epochs),
+    """A job's checkpoints, newest step first: step, epoch (``epoch_number``: 1-based),
     attempt, size, time and the file's path under the server's artifact directory."""
     table = Table("step", "epoch", "attempt", "size", "created", "path", title=f"job {job_id}")
     for c in checkpoints:
         table.add_row(
-            cell(c["step"]), cell(c["epoch"] + 1), cell(c["attempt"]),
+            cell(c["step"]), cell(epoch_number(c)), cell(c["attempt"]),
             cell(format_bytes(c["size_bytes"])), cell(short_time(c["created_at"])),
             cell(c.get("path") or ""),
         )  # fmt: skip

@@ -26,6 +26,7 @@ from service.cli.common import (
 )
 from service.cli.output import (
     cell,
+    epoch_number,
     events_table,
     format_job_summary,
     format_metric,
@@ -229,7 +230,8 @@ def metrics(
         return
     table = Table("step", "epoch", "value", title=cell(f"job {job_id} {name}"))
     for p in result["points"]:
-        epoch = "" if p["epoch"] is None else str(p["epoch"] + 1)
+        number = epoch_number(p)  # points carry the 0-based epoch only
+        epoch = "" if number is None else str(number)
         table.add_row(cell(p["step"]), cell(epoch), cell(format_metric(name, p["value"])))
     out.print(table)
     if not result["points"]:

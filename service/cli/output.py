@@ -127,16 +127,24 @@ def state_text(state: str) -> Text:
     return cell(state, STATE_STYLES.get(state, ""))
 
 
+def epoch_number(record: dict[str, Any]) -> int | None:
+    """The epoch as the CLI shows it, counted from 1: the API's ``epoch_number``, or
+    ``epoch + 1`` from a server that sends only the 0-based ``epoch``; None when neither."""
+    if record.get("epoch_number") is not None:
+        return int(record["epoch_number"])
+    return int(record["epoch"]) + 1 if record.get("epoch") is not None else None
+
+
 def progress_line(job: dict[str, Any]) -> str:
-    """``step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s`` (epoch 1-based; ETA while
-    running); empty before the first report."""
+    """``step 39/400 · epoch 2 · 123 samples/s · ETA 1m20s`` (``epoch_number``: 1-based;
+    ETA while running); empty before the first report."""
     progress = job.get("progress") or {}
     if progress.get("step") is None:
         return ""
     total = progress.get("total_steps")
     parts = [f"step {progress['step']}" + (f"/{total}" if total else "")]
-    if progress.get("epoch") is not None:
-        parts.append(f"epoch {int(progress['epoch']) + 1}")
+    if (number := epoch_number(progress)) is not None:
+        parts.append(f"epoch {number}")
     rate = progress.get("samples_per_s")
     if isinstance(rate, int | float):
         parts.append(f"{rate:.0f} samples/s")
@@ -192,10 +200,10 @@ def job_progress(console: Console) -> Iterator[Callable[[dict[str, Any]], None]]
 
         def update(job: dict[str, Any]) -> None:
             progress = job.get("progress") or {}
-            epoch = progress.get("epoch")
+            number = epoch_number(progress)
             description = printable(f"job {job['id']} {job['state']}")
-            if epoch is not None:
-                description += f"  epoch {int(epoch) + 1}"
+            if number is not None:
+                description += f"  epoch {number}"
             total = progress.get("total_steps") or None
             bar.update(
                 task,

@@ -53,3 +53,12 @@ def test_docs_assets_are_a_fixed_set(api: TestClient) -> None:
         answer = api.get(f"/docs/assets/{name}")
         assert answer.status_code == 404, (name, answer.status_code)
     assert "/docs" not in api.get("/openapi.json").json()["paths"], "docs stay out of the schema"
+
+
+def test_the_schema_says_which_epoch_is_0_based_and_which_1_based(api: TestClient) -> None:
+    schemas = api.get("/openapi.json").json()["components"]["schemas"]
+    for model in ("ProgressOut", "CheckpointOut"):
+        props = schemas[model]["properties"]
+        assert "0-based" in props["epoch"]["description"], (model, props["epoch"])
+        assert "epoch + 1" in props["epoch_number"]["description"], (model, props)
+    assert "0-based" in schemas["MetricPointOut"]["properties"]["epoch"]["description"]

@@ -10,7 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
+from service.api.schemas import progress_out
 from service.cli.output import (
+    epoch_number,
     field_error_lines,
     format_age,
     format_job_summary,
@@ -154,3 +156,15 @@ def test_printable_and_field_errors() -> None:
     assert printable("ünï €") == "ünï €" and printable("\ud800") == "\\ud800"
     detail = [{"loc": ["body", "config", "k\x1b"], "msg": "bad \x1b[31m", "type": "x"}, "\x07"]
     assert field_error_lines(detail) == ["config.k\\x1b: bad \\x1b[31m", "\\x07"]
+
+
+def test_the_cli_shows_the_apis_epoch_number_not_its_own_arithmetic() -> None:
+    """``epoch`` is 0-based (as in code), ``epoch_number`` 1-based (as shown): the CLI prints
+    ``epoch_number`` as it is, and falls back to ``epoch + 1`` only when a server sends none."""
+    out = progress_out({"step": 39, "total_steps": 400, "epoch": 1})
+    assert out is not None and (out.epoch, out.epoch_number) == (1, 2)
+    api_job = job(progress=out.model_dump())
+    assert progress_line(api_job).startswith("step 39/400 · epoch 2"), progress_line(api_job)
+    assert epoch_number({"epoch": 4, "epoch_number": 5}) == 5
+    assert epoch_number({"epoch": 4}) == 5, "an older server: only the 0-based epoch"
+    assert epoch_number({"epoch": None}) is None

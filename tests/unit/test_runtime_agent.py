@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.launchers.local import ROOT_CAUSE_RE
+from worker.launchers.failure_text import ROOT_CAUSE_RE, LauncherExits
 from worker.runtime.agent import warm_entry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,3 +84,6 @@ def test_a_failing_warm_rank_is_reported_as_torchrun_reports_a_rank(tmp_path: Pa
     assert cause is not None, out
     assert cause["exitcode"] == "1"
     assert "(start_method: forkserver)" in out, out
+    # Every rank's exit code, not only the one torchrun's summary names.
+    exits = LauncherExits.parse(out)
+    assert exits.exit_codes == {0: 1, 1: 1}, out

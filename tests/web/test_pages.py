@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from service.cli.job_data import checkpoints_table
+from service.cli.output import progress_line
 from service.core.states import JobState
 
 try:
@@ -142,6 +144,11 @@ def test_job_page_loads_history_downsampled_then_follows_new_points(
     expect(page.locator('.chart[data-metric="samples_per_s"] canvas')).to_be_visible()
     expect(page.locator("#progress-text")).to_contain_text("step 5000 / 6000")
     expect(page.locator("#progress-text")).to_contain_text("ETA 1 min 35 s")
+    # The dashboard and the CLI show the same epoch for the same job (epoch_number, 1-based).
+    api_job = live_server.api.get(f"/jobs/{job_id}").json()
+    assert api_job["progress"]["epoch"] == 50 and api_job["progress"]["epoch_number"] == 51
+    assert "· epoch 51 ·" in progress_line(api_job), progress_line(api_job)
+    expect(page.locator("#progress-text")).to_contain_text("epoch 51 ·")
 
     live_server.report(job_id, loss_curve(10, start=5001), first_step=5001, total_steps=6000)
     expect(loss).to_have_attribute("data-last-step", "5010")
@@ -163,6 +170,12 @@ def test_job_page_loads_history_downsampled_then_follows_new_points(
     # Checkpoints with working download links.
     rows = page.locator("#checkpoints-body tr")
     expect(rows).to_have_count(2)
+    # Epoch 0 is shown as epoch 1 (epoch_number), as the CLI's checkpoints table shows it.
+    ckpts = live_server.api.get(f"/jobs/{job_id}/checkpoints").json()["checkpoints"]
+    assert {(c["epoch"], c["epoch_number"]) for c in ckpts} == {(0, 1)}, ckpts
+    cli_row = checkpoints_table(job_id, ckpts).columns[1]._cells
+    assert [str(c) for c in cli_row] == ["1", "1"], cli_row
+    expect(page.locator('#checkpoints-body tr[data-step="1000"] td').nth(1)).to_have_text("1")
     href = page.locator('#checkpoints-body tr[data-step="1000"] a').get_attribute("href")
     assert href == f"/api/v1/jobs/{job_id}/checkpoints/1000/file"
     with page.expect_download() as download:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,17 +49,70 @@ PEER_LOST_MARKERS = (
 )
 
 
-def blames_a_silent_rank(attempt_dir: Path, rank: int) -> bool:
-    """True when ``rank`` (the launcher's first failed rank) wrote no error file, and every
-    error file of the attempt only says that a peer went away (``PEER_LOST_MARKERS``): then
-    ``rank`` is the cause (killed, or ``sys.exit``/``os._exit`` in user code) and the others'
-    errors are its symptoms."""
+# torchrun's failure summary: one entry per failed rank it observed ("rank : 1 (local_rank: 1)"
+# then "exitcode : -9 (pid: …) (SIGKILL)"), the first observed one under "Root Cause".
+ROOT_CAUSE_RE = re.compile(
+    r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<exitcode>-?\d+)", re.S
+)
+FAILURE_ENTRY_RE = re.compile(
+    r"rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(?P<exitcode>-?\d+)"
+)
+# The warm agent's own line per rank once one failed (worker.runtime.agent): its summary names
+# one rank only, the first one torch's process context happened to find dead.
+AGENT_EXIT_RE = re.compile(
+    r"^ddpq agent: rank (?P<rank>\d+) exitcode (?P<exitcode>-?\d+)\s*$", re.M
+)
+
+
+@dataclass(frozen=True)
+class LauncherExits:
+    """What torchrun's agent said about the ranks in ``launcher.log``: the rank its summary
+    names as root cause (None without a summary) and every exit code it reported
+    (``{rank: exitcode}``, negative for a signal; ranks it never reported are absent)."""
+
+    root_rank: int | None
+    exit_codes: Mapping[int, int]
+
+    @classmethod
+    def parse(cls, log_text: str) -> LauncherExits:
+        """Read torchrun's failure summary and the agent's exit-code lines from log text."""
+        codes: dict[int, int] = {}
+        for regex in (FAILURE_ENTRY_RE, AGENT_EXIT_RE):
+            for m in regex.finditer(log_text):
+                codes[int(m["rank"])] = int(m["exitcode"])
+        cause = ROOT_CAUSE_RE.search(log_text)
+        if cause is not None:
+            codes.setdefault(int(cause["rank"]), int(cause["exitcode"]))
+        return cls(int(cause["rank"]) if cause is not None else None, codes)
+
+
+def is_peer_lost(error: Mapping[str, Any]) -> bool:
+    """Whether a rank's error only says that a peer went away (``PEER_LOST_MARKERS``)."""
+    return any(m in str(error.get("message", "")) for m in PEER_LOST_MARKERS)
+
+
+def silent_culprit(attempt_dir: Path, exits: LauncherExits) -> tuple[int, int] | None:
+    """The rank that caused the failure without writing an error report, with its exit code.
+
+    A rank that exited non-zero without an error file (killed by a signal, or ``sys.exit`` /
+    ``os._exit`` in user code) is the cause when every error file of the attempt only says a
+    peer went away: those are its symptoms, whatever order they were written in and whichever
+    rank torchrun names. Any other error file (a real exception) wins over silent ranks: those
+    may be peers killed in the teardown after it. Among silent ranks: the one torchrun names,
+    then one killed by a signal, then the lowest rank.
+
+    Returns:
+        ``(rank, exitcode)``, or None when some rank reported a real error or no silent
+        failed rank is known.
+    """
     errors = list(read_rank_errors(attempt_dir))
-    return bool(errors) and all(
-        str(e.get("rank")) != str(rank)
-        and any(m in str(e.get("message", "")) for m in PEER_LOST_MARKERS)
-        for e in errors
-    )
+    if not all(is_peer_lost(e) for e in errors):
+        return None
+    wrote = {str(e.get("rank")) for e in errors}
+    silent = [(r, c) for r, c in exits.exit_codes.items() if c != 0 and str(r) not in wrote]
+    if not silent:
+        return None
+    return min(silent, key=lambda rc: (rc[0] != exits.root_rank, rc[1] >= 0, rc[0]))
 
 
 # How many traceback lines follow the headline, per reason. An exception: the traceback's tail.
@@ -107,3 +162,28 @@ def earliest_rank_error(attempt_dir: Path) -> str | None:
     """``earliest_failure``'s text only; None if no rank wrote an error file."""
     failure = earliest_failure(attempt_dir)
     return failure.text if failure is not None else None
+
+
+def attempt_failure(
+    attempt_dir: Path, launcher_log: Path, rank_log: Callable[[int], Path], rc: int
+) -> RankFailure:
+    """Which rank a failed attempt blames and why.
+
+    A rank that died without an error report while the others' errors only say it went away
+    (``silent_culprit``, from ``launcher_log``'s exit codes); else the earliest rank error
+    (with its reason); else the rank torchrun names as root cause, with the tail of that rank's
+    log (``rank_log(rank)``); else torchrun's exit code ``rc`` and the tail of ``launcher_log``
+    (both ``FailureReason.ERROR``: no rank said why).
+    """
+    exits = LauncherExits.parse(tail_lines(launcher_log, n=400, max_bytes=256_000))
+    culprit = silent_culprit(attempt_dir, exits)
+    error = earliest_failure(attempt_dir)
+    if error is not None and culprit is None:
+        return error
+    head, log_path = f"torchrun {describe_exit(rc)}", launcher_log
+    if culprit is not None:
+        rank, code = culprit
+        head = f"rank {rank} {describe_exit(code)} without an error report"
+        log_path = rank_log(rank) if rank_log(rank).exists() else launcher_log
+    return RankFailure(FailureReason.ERROR, f"{head}; last lines of {log_path.name}:\n"
+                       f"{tail_lines(log_path)}")  # fmt: skip

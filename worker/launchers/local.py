@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -52,13 +51,8 @@ from worker.attempt import (
 from worker.errors import LaunchError
 from worker.launchers.attempt_dir import prepare_attempt_dir
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.failure_text import (
-    RankFailure,
-    blames_a_silent_rank,
-    describe_exit,
-    earliest_failure,
-    tail_lines,
-)
+from worker.launchers.failure_text import attempt_failure
+from worker.launchers.preflight import entrypoint_setup_failure
 from worker.launchers.rank_user import RankUser, popen_identity, process_env, resolve_rank_user
 from worker.processes import find_tagged_processes, parent_death_preexec
 
@@ -73,20 +67,23 @@ TORCHRUN_MODULE = "torch.distributed.run"  # with DDPQ_WARM_RANKS=false
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
 DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
+# A rank wrote its error file, processes still alive after this long: the failure is known,
+# so the rest of the attempt is killed instead of waiting out torchrun's own teardown (which
+# gives a rank busy outside a step boundary 30 s). Seconds.
+DEFAULT_FAILURE_GRACE_S = 2.0
 MAX_FINISHED_RUNS = 1000
-# torchrun's failure summary: "Root Cause (first observed failure): … rank : 1 … exitcode : -9"
-ROOT_CAUSE_RE = re.compile(
-    r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<exitcode>-?\d+)", re.S
-)
 
 
 @dataclass(frozen=True)
 class LocalRequest:
     """The local launcher's part of a plan: what ``start`` and ``poll`` need besides the
     command line. ``timeout_s``: seconds the attempt may run (``resources.timeout_min``),
-    None for no limit."""
+    None for no limit. ``entrypoint``: the user's ``"module:function"`` that ``start`` checks
+    before it starts ranks (None for a built-in task, or one not on the allow-list: the ranks
+    say why)."""
 
     timeout_s: float | None = None
+    entrypoint: str | None = None
 
 
 @dataclass
@@ -103,6 +100,7 @@ class _LocalRun:
     cancelled: bool = False
     timed_out: bool = False
     result_seen_mono: float | None = None
+    error_seen_mono: float | None = None
     final: RunStatus | None = None
 
 
@@ -118,6 +116,7 @@ class LocalLauncher:
         cwd: Path | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S,
+        failure_grace_s: float = DEFAULT_FAILURE_GRACE_S,
         entry: Sequence[str] = RANK_ENTRY,
         python: str = sys.executable,
     ) -> None:
@@ -129,6 +128,8 @@ class LocalLauncher:
             ``examples.*`` are imported relative to it).
         grace_s: seconds between SIGTERM and SIGKILL on cancel.
         teardown_grace_s: seconds an attempt may linger after rank 0 wrote result.json.
+        failure_grace_s: seconds an attempt may linger after a rank wrote its error file
+            (torchrun's summary is written by then); then what is left is SIGKILLed.
         entry: what torchrun runs per rank (default ``-m worker.runtime``).
         python: the interpreter that runs torchrun.
         Raises:
@@ -144,10 +145,13 @@ class LocalLauncher:
         self.cwd = (cwd or Path.cwd()).resolve()
         self.grace_s = grace_s
         self.teardown_grace_s = teardown_grace_s
+        self.failure_grace_s = failure_grace_s
         self.entry = tuple(entry)
         self.python = python
         self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
+        self.entrypoint_allowed = settings.entrypoint_allowed
         self._runs: dict[str, _LocalRun] = {}
+        self._refused: dict[str, RunStatus] = {}  # attempts whose entrypoint did not resolve
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
@@ -195,15 +199,45 @@ class LocalLauncher:
             env=env,
             cwd=str(self.cwd),
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
-            request=LocalRequest(timeout_s=float(r.timeout_min * 60)),
+            request=LocalRequest(
+                timeout_s=float(r.timeout_min * 60),
+                entrypoint=spec.task if self._checkable(spec.task) else None,
+            ),
             files={spec_file: spec.model_dump_json()},
         )
+
+    def _checkable(self, task: str) -> bool:
+        """A user's entrypoint (built-in task names have no ``:``) that this deployment allows
+        (``start`` imports no package of one it does not)."""
+        return ":" in task and self.entrypoint_allowed(task)
+
+    def _refuse_unresolvable(
+        self, plan: LaunchPlan[LocalRequest], log_file: IO[bytes]
+    ) -> str | None:
+        """The handle of a refused attempt when the plan's entrypoint does not resolve
+        (``preflight``), else None."""
+        entrypoint = plan.request.entrypoint if plan.request is not None else None
+        status = None if entrypoint is None else entrypoint_setup_failure(
+            entrypoint, python=self.python, cwd=plan.cwd,
+            env=process_env(plan.env, self.rank_user), identity=popen_identity(self.rank_user),
+            artifact_dir=self.artifact_dir, job_id=plan.job_id, attempt=plan.attempt,
+            attempt_dir=Path(plan.log_dir))  # fmt: skip
+        if status is None:
+            return None
+        log_file.write(f"ddpq: no rank started: {status.reason}\n".encode())
+        log_file.close()
+        handle = f"refused-{plan.job_id}-{plan.attempt}"
+        self._refused[handle] = status
+        return handle
 
     def start(self, plan: LaunchPlan[LocalRequest]) -> str:
         """Start torchrun in a new session, its output appended to ``launcher.log``, after
         writing the plan's files (the spec) into the fresh attempt directory. torchrun gets
         ``inherited_env`` of the worker's environment plus the plan's; with a rank user it
         runs as that user, who owns the attempt and checkpoint directories.
+
+        A user entrypoint that does not resolve (``LocalRequest.entrypoint``) starts nothing:
+        the attempt fails at once with the ``setup`` error its ranks would have written.
 
         Returns:
             The handle: torchrun's pid (also its process group id), as a string.
@@ -220,6 +254,9 @@ class LocalLauncher:
         if stale is not None:
             log.warning("job_id=%d attempt=%d: moved a stale attempt directory aside to %s",
                         plan.job_id, plan.attempt, stale)  # fmt: skip
+        refused = self._refuse_unresolvable(plan, log_file)
+        if refused is not None:
+            return refused
         try:
             popen = subprocess.Popen(
                 plan.argv,
@@ -257,6 +294,8 @@ class LocalLauncher:
         and the tail of ``launcher.log``. Enforces ``resources.timeout_min``.
         """
         run = self._runs.get(handle)
+        if run is None and handle in self._refused:
+            return self._refused[handle]
         if run is None:
             return RunStatus(
                 RunPhase.FAILED,
@@ -273,6 +312,11 @@ class LocalLauncher:
                     return RunStatus(RunPhase.RUNNING)
                 log.warning("job_id=%d teardown hangs after result.json; killing", run.plan.job_id)
                 self._terminate(run, grace_s=1.0)
+            elif self._failure_known(run, now):
+                log.warning("job_id=%d attempt=%d: a rank failed and the attempt still runs "
+                            "after %.0f s; killing it", run.plan.job_id, run.plan.attempt,
+                            self.failure_grace_s)  # fmt: skip
+                self._kill_leftovers(run)
             elif run.timeout_s is not None and now - run.started_mono > run.timeout_s:
                 run.timed_out = True
                 self._terminate(run, grace_s=self.grace_s)
@@ -300,6 +344,15 @@ class LocalLauncher:
             return path.stat().st_mtime_ns >= run.started_fs_ns
         except OSError:
             return False
+
+    def _failure_known(self, run: _LocalRun, now: float) -> bool:
+        """Whether a rank wrote an error file at least ``failure_grace_s`` ago (by our clock:
+        first seen by a poll). Never while the worker is cancelling the attempt."""
+        if run.error_seen_mono is None:
+            if run.cancelled or not any(Path(run.plan.log_dir).glob("error-rank-*.json")):
+                return False
+            run.error_seen_mono = now
+        return now - run.error_seen_mono >= self.failure_grace_s
 
     def _process_groups(self, run: _LocalRun) -> set[int]:
         groups = {run.popen.pid} if run.popen.returncode is None else set()
@@ -355,33 +408,16 @@ class LocalLauncher:
                 failure=FailureReason.ERROR,
             )
         else:
-            failure = self._failure(run, rc)
+            job_id, attempt = run.plan.job_id, run.plan.attempt
+            failure = attempt_failure(
+                Path(run.plan.log_dir),
+                artifacts.launcher_log_path(self.artifact_dir, job_id, attempt),
+                lambda rank: artifacts.rank_log_path(self.artifact_dir, job_id, attempt, rank),
+                rc,
+            )
             status = RunStatus(RunPhase.FAILED, failure.text, rc, failure=failure.reason)
         run.final = status
         return status
-
-    def _failure(self, run: _LocalRun, rc: int) -> RankFailure:
-        """The earliest rank error (with its reason); else the rank torchrun names as root
-        cause, with the tail of that rank's log; else torchrun's exit code and the tail of
-        launcher.log (both ``FailureReason.ERROR``: no rank said why)."""
-        job_id, attempt = run.plan.job_id, run.plan.attempt
-        attempt_dir = Path(run.plan.log_dir)
-        log_path = artifacts.launcher_log_path(self.artifact_dir, job_id, attempt)
-        cause = ROOT_CAUSE_RE.search(tail_lines(log_path, n=200))
-        error = earliest_failure(attempt_dir)
-        # Ranks that only saw a peer vanish are not the story when torchrun names the rank
-        # that exited first without an error report (killed, or sys.exit in user code).
-        silent = cause is not None and blames_a_silent_rank(attempt_dir, int(cause["rank"]))
-        if error is not None and not silent:
-            return error
-        head = f"torchrun {describe_exit(rc)}"
-        if cause is not None:
-            rank, code = int(cause["rank"]), int(cause["exitcode"])
-            head = f"rank {rank} {describe_exit(code)} without an error report"
-            rank_log = artifacts.rank_log_path(self.artifact_dir, job_id, attempt, rank)
-            log_path = rank_log if rank_log.exists() else log_path
-        text = f"{head}; last lines of {log_path.name}:\n{tail_lines(log_path)}"
-        return RankFailure(FailureReason.ERROR, text)
 
     def _prune(self) -> None:
         finished = [h for h, r in self._runs.items() if r.final is not None]

@@ -60,6 +60,34 @@ def _release_fork_server() -> None:
         server._forkserver_alive_fd = None
 
 
+def report_rank_exits() -> None:
+    """Have the agent print every rank's exit code once a rank failed, one line each:
+    ``ddpq agent: rank 1 exitcode -9`` (the rank is the local rank: the local launcher runs
+    one node).
+
+    torchrun's failure summary for forked ranks names only the first dead rank torch's process
+    context happened to find, often a peer whose collective saw the real culprit go; the
+    launcher reads these lines to blame the rank that died first without an error report
+    (``worker.launchers.failure_text.silent_culprit``). Wraps the poll of torch's
+    ``MultiprocessContext`` (torch's private API, pinned by tests/unit/test_runtime_agent.py):
+    on a failure it has already stopped and joined every rank, so all exit codes are known.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.MultiprocessContext._poll
+
+    def _poll(self: Any) -> Any:
+        context = self._pc
+        result = original(self)
+        if result is not None and result.failures and context is not None:
+            for local_rank, process in enumerate(context.processes):
+                sys.stderr.write(f"ddpq agent: rank {local_rank} exitcode {process.exitcode}\n")
+            sys.stderr.flush()
+        return result
+
+    api.MultiprocessContext._poll = _poll  # type: ignore[method-assign]
+
+
 def restore_sigterm() -> None:
     """Undo the fork server's SIGTERM settings in a rank: default action, unblocked. A SIGTERM
     that reached the rank since its fork is pending and acts now (see forkserver_preload)."""
@@ -113,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         record(torchrun.main)(args)
         return
     options = torchrun.parse_args(args)
+    report_rank_exits()
 
     @record
     def launch() -> None:

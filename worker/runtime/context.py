@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from service.core.config import Settings
-from service.core.errors import DdpqError
 from service.core.metric_points import checked_report
 from service.core.spec import JobSpec
+from worker.entrypoints import EntrypointError, import_failed, no_function
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpointing import CheckpointSaver, agree_on_resume, load_checkpoint_file
 from worker.runtime.distributed import (
@@ -36,12 +36,6 @@ from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 
 log = logging.getLogger(__name__)
 Entrypoint = Callable[["TrainContext"], Any]
-
-
-class EntrypointError(DdpqError):
-    """A user entrypoint is not allowed here, or cannot be imported."""
-
-    code = "entrypoint"
 
 
 def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
@@ -67,14 +61,10 @@ def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EntrypointError(
-            f"cannot import {module_name!r} for entrypoint {task!r}: {exc}; the worker's "
-            f"ranks must be able to import it: install it in the worker's venv or put its "
-            f"directory on the worker's PYTHONPATH (working directory {cwd})"
-        ) from None
+        raise import_failed(task, exc, cwd) from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise EntrypointError(f"{module_name!r} has no function {func_name!r}")
+        raise no_function(task)
     return func
 
 
@@ -203,7 +193,8 @@ class TrainContext:
     def local_stop(self) -> bool:
         """This rank's own reason to stop, not yet agreed with its peers: a signal (cancel,
         preemption) or a fenced-off write (the attempt is stale)."""
-        return self.stop_flag.is_set() or self.sink.should_stop() or self.checkpointer.should_stop()
+        signalled = self.stop_flag.seen_at_step_boundary()  # called at every step boundary
+        return signalled or self.sink.should_stop() or self.checkpointer.should_stop()
 
     def agree_on_resume(self) -> Path | None:
         """The newest intact checkpoint of this job (any attempt), the same on every rank;

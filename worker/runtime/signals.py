@@ -1,23 +1,43 @@
 """The stop flag of a rank and the signal handlers that raise it (SIGTERM, SIGINT, SIGUSR1).
 
 A handler only sets a flag; the training loop reads it at step boundaries and turns it into a
-collective decision (``distributed.StopVote``) so every rank stops at the same step.
+collective decision (``distributed.StopVote``) so every rank stops at the same step. That
+graceful path is bounded: a rank that reaches no step boundary within ``DDPQ_STOP_GRACE_S``
+seconds of the signal (busy in user code, blocked before its first collective) leaves at once
+with ``128 + signum``, as if it had no handler, instead of holding the attempt open until its
+launcher's SIGKILL.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
+
+from worker.attempt import STOP_GRACE_S, signal_exit
+from worker.processes import exit_now
 
 log = logging.getLogger(__name__)
 
 # SIGTERM: cancel / shutdown by the launcher. SIGINT: Ctrl-C. SIGUSR1: Slurm's warning before
 # preemption or the time limit (--signal=USR1@N). All three: checkpoint, flush, exit 128+signum.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Seconds from a stop signal to the first step boundary that sees it, else the rank exits.
+DEFAULT_STOP_GRACE_S = 5.0
+
+
+def stop_grace_s(environ: Mapping[str, str] | None = None) -> float:
+    """``DDPQ_STOP_GRACE_S`` (seconds, > 0), else ``DEFAULT_STOP_GRACE_S``."""
+    raw = (os.environ if environ is None else environ).get(STOP_GRACE_S, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return DEFAULT_STOP_GRACE_S
+    return value if value > 0 else DEFAULT_STOP_GRACE_S
 
 
 class StopFlag:
@@ -25,6 +45,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._seen = threading.Event()  # a step boundary saw the request
         self.signum: int | None = None
         self.reason: str | None = None
 
@@ -41,6 +62,33 @@ class StopFlag:
     def wait(self, timeout_s: float) -> bool:
         """Sleep up to ``timeout_s`` seconds or until a stop is requested; returns is_set()."""
         return self._event.wait(timeout_s)
+
+    def seen_at_step_boundary(self) -> bool:
+        """Called by the loop at every step boundary: a pending request is then on its way to
+        a graceful stop (checkpoint, flush), so the grace no longer applies. Returns
+        is_set()."""
+        if self._event.is_set():
+            self._seen.set()
+        return self._event.is_set()
+
+    def wait_seen(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a step boundary to see the request."""
+        return self._seen.wait(timeout_s)
+
+
+def _exit_unless_seen(flag: StopFlag, grace_s: float, done: threading.Event) -> None:
+    """The grace thread: once a signal raised ``flag``, exit ``128 + signum`` if no step
+    boundary saw it within ``grace_s`` seconds (``done``: the handlers were removed)."""
+    while not done.is_set():
+        if not flag.wait(0.5):
+            continue
+        if flag.signum is None:
+            return  # stopped by the code (fenced off): the first reason wins, no signal to bound
+        if flag.wait_seen(grace_s) or done.is_set():
+            return
+        log.warning("no step boundary within %.1f s of %s: exiting now", grace_s, flag.reason)
+        # Without logging's shutdown: the main thread may hold a handler's lock.
+        exit_now(signal_exit(flag.signum), shutdown_logging=False)
 
 
 class StopRequested(Exception):
@@ -62,8 +110,16 @@ def stop_signal_handlers(flag: StopFlag) -> Iterator[None]:
         flag.request(f"received {signal.Signals(signum).name}", signum)
 
     previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
+    done = threading.Event()
+    grace = threading.Thread(
+        target=_exit_unless_seen, args=(flag, stop_grace_s(), done), name="ddpq-stop-grace",
+        daemon=True,
+    )  # fmt: skip
+    grace.start()
     try:
         yield
     finally:
+        done.set()
+        flag.seen_at_step_boundary()  # the rank is leaving on its own: release a pending grace
         for sig, old in previous.items():
             signal.signal(sig, old)

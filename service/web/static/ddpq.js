@@ -235,7 +235,16 @@
     return (i === 0 ? String(v) : v.toFixed(1)) + " " + units[i];
   }
 
-  /* Progress {step, total_steps, epoch, samples_per_s, eta_s} → {fraction, text, eta}. */
+  /* The epoch as shown, counted from 1: the API's epoch_number, or epoch + 1 where only the
+   * 0-based epoch is given (metric points); null when neither is. The CLI shows the same. */
+  function epochNumber(record) {
+    const r = record || {};
+    if (r.epoch_number !== null && r.epoch_number !== undefined) return Number(r.epoch_number);
+    if (r.epoch !== null && r.epoch !== undefined) return Number(r.epoch) + 1;
+    return null;
+  }
+
+  /* Progress {step, total_steps, epoch, epoch_number, samples_per_s, eta_s} → {fraction, text, eta}. */
   function describeProgress(progress, state) {
     const p = progress || {};
     const step = Number(p.step) || 0;
@@ -245,7 +254,7 @@
     const parts = [];
     if (total > 0) parts.push("step " + step + " / " + total);
     else if (step > 0) parts.push("step " + step);
-    if (p.epoch !== null && p.epoch !== undefined) parts.push("epoch " + (Number(p.epoch) + 1));
+    if (epochNumber(p) !== null) parts.push("epoch " + epochNumber(p));
     if (p.samples_per_s) parts.push(fmtValue(p.samples_per_s) + " samples/s");
     let eta = "";
     if (LIVE_STATES.includes(state) && p.eta_s !== null && p.eta_s !== undefined) {
@@ -360,6 +369,7 @@
     fmtBytes: fmtBytes,
     parseTime: parseTime,
     describeProgress: describeProgress,
+    epochNumber: epochNumber,
     showBanner: showBanner,
     clear: clear,
     Poller: Poller,

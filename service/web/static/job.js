@@ -178,7 +178,7 @@
           "tr",
           { "data-step": c.step },
           d.el("td", { class: "num" }, c.step),
-          d.el("td", { class: "num" }, c.epoch === null || c.epoch === undefined ? "–" : Number(c.epoch) + 1),
+          d.el("td", { class: "num" }, d.epochNumber(c) === null ? "–" : d.epochNumber(c)),
           d.el("td", { class: "opt num" }, c.attempt),
           d.el("td", { class: "num" }, d.fmtBytes(c.size_bytes)),
           d.el("td", { class: "opt mono", title: c.sha256 }, String(c.sha256 || "").slice(0, 12)),
