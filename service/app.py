@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Job submission service for distributed PyTorch (DDP) training.",
         lifespan=lifespan,
         docs_url=None,  # service.api.docs serves /docs without a CDN
+        redoc_url=None,  # ReDoc would load its script and fonts from a CDN
     )
     app.state.settings = settings
     app.state.db = db

@@ -16,8 +16,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+from sqlalchemy import select
 
 from service.app import create_app
+from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from service.core.states import JobState
@@ -25,6 +27,7 @@ from service.store.attempt_tokens import mint_attempt_token
 from service.store.claims import claim_next_job
 from service.store.db import Database
 from service.store.jobs import Transition, apply_transition, submit_job
+from service.store.models import Job
 from service.store.workers import register_worker
 from worker import attempt as contract
 from worker.runtime.attempt_client import AttemptClient
@@ -110,6 +113,22 @@ def mint_token(db: Database, job_id: int, attempt: int) -> str:
     """A fresh attempt token for ``(job_id, attempt)``, as the worker mints one at launch."""
     with db.session() as s:
         return mint_attempt_token(s, job_id, attempt)
+
+
+def prepare_attempt(settings: Settings, job_id: int, attempt: int) -> str:
+    """What the worker does before it starts the ranks: write the job's spec file into the
+    attempt directory and mint the attempt's token (returned)."""
+    db = Database.from_url(settings.resolved_database_url)
+    try:
+        with db.session(write=False) as s:
+            spec = JobSpec.model_validate(s.scalar(select(Job.spec).where(Job.id == job_id)))
+        token = mint_token(db, job_id, attempt)
+    finally:
+        db.dispose()
+    path = artifacts.spec_path(settings.resolved_artifact_dir, job_id, attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(spec.model_dump_json())
+    return token
 
 
 def attempt_client(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from typing import Any, NoReturn
 
 import typer
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from rich.console import Console
 from rich.text import Text
 
@@ -44,7 +46,10 @@ db_app = typer.Typer(
 )
 app.add_typer(db_app, name="db")
 
-out = Console(highlight=False)
+# Piped output (a file, grep, a script) is not cut to 80 columns: rich's width for a
+# non-terminal; a terminal's own width otherwise.
+PIPED_WIDTH = 400
+out = Console(highlight=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
 # soft_wrap: a message stays one line however it is read. Without a terminal (a pipe, a log,
 # CI) rich would otherwise break every message at 80 columns, mid-URL.
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -106,6 +111,14 @@ def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment (``DDPQ_*``), with non-None ``overrides`` applied."""
     try:
         settings = Settings()
+    except SettingsError as exc:
+        # pydantic-settings reads list and dict fields as JSON and names only the field.
+        match = re.search(r'field "(\w+)"', str(exc))
+        name = f"DDPQ_{match[1].upper()}" if match else "a DDPQ_* variable"
+        fail(
+            f"bad environment: {name} is not valid JSON",
+            f"""give it as a JSON list, e.g. {name}='["examples.*:*"]', or unset it""",
+        )
     except ValidationError as exc:
         problems = "; ".join(
             f"DDPQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()

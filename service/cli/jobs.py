@@ -38,6 +38,9 @@ from service.client import ApiUnreachableError, DdpqClient
 from service.core.config import Settings
 from service.core.spec_text import SpecTextError, parse_spec_text
 
+TABLE_POINTS = 100  # points `ddpq metrics` shows in its table unless --limit says otherwise
+EXPORT_PAGE_POINTS = 1000  # points per request when --csv/--json export a whole history
+
 
 def load_spec_file(path: Path) -> dict[str, Any]:
     """Read a job spec from a YAML or JSON file (``.json``: JSON only); exits 2 with the
@@ -203,7 +206,10 @@ def cancel(job_id: Annotated[int, typer.Argument(help="Job id.")]) -> None:
 def metrics(
     job_id: Annotated[int, typer.Argument(help="Job id.")],
     name: Annotated[str, typer.Option(help="Metric name.")] = "loss",
-    limit: Annotated[int, typer.Option(min=1, help="Most points to show.")] = 100,
+    limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Most points (default: 100 in the table, all with --csv/--json)."),
+    ] = None,
     after_step: Annotated[int, typer.Option(min=0, help="Only steps after this one.")] = 0,
     as_json: Annotated[bool, JSON_OPTION] = False,
     as_csv: Annotated[
@@ -217,7 +223,11 @@ def metrics(
         fail("--json and --csv are two formats: pass one")
     with friendly_errors():
         client = make_client()
-        result = client.metrics(job_id, name, after_step=after_step, limit=limit)
+        if limit is None and (as_json or as_csv):
+            result = all_metric_points(client, job_id, name, after_step=after_step)
+        else:
+            limit = limit or TABLE_POINTS
+            result = client.metrics(job_id, name, after_step=after_step, limit=limit)
         names = client.metric_names(job_id) if not result["points"] else [name]
     if name not in names:
         reports = f"it reports: {', '.join(names)}" if names else "it has reported none yet"
@@ -236,9 +246,23 @@ def metrics(
     out.print(table)
     if not result["points"]:
         out.print(cell(f"no {name!r} points after step {after_step}"))
-    elif len(result["points"]) >= limit:
+    elif limit is not None and len(result["points"]) >= limit:
         last = result["points"][-1]["step"]
         out.print(cell(f"first {limit} points shown; more with --after-step {last}"))
+
+
+def all_metric_points(
+    client: DdpqClient, job_id: int, name: str, *, after_step: int = 0
+) -> dict[str, Any]:
+    """Every point of ``name`` after ``after_step``, paged through the API
+    (``next_after_step``): ``{"name", "points", "next_after_step"}`` as one body."""
+    points: list[dict[str, Any]] = []
+    while True:
+        page = client.metrics(job_id, name, after_step=after_step, limit=EXPORT_PAGE_POINTS)
+        points.extend(page["points"])
+        if not page["points"] or page["next_after_step"] <= after_step:
+            return {"name": name, "points": points, "next_after_step": after_step}
+        after_step = page["next_after_step"]
 
 
 @app.command()

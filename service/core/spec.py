@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +18,7 @@ from service.core.config import Settings
 from service.core.errors import SpecValidationError
 from service.core.launchers import launcher_traits, multi_node_launchers
 from service.core.metric_points import MAX_STEP
+from service.core.spec_errors import error_loc, pydantic_errors
 from service.core.spec_text import display_text, json_value_problems
 from service.core.task_configs import BUILTIN_TASK_CONFIGS
 
@@ -193,59 +193,6 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
-def _loc(parts: tuple[int | str, ...]) -> list[int | str]:
-    return ["body", *(display_text(p) if isinstance(p, str) else p for p in parts)]
-
-
-def _unwrap_model(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside ``annotation`` (``Resources``, ``SlurmOptions | None``)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _unwrap_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _fields_at(model: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
-    """Field names of the model that holds ``path`` (``("resources",)`` → Resources')."""
-    for part in path:
-        info = model.model_fields.get(str(part))
-        inner = _unwrap_model(info.annotation) if info is not None else None
-        if inner is None:
-            return []
-        model = inner
-    return list(model.model_fields)
-
-
-def unknown_field_message(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
-    """Pydantic's "extra inputs" message for ``loc`` plus a hint: the closest valid field
-    (``did you mean 'nproc_per_node'?``) or, failing that, the list of valid fields."""
-    message = "Extra inputs are not permitted"
-    if not loc:
-        return message
-    valid = _fields_at(model, loc[:-1])
-    if not valid:
-        return message
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-    if close:
-        return f"{message}: did you mean {close[0]!r}?"
-    return f"{message}; valid fields: {', '.join(valid)}"
-
-
-def _pydantic_errors(
-    exc: ValidationError, model: type[BaseModel], prefix: tuple[int | str, ...] = ()
-) -> list[dict[str, Any]]:
-    """``exc`` as ``{loc, msg, type}`` entries under ``prefix``, unknown fields with a hint."""
-    errors = []
-    for e in exc.errors(include_url=False, include_context=False, include_input=False):
-        loc = tuple(e["loc"])
-        msg = unknown_field_message(model, loc) if e["type"] == "extra_forbidden" else e["msg"]
-        errors.append({"loc": _loc((*prefix, *loc)), "msg": msg, "type": e["type"]})
-    return errors
-
-
 def _raw_int(section: Any, field: str) -> int | None:
     """``section[field]`` when ``section`` is a mapping and the value a real int (not bool)."""
     if not isinstance(section, dict):
@@ -326,8 +273,9 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
             (
                 ("task",),
                 f"entrypoint {task!r} is not on this deployment's allow-list "
-                f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); built-in tasks: "
-                f"{', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
+                f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); the operator allows it with e.g. "
+                f"""DDPQ_ALLOWED_ENTRYPOINTS='["{task.partition(':')[0]}:*"]' on the API and """
+                f"workers; built-in tasks: {', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
             )
         )
     return problems
@@ -345,7 +293,7 @@ def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | Non
     try:
         return schema.model_validate(config).model_dump(), []
     except ValidationError as exc:
-        return {}, _pydantic_errors(exc, schema, ("config",))
+        return {}, pydantic_errors(exc, schema, ("config",))
 
 
 def validate_spec(data: Any, settings: Settings) -> JobSpec:
@@ -369,10 +317,10 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         # Undecodable text is reported below, at the field that holds it.
-        errors.extend(e for e in _pydantic_errors(exc, JobSpec) if e["type"] != "string_unicode")
+        errors.extend(e for e in pydantic_errors(exc, JobSpec) if e["type"] != "string_unicode")
 
     def bad(loc: tuple[int | str, ...], msg: str) -> None:
-        errors.append({"loc": _loc(loc), "msg": msg, "type": "value_error"})
+        errors.append({"loc": error_loc(loc), "msg": msg, "type": "value_error"})
 
     if spec is not None:
         for loc, msg in cross_field_problems(spec):
@@ -391,8 +339,8 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     if checked is not None and not errors:
         value_problems += json_value_problems(checked[0], ("config",))
     for where, msg in value_problems:
-        if tuple(_loc(where)) not in seen:
-            errors.append({"loc": _loc(where), "msg": msg, "type": "value_error"})
+        if tuple(error_loc(where)) not in seen:
+            errors.append({"loc": error_loc(where), "msg": msg, "type": "value_error"})
     if errors or spec is None:
         raise SpecValidationError(
             [{**e, "msg": display_text(e["msg"])} for e in errors[:MAX_REPORTED_ERRORS]]

@@ -240,9 +240,10 @@ def downsample_points(
 ) -> list[PointRow]:
     """The whole history of ``name`` in at most ``max_points`` points, ascending by step.
 
-    Steps are cut into ``max_points // 2`` equal-width buckets; each bucket keeps the points
-    holding its minimum and its maximum value (M4-style min/max decimation, so spikes and the
-    global extremes survive). Histories of ``max_points`` or fewer come back whole.
+    The first and the last point always stay (a curve ends at the newest value). The steps
+    between are cut into ``(max_points - 2) // 2`` equal-width buckets; each bucket keeps the
+    points holding its minimum and its maximum value (M4-style min/max decimation, so spikes
+    and the global extremes survive). Histories of ``max_points`` or fewer come back whole.
     """
     lo, hi, count = session.execute(
         select(func.min(Metric.step), func.max(Metric.step), func.count()).where(
@@ -253,7 +254,7 @@ def downsample_points(
         return []
     if count <= max_points:
         return query_points(session, job_id, name, after_step=lo - 1, limit=count)[0]
-    buckets = max(1, max_points // 2)
+    buckets = max(1, (max_points - 2) // 2)
     width = (hi - lo) // buckets + 1
     bucket = ((Metric.step - lo) // width).label("bucket")
     ranked = (
@@ -269,7 +270,9 @@ def downsample_points(
         .where(Metric.job_id == job_id, Metric.name == name)
         .subquery()
     )
-    keep = select(ranked.c.step).where((ranked.c.rn_min == 1) | (ranked.c.rn_max == 1))
+    ends = (ranked.c.step == lo) | (ranked.c.step == hi)
+    extremes = (ranked.c.rn_min == 1) | (ranked.c.rn_max == 1)
+    keep = select(ranked.c.step).where(ends | extremes if max_points >= 4 else ends)
     # Two statements on purpose: as one ``step IN (subquery)``, PostgreSQL (stale statistics
     # right after a bulk ingest) may re-run the window query per row: minutes for 100k points.
     steps = list(session.scalars(keep))

@@ -1,5 +1,6 @@
 """Failures told fast and right, with real torchrun ranks driven through the local launcher
-(no API, no worker process: the launcher is what decides, and each run stays short).
+(no worker process: the launcher is what decides, and each run stays short). The ranks report
+to the real attempt API on loopback with a token minted per attempt, as a worker's would.
 
 - A rank SIGKILLed mid-training is blamed, with its signal, over the peer whose collective saw
   it go, run after run (torchrun's agent may name either rank, reports arrive in any order).
@@ -15,6 +16,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -34,8 +36,9 @@ from service.store.db import Database
 from service.store.jobs import submit_job
 from service.store.models import Metric
 from service.store.workers import register_worker
+from tests.rank_api import LiveApi, mint_token
 from worker.attempt import FailureReason
-from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, with_attempt_token
 from worker.launchers.local import LocalLauncher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,8 +93,10 @@ class Harness:
             return job_spec, job.id, job.attempt
 
     def plan(self, launcher: LocalLauncher, spec: dict[str, Any], **env: str) -> LaunchPlan[Any]:
+        """A claimed job's plan with its attempt token, as the worker loop launches it."""
         job_spec, job_id, attempt = self.claimed(spec)
         plan = launcher.plan(job_spec, job_id, attempt)
+        plan = with_attempt_token(plan, mint_token(self.db, job_id, attempt))
         extra = {"DDPQ_ALLOWED_ENTRYPOINTS": json.dumps(ALLOWED), "OMP_NUM_THREADS": "1"}
         return replace(plan, env={**plan.env, **extra, **env})
 
@@ -101,22 +106,34 @@ class Harness:
             return int(session.execute(stmt).scalar_one())
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture
 def harness(tmp_path: Path) -> Iterator[Harness]:
+    """The database, the attempt API on the settings' port (the launcher's ranks report
+    there: ``resolved_api_url``) and the artifact dir; no process of it may be left."""
     settings = Settings(
         home=tmp_path / ".ddpq",
         database_url=f"sqlite:///{tmp_path / 'ddpq.db'}",
         artifact_dir=tmp_path / "artifacts",
         allowed_entrypoints=ALLOWED,
+        port=_free_port(),
     )
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
     with db.session() as session:
         register_worker(session, worker_id="w", host="test", pid=os.getpid(), launcher="local",
                         capacity={"slots": 100, "gpus": []})  # fmt: skip
+    api = LiveApi(settings, port=settings.port)
+    api.start()
     try:
         yield Harness(settings, db, tmp_path)
     finally:
+        api.stop()
         db.dispose()
     left = rank_pids(settings.resolved_artifact_dir)
     for pid in left:

@@ -1,11 +1,14 @@
 """``DDPQ_RANK_USER``: a root-run worker starts its ranks as another Unix user, who cannot
 read the database file, the worker's environment or its user token.
 
-Needs root (CI runs as root), ``useradd`` (the test creates the system user
-``ddpq-rank-test`` once), and an interpreter and checkout that user can run and import (a
-venv whose interpreter lies under a 0700 ``/root`` cannot be run by anyone else: then these
-tests skip and say so). Everything lives in a 0755 directory under /tmp: pytest's own
-``tmp_path`` is 0700 root.
+Needs root (CI runs as root) and ``useradd`` (the test creates the system user
+``ddpq-rank-test`` once). The rank user must run an interpreter and import ddpq: a venv whose
+interpreter lies under a 0700 ``/root`` (pyenv, a fresh clone in root's home) cannot be run by
+anyone else, so the set-up provides what it can (``rank_python``): a venv under a 0755 temp
+dir from a system Python of the same minor version whose ``.pth`` names this venv's
+site-packages, and a copy of the code the ranks import when the checkout is not readable to
+that user. The tests skip, saying which part is missing, only when none of that works.
+Everything lives in 0755 directories under /tmp: pytest's own ``tmp_path`` is 0700 root.
 
 Two levels: the local launcher with the probe as its per-rank program (the launcher's part
 alone), and a whole job (API + worker processes, the probe as a user entrypoint through the
@@ -19,12 +22,14 @@ import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +52,110 @@ SLOW_BOX_S = 240.0
 DB_SECRET = "DDPQ_DATABASE_URL"
 
 
-def _skip_unless_rank_user_can_run_python() -> None:
-    check = subprocess.run(
-        ["runuser", "-u", RANK_USER, "--", sys.executable, "-c",
-         "import service, worker.runtime, tests.e2e.rank_user_probe"],
-        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)},
-        cwd="/", capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    if check.returncode != 0:
+MINOR = f"{sys.version_info[0]}.{sys.version_info[1]}"
+# What a rank of these tests imports: the runtime (and so torch) and the probe.
+RANK_IMPORTS = "import torch, service, worker.runtime, tests.e2e.rank_user_probe"
+
+
+@dataclass(frozen=True)
+class RankPython:
+    """What the rank user runs: ``python`` (torchrun's and so every rank's interpreter) and
+    ``code``, the directory on their ``PYTHONPATH`` and their working directory."""
+
+    python: str
+    code: Path
+
+    @property
+    def probe(self) -> Path:
+        """The probe script inside ``code``."""
+        return self.code / "tests" / "e2e" / PROBE.name
+
+
+def _as_rank_user(argv: list[str], pythonpath: Path | None = None) -> str | None:
+    """Run ``argv`` as the rank user from ``/``: None when it exits 0, else why not (its
+    last line of stderr)."""
+    env = {"PATH": os.environ.get("PATH", "")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    try:
+        done = subprocess.run(
+            ["runuser", "-u", RANK_USER, "--", *argv],
+            env=env, cwd="/", capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
+def _system_python() -> str | None:
+    """A Python of this interpreter's minor version that the rank user can run, or None."""
+    name = f"python{MINOR}"
+    for candidate in (f"/usr/bin/{name}", f"/usr/local/bin/{name}"):
+        if not os.access(candidate, os.X_OK):
+            continue
+        same_minor = f"import sys; sys.exit(sys.version_info[:2] != {sys.version_info[:2]!r})"
+        if _as_rank_user([candidate, "-c", same_minor]) is None:
+            return candidate
+    return None
+
+
+def _venv_over_these_site_packages(root: Path, base: str) -> str:
+    """A venv under ``root`` from ``base`` (no pip) whose ``.pth`` names this interpreter's
+    site-packages, so the rank user imports the very packages the tests run with; its
+    interpreter. A plain path per line, not this venv's own ``.pth`` hooks: those would also
+    add the editable install's checkout, and the ranks import the code on their PYTHONPATH."""
+    venv = root / "venv"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    site = venv / "lib" / f"python{MINOR}" / "site-packages"
+    paths = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (site / "ddpq-tests-site-packages.pth").write_text("".join(f"{p}\n" for p in paths))
+    return str(venv / "bin" / "python")
+
+
+def _copy_of_the_code(root: Path) -> Path:
+    """What the ranks and the worker import, copied under ``root`` and readable by all:
+    ``service/``, ``worker/``, ``migrations/`` and the probe (``tests.e2e`` as namespace
+    packages, as in the checkout)."""
+    code = root / "code"
+    for name in ("service", "worker", "migrations"):
+        shutil.copytree(REPO / name, code / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (code / "tests" / "e2e").mkdir(parents=True)
+    shutil.copy2(PROBE, code / "tests" / "e2e" / PROBE.name)
+    for path in [code, *code.rglob("*")]:
+        extra = stat.S_IROTH | (stat.S_IXOTH if path.is_dir() else 0)
+        path.chmod(path.stat().st_mode | extra)
+    return code
+
+
+def _rank_python(root: Path) -> RankPython:
+    """An interpreter and code the rank user can run and import (see the module docstring);
+    skips with the missing part named when there is none."""
+    python = sys.executable
+    cannot_run = _as_rank_user([python, "-c", "pass"])
+    if cannot_run is not None:
+        base = _system_python()
+        if base is None:
+            pytest.skip(
+                f"user {RANK_USER} cannot run {python} ({cannot_run}) and there is no "
+                f"/usr/bin/python{MINOR} or /usr/local/bin/python{MINOR} it can run to build "
+                "a venv from"
+            )
+        python = _venv_over_these_site_packages(root, base)
+    probe = str(PROBE.relative_to(REPO))
+    unreadable = _as_rank_user(["test", "-r", str(REPO / probe)])
+    code = REPO if unreadable is None else _copy_of_the_code(root)
+    cannot_import = _as_rank_user([python, "-c", RANK_IMPORTS], pythonpath=code)
+    if cannot_import is not None:
         pytest.skip(
-            f"user {RANK_USER} cannot run {sys.executable} and import ddpq from {REPO} "
-            f"({check.stderr.strip().splitlines()[-1:]}): the interpreter, the venv and the "
-            "checkout must be readable by the rank user (e.g. not under a 0700 /root)"
+            f"user {RANK_USER} runs {python} but cannot import ddpq and torch from {code} and "
+            f"{sorted(set(sysconfig.get_paths()[k] for k in ('purelib', 'platlib')))} "
+            f"({cannot_import}): this venv's site-packages must be readable by that user"
         )
+    return RankPython(python=python, code=code)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +172,19 @@ def rank_user() -> str:
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
              RANK_USER], check=True, capture_output=True, timeout=60,
         )  # fmt: skip
-    _skip_unless_rank_user_can_run_python()
     return RANK_USER
+
+
+@pytest.fixture(scope="module")
+def rank_python(rank_user: str) -> Iterator[RankPython]:
+    """An interpreter and code ``rank_user`` can run and import, under a 0755 temp dir when
+    the test's own are out of its reach (removed afterwards)."""
+    root = Path(tempfile.mkdtemp(prefix="ddpq-rank-python-"))
+    root.chmod(0o755)
+    try:
+        yield _rank_python(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -133,16 +240,20 @@ def _wait_end(launcher: LocalLauncher, handle: str) -> RunStatus:
 
 
 def test_the_local_launcher_runs_ranks_as_the_rank_user(
-    rank_user: str, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+    rank_user: str, rank_python: RankPython, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(DB_SECRET, "postgresql://u:secret@db.example/ddpq")
     monkeypatch.setenv("DDPQ_TOKEN", "ddpq_user-token")
+    # The ranks inherit the worker's PYTHONPATH (an allowed name): the code they can read.
+    monkeypatch.setenv("PYTHONPATH", str(rank_python.code))
     settings = _settings(shared_dir, rank_user=rank_user)
     db = Database.from_url(settings.resolved_database_url)
     upgrade(db.engine)
     db.dispose()
     db_path = shared_dir / "ddpq.db"
-    launcher = LocalLauncher(settings, cwd=REPO, entry=(str(PROBE),))
+    launcher = LocalLauncher(
+        settings, cwd=rank_python.code, entry=(str(rank_python.probe),), python=rank_python.python
+    )
     spec = JobSpec.model_validate(
         {"name": "u", "task": "regression", "resources": {"nproc_per_node": 2}}
     )
@@ -169,7 +280,7 @@ def _free_port() -> int:
 
 
 def test_a_whole_job_runs_as_the_rank_user_and_cannot_read_the_database(
-    rank_user: str, shared_dir: Path
+    rank_user: str, rank_python: RankPython, shared_dir: Path
 ) -> None:
     settings = _settings(
         shared_dir,
@@ -182,19 +293,23 @@ def test_a_whole_job_runs_as_the_rank_user_and_cannot_read_the_database(
     upgrade(db.engine)
     db.dispose()
     env = {**os.environ, **settings_env(settings), "DDPQ_TOKEN": "ddpq_user-token"}
-    py = sys.executable
+    # The worker runs torchrun with its own interpreter, from its own working directory, with
+    # its PYTHONPATH: the ones the rank user can run and read.
+    worker_env = {**env, "PYTHONPATH": str(rank_python.code)}
     argvs = {
-        "api": [py, "-m", "worker.up", "serve-api", "127.0.0.1", str(settings.port)],
-        "worker": [py, "-m", "worker.main", "--slots", "1", "--gpus", "none"],
+        "api": [sys.executable, "-m", "worker.up", "serve-api", "127.0.0.1", str(settings.port)],
+        "worker": [rank_python.python, "-m", "worker.main", "--slots", "1", "--gpus", "none"],
     }
+    envs = {"api": env, "worker": worker_env}
+    cwds = {"api": REPO, "worker": rank_python.code}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {name: shared_dir / f"{name}.log" for name in argvs}
     url = settings.resolved_api_url
     try:
         for name, argv in argvs.items():
             with open(logs[name], "wb") as out:
-                procs[name] = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out,
-                                               stderr=subprocess.STDOUT)  # fmt: skip
+                procs[name] = subprocess.Popen(argv, env=envs[name], cwd=cwds[name],
+                                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
             if name == "api":
                 _wait(lambda: _answers(f"{url}/readyz"), "the API to answer /readyz")
         spec = {"name": "probe", "task": "tests.e2e.rank_user_probe:probe",

@@ -31,7 +31,7 @@ from service.store.db import Database
 from service.store.jobs import Transition, apply_transition, get_job, submit_job
 from service.store.models import Job, Metric
 from service.store.workers import register_worker
-from tests.rank_api import live_api, mint_token
+from tests.rank_api import live_api, prepare_attempt
 from worker import attempt as contract
 from worker.runtime.checkpointing import file_sha256
 from worker.tasks.digits import build_model
@@ -104,22 +104,6 @@ def rank_command(nproc: int, launcher: str = TORCHRUN) -> list[str]:
         "-m",
         "worker.runtime",
     ]
-
-
-def prepare_attempt(settings: Settings, job_id: int, attempt: int) -> str:
-    """What the worker does before it starts the ranks: write the spec file into the attempt
-    directory and mint the attempt's token (returned)."""
-    db = Database.from_url(settings.resolved_database_url)
-    try:
-        with db.session(write=False) as s:
-            spec = JobSpec.model_validate(s.scalar(select(Job.spec).where(Job.id == job_id)))
-        token = mint_token(db, job_id, attempt)
-    finally:
-        db.dispose()
-    path = artifacts.spec_path(settings.resolved_artifact_dir, job_id, attempt)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(spec.model_dump_json())
-    return token
 
 
 def launch(

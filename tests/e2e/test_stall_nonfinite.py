@@ -1,7 +1,9 @@
 """Stall detection and the non-finite loss policy with real torchrun ranks (gloo, CPU): a hung
 rank fails the job ``stalled`` through a real worker; NaN losses on one rank or on all of them
 fail the job or skip the step on every rank alike, and never hang; a custom entrypoint whose
-reported loss goes NaN fails the job ``nonfinite_loss`` like a built-in task."""
+reported loss goes NaN fails the job ``nonfinite_loss`` like a built-in task. The non-finite
+tests start torchrun as the local launcher does: the attempt's spec file, the real attempt API
+on loopback and a freshly minted attempt token, and no database URL."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,8 @@ from service.store.db import Database
 from service.store.jobs import Transition, apply_transition, submit_job
 from service.store.metrics import query_points
 from service.store.workers import register_worker
+from tests.rank_api import live_api, prepare_attempt
+from worker import attempt as contract
 
 REPO = Path(__file__).resolve().parents[2]
 STALL_TIMEOUT_S = 10
@@ -90,6 +95,13 @@ def test_hung_rank_fails_the_job_stalled_with_stacks_in_the_logs(deployment: Any
 # -- non-finite loss: the rank runtime as the local launcher starts it -------------------------
 
 
+@pytest.fixture
+def attempt_api(db: Database, settings: Settings) -> Iterator[str]:
+    """The attempt API for the test's database, served on loopback: its URL."""
+    with live_api(settings) as api:
+        yield api.url
+
+
 def _start(db: Database, spec: dict[str, Any]) -> int:
     with db.session() as s:
         register_worker(s, worker_id="e2e", host="h", pid=1, launcher="local", capacity={})
@@ -107,14 +119,23 @@ def _start(db: Database, spec: dict[str, Any]) -> int:
 
 
 def _run_ranks(
-    settings: Settings, job_id: int, timeout_s: float = 180, extra_env: dict[str, str] | None = None
+    settings: Settings,
+    api_url: str,
+    job_id: int,
+    timeout_s: float = 180,
+    extra_env: dict[str, str] | None = None,
 ) -> int:
+    """torchrun over ``worker.runtime`` for attempt 1, reporting to ``api_url``; its code."""
+    token = prepare_attempt(settings, job_id, 1)
+    # The ranks get no database URL: what they write goes through the attempt API.
+    inherited = {k: v for k, v in os.environ.items() if k != contract.DATABASE_URL}
     env = dict(
-        os.environ,
+        inherited,
         **(extra_env or {}),
         DDPQ_JOB_ID=str(job_id),
         DDPQ_ATTEMPT="1",
-        DDPQ_DATABASE_URL=settings.resolved_database_url,
+        DDPQ_API_URL=api_url,
+        DDPQ_ATTEMPT_TOKEN=token,
         DDPQ_ARTIFACT_DIR=str(settings.resolved_artifact_dir),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
@@ -150,11 +171,11 @@ def _points(db: Database, job_id: int, name: str) -> list[Any]:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("nan_rank", [None, 1], ids=["nan-on-every-rank", "nan-on-rank-1"])
 def test_nonfinite_fail_ends_every_rank_with_reason_and_step(
-    db: Database, settings: Settings, nan_rank: int | None
+    db: Database, settings: Settings, attempt_api: str, nan_rank: int | None
 ) -> None:
     config = {"nan_at_step": 4, "nan_rank": nan_rank}
     job_id = _start(db, regression(config, nonfinite_loss="fail", checkpoint_every_steps=1))
-    code = _run_ranks(settings, job_id)
+    code = _run_ranks(settings, attempt_api, job_id)
     assert code != 0, _logs(settings, job_id)
     folder = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
     errors = {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
@@ -177,11 +198,11 @@ def test_nonfinite_fail_ends_every_rank_with_reason_and_step(
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("nan_rank", [None, 1], ids=["nan-on-every-rank", "nan-on-rank-1"])
 def test_nonfinite_skip_step_skips_on_every_rank_and_succeeds(
-    db: Database, settings: Settings, nan_rank: int | None
+    db: Database, settings: Settings, attempt_api: str, nan_rank: int | None
 ) -> None:
     config = {"nan_at_step": 4, "nan_rank": nan_rank}
     job_id = _start(db, regression(config, nonfinite_loss="skip_step"))
-    code = _run_ranks(settings, job_id)
+    code = _run_ranks(settings, attempt_api, job_id)
     assert code == 0, _logs(settings, job_id)
     skipped = _points(db, job_id, "skipped_steps")
     assert [(p.step, p.value) for p in skipped] == [(4, 1.0)], skipped
@@ -230,7 +251,7 @@ def train(ctx):
 @pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_custom_entrypoint_nonfinite_loss_fails_the_job_like_a_builtin(
-    db: Database, settings: Settings, tmp_path: Path
+    db: Database, settings: Settings, attempt_api: str, tmp_path: Path
 ) -> None:
     package = tmp_path / "entrypoints"
     package.mkdir()
@@ -246,7 +267,7 @@ def test_custom_entrypoint_nonfinite_loss_fails_the_job_like_a_builtin(
         "DDPQ_ALLOWED_ENTRYPOINTS": '["nanloop_*:*"]',
         "PYTHONPATH": os.pathsep.join([str(package), str(REPO)]),
     }
-    code = _run_ranks(settings, job_id, extra_env=extra)
+    code = _run_ranks(settings, attempt_api, job_id, extra_env=extra)
     assert code != 0, _logs(settings, job_id)
     folder = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
     errors = {int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())

@@ -81,6 +81,7 @@ def test_nan_and_inf_come_back_json_valid(api: TestClient, db: Database) -> None
         "step": 5,
         "total_steps": 10,
         "epoch": 0,
+        "epoch_number": 1,
         "samples_per_s": None,
         "eta_s": None,
     }
@@ -203,7 +204,7 @@ def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: 
     listed = api.get(f"{API}/jobs/{job_id}/checkpoints").json()["checkpoints"]
     assert [c["step"] for c in listed] == [20, 10]
     assert set(listed[0]) == {
-        "step", "epoch", "attempt", "size_bytes", "sha256", "created_at", "path"
+        "step", "epoch", "epoch_number", "attempt", "size_bytes", "sha256", "created_at", "path"
     }  # fmt: skip
     assert [c["path"] for c in listed] == [
         f"jobs/{job_id}/checkpoints/step-20.pt",
@@ -321,3 +322,22 @@ def test_logs_of_an_attempt_after_the_current_one_is_404_naming_its_attempts(
         r = api.get(f"{API}/jobs/{job_id}/logs", params={"attempt": attempt})
         assert r.status_code == 200 and r.json()["attempt"] == attempt
     assert api.get(f"{API}/jobs/{job_id}/logs").json()["attempt"] == 3, "default: the current"
+
+
+def test_downsampled_history_keeps_the_first_and_the_last_point(
+    api: TestClient, db: Database
+) -> None:
+    """A plotted curve must end at the newest value, whatever ``max_points`` asks for."""
+    job_id = running_job(db)
+    values = [math.sin(step / 7) for step in range(1, 231)]
+    with db.session() as s:
+        metrics.record_metrics(
+            s, job_id, 1, [MetricPoint("loss", i + 1, v, epoch=0) for i, v in enumerate(values)]
+        )
+    for max_points in (2, 3, 5, 10, 50, 229):
+        body = api.get(
+            f"{API}/jobs/{job_id}/metrics", params={"name": "loss", "max_points": max_points}
+        ).json()
+        steps = [p["step"] for p in body["points"]]
+        assert steps[0] == 1 and steps[-1] == 230, (max_points, steps)
+        assert len(steps) <= max(max_points, 2), (max_points, len(steps))

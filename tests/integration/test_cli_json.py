@@ -140,3 +140,29 @@ def test_error_lines_are_not_wrapped_without_a_terminal(
     lines = [line for line in result.output.splitlines() if field in line]
     assert lines, f"the field's name must stay whole on one line, not cut at 80:\n{result.output}"
     assert lines[0].strip().startswith(f"{field}:"), lines
+
+
+def test_csv_and_json_export_the_whole_history(
+    live_url: str, job_id: int, db: Database
+) -> None:
+    """More points than one API page: --csv and --json page through all of them (the table
+    keeps its 100-point view)."""
+    with db.session() as s:
+        points = [checked_point(MetricPoint("loss", step, 1 / step, 0)) for step in range(4, 2501)]
+        metrics.record_metrics(s, job_id, 1, points)
+    rows = list(csv.DictReader(io.StringIO(ddpq(live_url, "metrics", str(job_id), "--csv").stdout)))
+    assert [int(r["step"]) for r in rows] == list(range(1, 2501)), "every step, once, in order"
+    body = ddpq_json(live_url, "metrics", str(job_id))
+    assert len(body["points"]) == 2500 and body["next_after_step"] == 2500
+    table = ddpq(live_url, "metrics", str(job_id))
+    assert "first 100 points shown" in table.stdout
+
+
+def test_a_list_setting_that_is_not_json_gets_a_message_not_a_traceback(live_url: str) -> None:
+    result = CliRunner().invoke(
+        app, ["ls"], env={"DDPQ_API_URL": live_url, "DDPQ_ALLOWED_ENTRYPOINTS": "examples.*:*"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "DDPQ_ALLOWED_ENTRYPOINTS is not valid JSON" in result.output
+    assert '["examples.*:*"]' in result.output, "the message shows the fix"

@@ -3,12 +3,11 @@
 torchrun (``--standalone``: its own rendezvous on a free port, so jobs never share a port)
 runs ``nproc_per_node`` rank processes of ``worker.runtime``, started by
 ``python -m worker.runtime.agent`` (torchrun's agent with the ranks forked warm from a fork
-server; see that module). Ranks may live in sessions of their own (torchrun starts a script
-entry that way), so signalling torchrun's process group need not reach them; we find an
-attempt's processes by the tags every one of them carries in its
-environment (``DDPQ_JOB_ID``, ``DDPQ_ATTEMPT``, ``DDPQ_ARTIFACT_DIR``) and signal their groups
-too. torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the worker dies, torchrun stops its ranks
-(and each rank sets its own, ``worker.runtime.main.die_with_parent``, in case torchrun dies).
+server; see that module). Cancelling, a timeout or a known failure signals every process
+group of the attempt, found by the tags in the ranks' environment
+(``worker.launchers.process_groups``). torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the
+worker dies, torchrun stops its ranks (and each rank sets its own,
+``worker.runtime.main.die_with_parent``, in case torchrun dies).
 
 Every attempt starts in an empty directory: one left over from an earlier life of the same
 job id and attempt (e.g. the database was recreated but the artifact dir kept) is moved aside
@@ -24,7 +23,6 @@ database URL). With ``DDPQ_RANK_USER`` a root-run worker starts torchrun as that
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -53,8 +51,9 @@ from worker.launchers.attempt_dir import prepare_attempt_dir
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import attempt_failure
 from worker.launchers.preflight import entrypoint_setup_failure
+from worker.launchers.process_groups import kill_attempt, term_and_wait
 from worker.launchers.rank_user import RankUser, popen_identity, process_env, resolve_rank_user
-from worker.processes import find_tagged_processes, parent_death_preexec
+from worker.processes import parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -354,41 +353,16 @@ class LocalLauncher:
             run.error_seen_mono = now
         return now - run.error_seen_mono >= self.failure_grace_s
 
-    def _process_groups(self, run: _LocalRun) -> set[int]:
-        groups = {run.popen.pid} if run.popen.returncode is None else set()
-        for pid in find_tagged_processes(run.tags):
-            with contextlib.suppress(ProcessLookupError):
-                groups.add(os.getpgid(pid))
-        groups.discard(os.getpgrp())
-        return groups
-
-    def _signal_groups(self, run: _LocalRun, sig: signal.Signals) -> bool:
-        """Send ``sig`` to every process group of the attempt; False when none is left."""
-        groups = self._process_groups(run)
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        return bool(groups)
-
     def _terminate(self, run: _LocalRun, *, grace_s: float) -> None:
-        if self._signal_groups(run, signal.SIGTERM):
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline:
-                if run.popen.poll() is not None and not find_tagged_processes(run.tags):
-                    break
-                time.sleep(0.05)
+        """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds."""
+        term_and_wait(run.popen, run.tags, grace_s)
         self._kill_leftovers(run)
 
     def _kill_leftovers(self, run: _LocalRun) -> None:
         """SIGKILL whatever is left of the attempt and reap torchrun."""
-        for _ in range(50):
-            if not self._signal_groups(run, signal.SIGKILL):
-                break
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                run.popen.wait(timeout=0.1)
-        run.popen.wait()
+        survivors = kill_attempt(run.popen, run.tags)
         run.log_file.close()
-        for pid in find_tagged_processes(run.tags):
+        for pid in survivors:
             log.error("job_id=%d attempt=%d: process %d survived SIGKILL",
                       run.plan.job_id, run.plan.attempt, pid)  # fmt: skip
 
