@@ -19,20 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 from service.core.config import Settings
-from service.core.errors import (
-    DatabaseUnavailableError,
-    DdpqError,
-    NotFoundError,
-    StaleStateError,
-)
+from service.core.errors import DatabaseUnavailableError, DdpqError, NotFoundError, StaleStateError
 from service.core.launchers import launcher_traits
 from service.core.spec import JobSpec
-from service.store.db import Database, redact_url
-from worker.attempt import DATABASE_URL
+from service.store.db import Database
 from worker.decisions import (
     Decision,
     GpuPool,
@@ -42,7 +35,7 @@ from worker.decisions import (
     decide_on_status,
     reconcile,
 )
-from worker.launchers.base import BatchPoller, Launcher, LaunchPlan, RunStatus, with_attempt_token
+from worker.launchers.base import BatchPoller, Launcher, RunStatus, with_attempt_token
 from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
@@ -54,24 +47,9 @@ CLAIM_POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
 
 
-def render_for_log(plan: LaunchPlan) -> str:
-    """``plan.render()`` (the attempt token masked) with a database password masked too,
-    should a plan carry a database URL (no launcher of ours puts one there)."""
-    url = plan.env.get(DATABASE_URL)
-    if url is None:
-        return plan.render()
-    return replace(plan, env={**plan.env, DATABASE_URL: redact_url(url)}).render()
-
-
 def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
-    log.log(
-        level,
-        "job_id=%d attempt=%d " + msg,
-        run.job_id,
-        run.attempt,
-        *args,
-        extra={"job_id": run.job_id, "attempt": run.attempt},
-    )
+    fields = {"job_id": run.job_id, "attempt": run.attempt}
+    log.log(level, "job_id=%d attempt=%d " + msg, run.job_id, run.attempt, *args, extra=fields)
 
 
 class WorkerLoop:
@@ -377,7 +355,7 @@ class WorkerLoop:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
             # The ranks' only credential: this attempt's token, minted once the plan stands.
             plan = with_attempt_token(plan, self.records.mint_token(run))
-            _jlog(logging.INFO, run, "launch plan:\n%s", render_for_log(plan))
+            _jlog(logging.INFO, run, "launch plan:\n%s", plan.render())
             handle = self.launcher.start(plan)
             if self.detached:
                 self._record_scheduler_job_id(run, handle)

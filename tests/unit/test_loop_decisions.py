@@ -26,7 +26,6 @@ from worker.decisions import (
     summarize,
 )
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.loop import render_for_log
 from worker.main import detect_gpus, parse_gpus
 from worker.up import settings_env
 
@@ -177,11 +176,11 @@ def test_summarize() -> None:
     assert summarize("x" * 500, 10) == "x" * 9 + "…"
 
 
-def test_render_for_log_masks_the_database_password() -> None:
+def test_a_rendered_plan_masks_a_database_password() -> None:
     plan = LaunchPlan(
         "local", 1, 1, ["torchrun"], {"DDPQ_DATABASE_URL": "postgresql://u:s3cret@h/db"}, "/", "/"
     )
-    text = render_for_log(plan)
+    text = plan.render()
     assert "s3cret" not in text and "u:***@h/db" in text
 
 

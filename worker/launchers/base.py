@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -15,6 +16,13 @@ from worker.attempt import ATTEMPT_TOKEN, FailureReason
 # Plan entries whose value is a secret: rendered as MASKED, never printed or logged.
 SECRET_ENV_NAMES = frozenset({ATTEMPT_TOKEN})
 MASKED = "***"
+# The password of a URL (``scheme://user:password@host``), should any plan value hold one.
+URL_PASSWORD_RE = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
+
+
+def masked(name: str, value: str) -> str:
+    """``value`` as a plan shows it: ``***`` for a secret entry, a URL's password masked."""
+    return MASKED if name in SECRET_ENV_NAMES else URL_PASSWORD_RE.sub(rf"\1{MASKED}@", value)
 
 
 class RunPhase(StrEnum):
@@ -79,8 +87,7 @@ class LaunchPlan(Generic[RequestT]):
         any."""
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
         lines += [
-            f"export {k}={MASKED if k in SECRET_ENV_NAMES else v}"
-            for k, v in sorted(self.env.items())
+            f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())
         ]
         lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
