@@ -124,6 +124,14 @@ def run_worker(
     """
     ensure_logging()
     make_undumpable()
+    if uses_host_gpus(launcher) and os.geteuid() == 0 and not settings.rank_user:
+        # Root's ranks are root too: CAP_SYS_PTRACE reads any /proc/<pid>/environ, dumpable
+        # or not, and every file; only another Unix user keeps them out.
+        log.warning(
+            "this worker runs as root without DDPQ_RANK_USER: its ranks (users' code) run as "
+            "root and can read the worker's environment and the database file; set "
+            "DDPQ_RANK_USER to an unprivileged user (README, Security model)"
+        )
     stop = stop or threading.Event()
     if gpus is None:
         gpus = detect_gpus() if uses_host_gpus(launcher) else []

@@ -1,14 +1,19 @@
 """A worker stopped mid-job (SIGTERM) or killed (SIGKILL): a second worker resumes the job from
-its newest checkpoint as attempt 2, it succeeds, and each step's loss is stored exactly once."""
+its newest checkpoint as attempt 2, it succeeds, and each step's loss is stored exactly once;
+attempt 1's token (read from its ranks' environment) is refused (409) from the requeue on."""
 
 from __future__ import annotations
 
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
+from service.core import attempt_api as wire
 from service.store.models import Metric
 from worker.attempt import attempt_tags
 from worker.processes import find_tagged_processes
@@ -27,6 +32,30 @@ def loss_steps(dep: Any, job_id: int) -> tuple[list[int], int | None]:
             )
         )
     return sorted(steps), first_of_2
+
+
+def attempt_token(dep: Any, job_id: int) -> str:
+    """The attempt token in the environment of one of the job's live processes (as a rank
+    holds it: the API stores only its hash)."""
+    for pid in dep.processes(job_id):
+        for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            name, _, value = entry.partition(b"=")
+            if name == b"DDPQ_ATTEMPT_TOKEN":
+                return value.decode()
+    raise AssertionError(f"no process of job {job_id} holds an attempt token")
+
+
+def assert_old_token_refused(dep: Any, job_id: int, token: str) -> None:
+    """Attempt 1's token, once the job is requeued (attempt 2, before it even starts): 409
+    "attempt superseded", and it stores nothing (the point would show as a duplicate or an
+    extra step in ``assert_each_loss_once``)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    batch = {"points": [["loss", 1, 0, 123.0, time.time()], ["loss", 10**6, 0, 1.0, time.time()]]}
+    r = httpx.post(f"{dep.url}/api/v1{wire.METRICS_PATH}", json=batch, headers=headers)
+    assert r.status_code == 409, f"attempt 1's token after the requeue: {r.status_code} {r.text}"
+    assert r.json()["detail"].startswith(wire.ATTEMPT_SUPERSEDED), r.text
+    r = httpx.get(f"{dep.url}/api/v1{wire.SELF_PATH}", headers=headers)
+    assert r.status_code == 409, r.text
 
 
 def assert_each_loss_once(dep: Any, job_id: int, job: dict[str, Any]) -> None:
@@ -56,12 +85,14 @@ def test_stopped_worker_requeues_and_another_resumes(deployment: Any) -> None:
         90,
         "a first checkpoint",
     )
+    old_token = attempt_token(dep, job_id)
     first.signal(signal.SIGTERM)
     assert first.popen.wait(60) == 0, first.output()
     job = dep.job(job_id)
     assert (job["state"], job["attempt"]) == ("queued", 2), job
     assert dep.events(job_id)[-1]["reason"] == "worker stopped"
     assert dep.processes(job_id) == []
+    assert_old_token_refused(dep, job_id, old_token)
 
     dep.start_worker()
     job = dep.wait_state(job_id, ("succeeded",), 240)
@@ -90,11 +121,16 @@ def test_killed_worker_takes_its_ranks_along_and_the_job_is_reaped(deployment: A
         90,
         "a first checkpoint",
     )
+    old_token = attempt_token(dep, job_id)
     first.signal(signal.SIGKILL)
     first.popen.wait(10)
     dep.wait_for(lambda: not dep.processes(job_id), 45, "the ranks to die with the worker")
     dep.start_worker()
+    # The moment the new worker requeues it (attempt 2), attempt 1's token is refused.
+    dep.wait_for(lambda: dep.job(job_id)["attempt"] == 2, 60, "the job to be requeued", 0.05)
+    assert_old_token_refused(dep, job_id, old_token)
     job = dep.wait_state(job_id, ("succeeded",), 240)
+    assert_old_token_refused(dep, job_id, old_token)
     assert job["attempt"] == 2
     reasons = [e["reason"] for e in dep.events(job_id)]
     assert "worker lost: lease expired" in reasons, reasons
