@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +22,18 @@ import httpx
 from sqlalchemy import create_engine, insert, text
 
 from service.core.spec import JobSpec
+from service.core.states import JobState
 from service.store import migrate
 from service.store.attempt_tokens import mint_attempt_token
 from service.store.claims import claim_next_job
 from service.store.db import Database
+from service.store.jobs import Transition, apply_transition
 from service.store.models import Job
 from service.store.workers import register_worker
 
 SIZES = ("tiny", "default", "full")
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -207,6 +210,22 @@ def active_jobs(db: Database, count: int, *, owner: str = "bench") -> list[int]:
     return ids
 
 
+def running_jobs(db: Database, count: int) -> dict[int, str]:
+    """``count`` jobs claimed and moved to ``running``, each with one attempt token.
+
+    Returns:
+        job id → its attempt-1 token.
+    """
+    ids = active_jobs(db, count)
+    with db.session() as session:  # one transaction: 1,000 jobs in a few seconds
+        for job_id in ids:
+            apply_transition(
+                session, Transition(job_id, JobState.STARTING, JobState.RUNNING, "bench"),
+                worker_id="bench",
+            )  # fmt: skip
+        return {job_id: mint_attempt_token(session, job_id, 1) for job_id in ids}
+
+
 class Stopwatch:
     """``with Stopwatch() as sw: …`` then ``sw.s`` (seconds, perf_counter)."""
 
@@ -296,3 +315,54 @@ def rank_environ(
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
     }
+
+
+# -- CPU seconds of processes, from /proc (Linux) ---------------------------------------------
+
+
+def cpu_s(pids: Iterable[int]) -> dict[int, float]:
+    """pid → user + system CPU seconds so far, of those of ``pids`` still there."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": field 3 is fields[0]
+            out[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two ``cpu_s`` snapshots (a pid new since: all of its)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
+def _procs() -> list[tuple[int, int, str, bytes]]:
+    """(pid, ppid, comm, cmdline) of every process readable now."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            out.append((int(entry.name), ppid, comm, (entry / "cmdline").read_bytes()))
+    return out
+
+
+def serve_pids(port: int) -> list[int]:
+    """The ``ddpq serve`` process listening on ``port`` and its descendants (the workers)."""
+    procs = _procs()
+    marker = f"--port\0{port}\0".encode()
+    found = {pid for pid, _, _, cmd in procs if b"serve" in cmd and marker in cmd}
+    grew = True
+    while grew:  # a worker's children too (uvicorn's spawned processes)
+        more = {pid for pid, ppid, _, _ in procs if ppid in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
+def postgres_pids() -> list[int]:
+    """Every ``postgres`` process on the box (other users' queries included)."""
+    return [pid for pid, _, comm, _ in _procs() if comm == "postgres"]

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import api, checkpoint, claims, ingest, launch, reporting  # noqa: E402
+from bench import api, checkpoint, claims, ingest, launch, reporting, scale  # noqa: E402
 from bench.common import BenchResult  # noqa: E402
 
 NEEDS_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"
@@ -77,3 +77,15 @@ def test_api_tiny(tmp_path: Path) -> None:
     res = api.run("tiny", workdir=tmp_path)
     _measured(res, "get_job_vs_goal")
     assert res.figures["poll_p99_ms"] > 0
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_scale_tiny(tmp_path: Path) -> None:
+    res = scale.run("tiny", workdir=tmp_path)
+    _measured(res, "stored_vs_sent", "lag_p99_vs_goal", "poll_p99_vs_goal")
+    fig = res.figures
+    # Exactly once is a correctness check, not a timing: it must hold on any machine.
+    assert res.goals["exactly_once"], fig
+    assert fig["points_stored"] == fig["points_sent"] > 0, fig
+    assert fig["missing"] == fig["duplicates"] == 0, fig
