@@ -1,8 +1,9 @@
 """Launcher traits: what the rest of ddpq may assume about each launcher, in one table.
 
-The spec, the claim's inputs, ``queue_reason``, the leases (requeue versus adoption) and the
-worker loop read a launcher's behaviour from here, never from its name. Adding a launcher
-means one row here plus its class in ``worker.launchers.registry``.
+The spec (which names are valid), the claim's inputs, ``queue_reason``, the leases (requeue
+versus adoption), the worker loop and the registry (where the class lives) read a launcher
+from here, never from its name. Adding a launcher means one module with its class and one
+row here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Traits:
             instead of requeueing a second copy. Only meaningful with ``detached``.
         multi_node: a job may span several hosts (``resources.nnodes > 1``).
         title: how messages and logs name the backend ("Slurm job 42").
+        implementation: ``"module:ClassName"`` of its class (a string: the worker imports it
+            only when a worker runs this launcher; see ``worker.launchers.registry``).
     """
 
     host_gpus: bool
@@ -33,6 +36,7 @@ class Traits:
     adopts: bool
     multi_node: bool
     title: str = ""
+    implementation: str = ""
 
     def __post_init__(self) -> None:
         if self.adopts and not self.detached:
@@ -40,8 +44,14 @@ class Traits:
 
 
 LAUNCHER_TRAITS: dict[str, Traits] = {
-    "local": Traits(host_gpus=True, detached=False, adopts=False, multi_node=False, title="local"),
-    "slurm": Traits(host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm"),
+    "local": Traits(
+        host_gpus=True, detached=False, adopts=False, multi_node=False, title="local",
+        implementation="worker.launchers.local:LocalLauncher",
+    ),
+    "slurm": Traits(
+        host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm",
+        implementation="worker.launchers.slurm:SlurmLauncher",
+    ),
 }
 
 
@@ -62,6 +72,17 @@ def launcher_traits(name: str) -> Traits:
         raise KeyError(
             f"unknown launcher {name!r}; choose one of: {', '.join(launcher_names())}"
         ) from None
+
+
+def check_launcher_name(name: str) -> str:
+    """``name`` when it has a row in the table (the spec's ``launcher`` validator).
+
+    Raises:
+        ValueError: unknown launcher (the message lists the known ones).
+    """
+    if name not in LAUNCHER_TRAITS:
+        raise ValueError(f"unknown launcher {name!r}; choose one of: {', '.join(launcher_names())}")
+    return name
 
 
 def uses_host_gpus(name: str) -> bool:

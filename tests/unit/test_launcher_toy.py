@@ -1,12 +1,7 @@
-"""Adding a launcher is one class plus its rows in the traits table and the registry: a toy
-launcher (a ``python -c`` subprocess per attempt) runs a job to success in a real WorkerLoop on
-real SQLite and PostgreSQL, reached only through ``registry.make_launcher`` and its traits.
-
-``JobSpec.launcher`` is a ``Literal`` (the API's OpenAPI enum, kept equal to the table's keys
-by test_launcher_traits.py), so a new launcher name also needs that one word in
-``service.core.spec.LauncherName``. This test keeps the Literal untouched: the toy takes over
-the spec name ``"local"`` by replacing that name's row in both tables, which is exactly the
-pair of rows a new launcher adds.
+"""Adding a launcher is one class plus one row in the traits table: a toy launcher (a
+``python -c`` subprocess per attempt), registered only by its row in ``LAUNCHER_TRAITS``, is a
+valid ``launcher`` in a job spec and runs a job to success in a real WorkerLoop on real SQLite
+and PostgreSQL, reached only through ``registry.make_launcher`` and its traits.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from worker.launchers import registry
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
 
-TOY = "local"  # a spec name (see the module docstring)
+TOY = "toy"
 
 
 @dataclass
@@ -73,10 +68,12 @@ class ToyLauncher:
 
 @pytest.fixture
 def toy_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The toy's two rows: its traits and where its class lives."""
-    toy_traits = launchers.Traits(host_gpus=False, detached=False, adopts=False, multi_node=False)
+    """The toy's one row: its traits, including where its class lives."""
+    toy_traits = launchers.Traits(
+        host_gpus=False, detached=False, adopts=False, multi_node=False, title="toy",
+        implementation=f"{__name__}:ToyLauncher",
+    )  # fmt: skip
     monkeypatch.setitem(launchers.LAUNCHER_TRAITS, TOY, toy_traits)
-    monkeypatch.setitem(registry.LAUNCHER_CLASSES, TOY, f"{__name__}:ToyLauncher")
 
 
 @pytest.mark.usefixtures("toy_registered")

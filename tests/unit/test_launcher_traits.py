@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import get_args
 
 import pytest
+from pydantic import ValidationError
 
 from service.core.config import Settings
 from service.core.launchers import (
@@ -19,31 +19,33 @@ from service.core.launchers import (
     multi_node_launchers,
     uses_host_gpus,
 )
-from service.core.spec import JobSpec, LauncherName
+from service.core.spec import JobSpec
 from worker.errors import LaunchError
 from worker.launchers import registry
 from worker.launchers.base import LaunchPlan
 
 
-def test_spec_literal_registry_and_traits_name_the_same_launchers() -> None:
+def test_the_spec_the_openapi_enum_and_the_registry_read_the_traits_table() -> None:
     names = set(LAUNCHER_TRAITS)
-    assert set(get_args(LauncherName)) == names, (
-        "service.core.spec.LauncherName must list exactly LAUNCHER_TRAITS' keys: "
-        "add the new launcher's name to both"
-    )
-    assert set(registry.LAUNCHER_CLASSES) == names, (
-        "worker.launchers.registry.LAUNCHER_CLASSES needs one row per LAUNCHER_TRAITS row"
-    )
+    enum = JobSpec.model_json_schema()["properties"]["launcher"]["enum"]
+    assert set(enum) == names, "the OpenAPI enum lists exactly LAUNCHER_TRAITS' keys"
+    for name in names:
+        assert JobSpec(name="j", task="regression", launcher=name).launcher == name
+        assert LAUNCHER_TRAITS[name].implementation, f"{name} names its class"
+    with pytest.raises(ValidationError, match="unknown launcher 'k8s'; choose one of: local"):
+        JobSpec(name="j", task="regression", launcher="k8s")
 
 
 def test_traits_of_the_built_in_launchers() -> None:
     assert launcher_names() == ("local", "slurm")
     assert launcher_traits("local") == Traits(
-        host_gpus=True, detached=False, adopts=False, multi_node=False, title="local"
-    )
+        host_gpus=True, detached=False, adopts=False, multi_node=False, title="local",
+        implementation="worker.launchers.local:LocalLauncher",
+    )  # fmt: skip
     assert launcher_traits("slurm") == Traits(
-        host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm"
-    )
+        host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm",
+        implementation="worker.launchers.slurm:SlurmLauncher",
+    )  # fmt: skip
     assert adopting_launchers() == ("slurm",) and multi_node_launchers() == ("slurm",)
     assert uses_host_gpus("local") and not uses_host_gpus("slurm")
     assert not uses_host_gpus("k8s"), "an unknown launcher hands out no host GPUs"

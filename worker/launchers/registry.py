@@ -1,8 +1,8 @@
 """Launcher names → launcher classes, imported only when a worker asks for one.
 
-Each class builds itself from settings (``from_settings``); what the rest of ddpq may assume
-about a launcher is its row in ``service.core.launchers.LAUNCHER_TRAITS``. Adding a launcher
-means one module with its class, one row here and one row in that table.
+Each class builds itself from settings (``from_settings``); where it lives and what the rest
+of ddpq may assume about it is its row in ``service.core.launchers.LAUNCHER_TRAITS``
+(``implementation``). Adding a launcher means one module with its class and that one row.
 """
 
 from __future__ import annotations
@@ -11,15 +11,9 @@ import importlib
 from typing import Protocol, cast
 
 from service.core.config import Settings
-from service.core.launchers import launcher_names
+from service.core.launchers import LAUNCHER_TRAITS, launcher_names
 from worker.errors import LaunchError
 from worker.launchers.base import Launcher
-
-# "module:ClassName" per launcher name; the keys are LAUNCHER_TRAITS' keys (a unit test checks).
-LAUNCHER_CLASSES: dict[str, str] = {
-    "local": "worker.launchers.local:LocalLauncher",
-    "slurm": "worker.launchers.slurm:SlurmLauncher",
-}
 
 
 class LauncherClass(Protocol):
@@ -36,11 +30,11 @@ def launcher_class(name: str) -> LauncherClass:
     Raises:
         LaunchError: unknown name (the message lists the valid ones).
     """
-    path = LAUNCHER_CLASSES.get(name)
-    if path is None:
+    traits = LAUNCHER_TRAITS.get(name)
+    if traits is None or not traits.implementation:
         choices = ", ".join(launcher_names())
         raise LaunchError(f"unknown launcher {name!r}; choose one of: {choices}")
-    module, _, attr = path.partition(":")
+    module, _, attr = traits.implementation.partition(":")
     return cast(LauncherClass, getattr(importlib.import_module(module), attr))
 
 
