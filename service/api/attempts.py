@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.core import attempt_api as wire
@@ -120,6 +120,32 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def _json_body(model: type[BodyT]) -> Any:
+    """A dependency that reads the request body as ``model``: any body that is not one —
+    invalid JSON, bytes that are not UTF-8 — is a 422 (FastAPI's own body parsing answers
+    400 to undecodable bytes). Pair it with ``_body_doc(model)`` for the OpenAPI document."""
+
+    async def parse(request: Request) -> BodyT:
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(
+                exc.errors(include_url=False, include_context=False, include_input=False)
+            ) from None
+
+    return Depends(parse)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route whose body ``_json_body`` reads."""
+    schema = model.model_json_schema()
+    content = {"application/json": {"schema": schema}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 def _db(request: Request) -> Database:
     db: Database = request.app.state.db
     return db
@@ -201,12 +227,7 @@ async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
             "description": "Too many batches in flight: send it again after `Retry-After` seconds"
         }
     },
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": wire.MetricBatch.model_json_schema()}},
-        }
-    },
+    openapi_extra=_body_doc(wire.MetricBatch),
 )
 async def metrics_route(request: Request, ref: AttemptDep) -> Response:
     """Store a batch of points (``[name, step, epoch, value, time_s]`` rows) and, when given,
@@ -283,9 +304,12 @@ def checkpoints_route(request: Request, ref: AttemptDep) -> wire.CheckpointList:
     status_code=201,
     response_model=wire.CheckpointEntry,
     summary="Record a checkpoint",
+    openapi_extra=_body_doc(wire.CheckpointRecord),
 )
 def record_checkpoint_route(
-    request: Request, ref: AttemptDep, record: wire.CheckpointRecord
+    request: Request,
+    ref: AttemptDep,
+    record: Annotated[wire.CheckpointRecord, _json_body(wire.CheckpointRecord)],
 ) -> wire.CheckpointEntry:
     """Record a checkpoint file rank 0 wrote and verified (a re-record of a step replaces
     it). ``path`` must resolve inside this job's artifact directory.
@@ -315,9 +339,12 @@ def record_checkpoint_route(
     status_code=204,
     response_class=Response,
     summary="Note a failed checkpoint save",
+    openapi_extra=_body_doc(wire.CheckpointFailure),
 )
 def checkpoint_failure_route(
-    request: Request, ref: AttemptDep, failure: wire.CheckpointFailure
+    request: Request,
+    ref: AttemptDep,
+    failure: Annotated[wire.CheckpointFailure, _json_body(wire.CheckpointFailure)],
 ) -> Response:
     """Note a checkpoint that could not be written, as a job event ("checkpoint at step N
     not written: …").
@@ -338,9 +365,12 @@ def checkpoint_failure_route(
     status_code=204,
     response_class=Response,
     summary="Mark checkpoints deleted",
+    openapi_extra=_body_doc(wire.CheckpointDeletion),
 )
 def checkpoint_deletions_route(
-    request: Request, ref: AttemptDep, deletion: wire.CheckpointDeletion
+    request: Request,
+    ref: AttemptDep,
+    deletion: Annotated[wire.CheckpointDeletion, _json_body(wire.CheckpointDeletion)],
 ) -> Response:
     """Mark this job's checkpoints at ``steps`` deleted (rotated away or found damaged);
     steps it has no checkpoint at are ignored.

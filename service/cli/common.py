@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,13 +48,26 @@ db_app = typer.Typer(
 )
 app.add_typer(db_app, name="db")
 
-# Piped output (a file, grep, a script) is not cut to 80 columns: rich's width for a
-# non-terminal; a terminal's own width otherwise.
+# Piped output (a file, grep, a script) is not cut to 80 columns (rich's width for a
+# non-terminal): it gets this many, unless COLUMNS says otherwise (``fit_width``).
 PIPED_WIDTH = 400
-out = Console(highlight=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+out = Console(highlight=False)
 # soft_wrap: a message stays one line however it is read. Without a terminal (a pipe, a log,
 # CI) rich would otherwise break every message at 80 columns, mid-URL.
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@app.callback()
+def fit_width() -> None:
+    """Before every command: tables as wide as ``COLUMNS`` when set, else the terminal's, else
+    (piped) ``PIPED_WIDTH`` columns."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        out.width = int(columns)
+    elif sys.stdout.isatty():
+        out.width = shutil.get_terminal_size().columns
+    else:
+        out.width = PIPED_WIDTH
 
 
 def fail(message: str, fix: str | None = None, code: int = EXIT_USAGE) -> NoReturn:

@@ -57,6 +57,13 @@ def _rank_main(rank: int, store_path: str, environ: str, out_dir: str) -> None:
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def _with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository on PYTHONPATH: a rank run as ``python <this file>`` has
+    only this file's folder on sys.path, and imports ``tests.rank_api``."""
+    repo = str(Path(__file__).resolve().parents[2])
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))}
+
+
 def test_two_ranks_stop_together_and_flush_the_mean(
     db: Database, settings: Settings, tmp_path: Path
 ) -> None:
@@ -66,7 +73,7 @@ def test_two_ranks_stop_together_and_flush_the_mean(
         environ = rank_environ(api.url, mint_token(db, job_id, attempt), job_id, attempt)
         args = [str(tmp_path / "store"), json.dumps(environ), str(tmp_path)]
         procs = [
-            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env)
+            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env))
             for rank in range(WORLD_SIZE)
         ]
         codes = [p.wait(timeout=240) for p in procs]

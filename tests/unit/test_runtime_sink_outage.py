@@ -80,6 +80,13 @@ def stored_losses(db: Database, job_id: int) -> tuple[dict[int, float | None], i
     return {p.step: p.value for p in points}, int(rows or 0)
 
 
+def _with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository on PYTHONPATH: a rank run as ``python <this file>`` has
+    only this file's folder on sys.path, and imports ``tests.rank_api``."""
+    repo = str(Path(__file__).resolve().parents[2])
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))}
+
+
 def test_outage_spills_then_replays_every_point_exactly_once(
     db: Database, down: LiveApi, job: tuple[int, int], tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -209,7 +216,7 @@ def test_flush_whose_all_reduce_breaks_still_writes_rank0_points(
         args = [str(tmp_path / "store"), json.dumps(environ), str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [
-            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=env)
+            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env))
             for rank in range(2)
         ]
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
