@@ -73,7 +73,9 @@ def test_two_ranks_stop_together_and_flush_the_mean(
         environ = rank_environ(api.url, mint_token(db, job_id, attempt), job_id, attempt)
         args = [str(tmp_path / "store"), json.dumps(environ), str(tmp_path)]
         procs = [
-            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env))
+            subprocess.Popen(
+                [sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env)
+            )
             for rank in range(WORLD_SIZE)
         ]
         codes = [p.wait(timeout=240) for p in procs]

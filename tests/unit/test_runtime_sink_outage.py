@@ -216,7 +216,9 @@ def test_flush_whose_all_reduce_breaks_still_writes_rank0_points(
         args = [str(tmp_path / "store"), json.dumps(environ), str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [
-            subprocess.Popen([sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env))
+            subprocess.Popen(
+                [sys.executable, __file__, str(rank), *args], env=_with_repo_on_path(env)
+            )
             for rank in range(2)
         ]
         assert [p.wait(timeout=120) for p in procs] == [0, 0]
