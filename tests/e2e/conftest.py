@@ -26,6 +26,7 @@ import yaml
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
+from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,16 +46,7 @@ def tagged_processes(artifact_dir: Path, job_id: int | None = None) -> list[int]
     needles = {f"DDPQ_ARTIFACT_DIR={artifact_dir}".encode()}
     if job_id is not None:
         needles.add(f"DDPQ_JOB_ID={job_id}".encode())
-    found = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = set(f.read().split(b"\0"))
-        except OSError:
-            continue
-        if needles <= env:
-            found.append(int(pid))
-    return found
+    return find_tagged_processes(frozenset(needles))
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:

@@ -40,6 +40,7 @@ from tests.rank_api import LiveApi, mint_token
 from worker.attempt import FailureReason
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, with_attempt_token
 from worker.launchers.local import LocalLauncher
+from worker.processes import find_tagged_processes
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_BOX_S = 180.0  # any wait on a loaded 2-core box; only reached when something is wrong
@@ -148,16 +149,7 @@ def rank_pids(artifact_dir: Path, job_id: int | None = None) -> list[int]:
     needles = {f"DDPQ_ARTIFACT_DIR={artifact_dir}".encode()}
     if job_id is not None:
         needles |= {f"DDPQ_JOB_ID={job_id}".encode(), b"DDPQ_ATTEMPT=1"}
-    found = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = set(f.read().split(b"\0"))
-        except OSError:
-            continue
-        if needles <= env:
-            found.append(int(pid))
-    return found
+    return find_tagged_processes(frozenset(needles))
 
 
 def rank_pid(attempt_dir: Path, rank: int) -> int:
