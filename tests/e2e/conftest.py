@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -236,3 +238,15 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 def pg_deployment(tmp_path: Path, pg_schema_url: str) -> Iterator[Deployment]:
     """A deployment on a fresh PostgreSQL schema."""
     yield from _deployment(tmp_path, pg_schema_url)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A 0755 directory another Unix user (DDPQ_RANK_USER's ranks) can traverse: pytest's
+    ``tmp_path`` is 0700 and owned by root."""
+    path = Path(tempfile.mkdtemp(prefix="ddpq-shared-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import torch
 
+from tests.e2e.rank_user_probe import try_open
+
 SECRET_NAMES = ("DDPQ_DATABASE_URL", "DDPQ_TOKEN")
 # What a database URL or a user API token looks like (an attempt token starts ``ddpqa_``).
 DB_URL = re.compile(r"^(sqlite|postgres(ql)?)(\+\w+)?://|\.db$", re.IGNORECASE)
@@ -86,15 +88,6 @@ def ancestors_environ() -> dict[str, dict[str, Any]]:
     return found
 
 
-def _open(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.read(16)
-    except OSError as exc:
-        return type(exc).__name__
-    return "readable"
-
-
 def _sqlite_tokens(path: Path) -> str:
     """Open ``path`` as SQLite and count ``api_tokens``: the count, or the error's name."""
     try:
@@ -127,7 +120,7 @@ def database(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("db_path"):
         guesses.insert(0, Path(config["db_path"]))
     with_journals = [Path(f"{p}{end}") for p in guesses for end in ("", "-wal", "-shm")]
-    files = {str(p): _open(p) for p in dict.fromkeys(with_journals) if p.exists()}
+    files = {str(p): try_open(str(p)) for p in dict.fromkeys(with_journals) if p.exists()}
     found: dict[str, Any] = {"files": files}
     if config.get("db_path"):
         found["sqlite"] = _sqlite_tokens(Path(config["db_path"]))

@@ -24,7 +24,8 @@ from typing import Any
 SECRET_NAMES = (b"DDPQ_DATABASE_URL=", b"DDPQ_TOKEN=")
 
 
-def _try_open(path: str) -> str:
+def try_open(path: str) -> str:
+    """``"readable"`` when the first bytes of ``path`` can be read, else the error's name."""
     try:
         with open(path, "rb") as fh:
             fh.read(16)
@@ -73,8 +74,8 @@ def observe(db_path: str) -> dict[str, Any]:
         "uid": os.getuid(),
         "pid": os.getpid(),
         "home": os.environ.get("HOME"),
-        "db": _try_open(db_path),
-        "spec": _try_open(str(_attempt_dir() / "spec.json")),
+        "db": try_open(db_path),
+        "spec": try_open(str(_attempt_dir() / "spec.json")),
         "ddpq_env": sorted(k for k in os.environ if k.startswith("DDPQ_")),
         "ancestors": _ancestor_secrets(),
     }

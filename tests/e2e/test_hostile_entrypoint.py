@@ -19,9 +19,7 @@ import os
 import pwd
 import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -63,17 +61,6 @@ def base(request: pytest.FixtureRequest) -> Any:
     dep = request.getfixturevalue("deployment" if request.param == "sqlite" else "pg_deployment")
     dep.api.stop()
     return dep
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A 0755 directory the rank user can traverse (pytest's tmp_path is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="ddpq-hostile-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _auth_on(deployment: type[Any]) -> type[Any]:

@@ -187,17 +187,6 @@ def rank_python(rank_user: str) -> Iterator[RankPython]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A 0755 directory the rank user can traverse (pytest's tmp_path is 0700 root)."""
-    path = Path(tempfile.mkdtemp(prefix="ddpq-rank-user-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _settings(root: Path, **overrides: Any) -> Settings:
     return Settings(
         home=root / ".ddpq",
