@@ -158,6 +158,24 @@ class DdpqClient:
         result: dict[str, Any] = self._json("POST", "/jobs", content=body, headers=headers)
         return result
 
+    def dry_run(self, spec: dict[str, Any], job_id: int | None = None) -> dict[str, Any]:
+        """What submitting ``spec`` would do, storing nothing (``POST /jobs?dry_run=true``):
+        the normalised spec, launch plans, resume point (as job ``job_id``'s next attempt),
+        queue explanation and warnings.
+
+        Raises:
+            ApiError: 422 for a bad spec; 404 when ``job_id`` is not the caller's job.
+        """
+        params: dict[str, Any] = {"dry_run": "true"}
+        if job_id is not None:
+            params["job_id"] = job_id
+        body = json.dumps(spec, ensure_ascii=True, allow_nan=True)
+        headers = {"Content-Type": "application/json"}
+        result: dict[str, Any] = self._json(
+            "POST", "/jobs", content=body, headers=headers, params=params
+        )
+        return result
+
     def get_job(self, job_id: int) -> dict[str, Any]:
         """The Job ``job_id``."""
         result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}")
@@ -199,6 +217,12 @@ class DdpqClient:
         if max_points is not None:
             params["max_points"] = max_points
         result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}/metrics", params=params)
+        return result
+
+    def goodput(self, job_id: int) -> dict[str, Any]:
+        """The job's lost-work ledger (``GET /jobs/{id}/goodput``): seconds per phase per
+        attempt and in total, goodput, lost steps, the checkpoint interval estimate."""
+        result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}/goodput")
         return result
 
     def metric_names(self, job_id: int) -> list[str]:

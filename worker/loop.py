@@ -26,6 +26,7 @@ from service.core.errors import DatabaseUnavailableError, DdpqError, NotFoundErr
 from service.core.launchers import launcher_traits
 from service.core.spec import JobSpec
 from service.store.db import Database
+from worker.attempt_notes import PendingReasons, oversubscription_note, usable_cpus
 from worker.decisions import (
     Decision,
     GpuPool,
@@ -75,6 +76,7 @@ class WorkerLoop:
         pid: int,
         slots: int = 1,
         gpus: list[int] | None = None,
+        cpus: int | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -85,6 +87,8 @@ class WorkerLoop:
         self.slots = max(1, slots)
         self.gpu_ids = list(gpus or [])
         self.pool = GpuPool(self.gpu_ids)
+        self.cpus = cpus or usable_cpus()  # cores ranks of a host launcher share
+        self.pending = PendingReasons()
         traits = launcher_traits(launcher.name)
         self.host_gpus = traits.host_gpus
         self.detached = traits.detached
@@ -112,7 +116,7 @@ class WorkerLoop:
 
     def register(self) -> None:
         """Insert (or revive) this worker's row."""
-        capacity = {"slots": self.slots, "gpus": self.gpu_ids}
+        capacity = {"slots": self.slots, "gpus": self.gpu_ids, "cpus": self.cpus}
         self.records.register(host=self.host, pid=self.pid, capacity=capacity)
         self.registered = True
         log.info("worker %s registered: launcher=%s slots=%d gpus=%s",
@@ -307,6 +311,7 @@ class WorkerLoop:
         statuses: dict[str, RunStatus] = {}
         if handles and isinstance(self.launcher, BatchPoller):
             statuses = self.launcher.poll_many(handles)
+        self.pending.record_changes(self.launcher, self.records, runs, statuses)
         for run in runs:
             if self.runs.get(run.job_id) is run:
                 self._watch(run, statuses.get(run.handle or ""))
@@ -351,6 +356,10 @@ class WorkerLoop:
                     raise RuntimeError(f"{spec.resources.gpus_per_node} GPU(s) not free")
                 run.gpus = gpus
             plan = self.launcher.plan(spec, run.job_id, run.attempt)
+            note = oversubscription_note(spec, self.cpus) if self.host_gpus else None
+            if note is not None:
+                _jlog(logging.WARNING, run, "%s", note)
+                self.records.note(run, note)
             if run.gpus:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
             # The ranks' only credential: this attempt's token, minted once the plan stands.

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from service.core.errors import NotFoundError, StaleAttemptError
 from service.core.states import JobState
-from service.store import attempt_tokens, claims, jobs, leases, workers
+from service.store import attempt_tokens, claims, job_notes, jobs, leases, workers
 from service.store.db import Database
 from service.store.workers import HeldJob
 from worker.decisions import Decision, HeldRun
@@ -135,3 +136,27 @@ class WorkerRecords:
                 s, worker_id=self.worker_id, launcher=self.launcher, lease_s=self.lease_s
             )
         return [HeldRun.adopted(job) for job in adopted]
+
+    def note(self, run: HeldRun, text: str) -> bool:
+        """Add ``text`` to the job's events for ``run``'s attempt (no state change); False
+        when the attempt moved on meanwhile (nothing written)."""
+        try:
+            with self.db.session() as s:
+                job_notes.record_job_note(
+                    s, run.job_id, run.attempt, text, worker_id=self.worker_id
+                )
+        except (StaleAttemptError, NotFoundError):
+            return False
+        return True
+
+    def note_pending_reason(self, job_id: int, attempt: int, code: str, words: str) -> bool:
+        """Record the scheduler's pending reason ``code`` for the attempt (unless it is the
+        newest one recorded already); False when the attempt moved on meanwhile."""
+        try:
+            with self.db.session() as s:
+                job_notes.record_scheduler_pending(
+                    s, job_id, attempt, code, words, worker_id=self.worker_id
+                )
+        except (StaleAttemptError, NotFoundError):
+            return False
+        return True

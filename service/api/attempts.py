@@ -33,6 +33,7 @@ from service.core import attempt_api as wire
 from service.core.artifacts import artifact_relative_path
 from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
+from service.store.attempt_timeline import TimelineUpdate, record_attempt_timeline
 from service.store.attempt_tokens import AttemptRef, current_state
 from service.store.checkpoints import (
     list_checkpoints,
@@ -155,10 +156,13 @@ def _checked_rows(rows: list[wire.MetricRow]) -> tuple[list[CheckedPoint], list[
     """Wire rows as checked points, and why each other row was refused (``row <i>: …``)."""
     good: list[CheckedPoint] = []
     refused: list[str] = []
-    for i, (name, step, epoch, value, time_s) in enumerate(rows):
+    for i, row in enumerate(rows):
+        name, step, epoch, value, time_s = row[:5]
+        ranks = row[5] if len(row) > 5 else None
         try:
             at = datetime.fromtimestamp(time_s, UTC)
-            good.append(checked_point(MetricPoint(name, step, wire.decode_value(value), epoch, at)))
+            point = MetricPoint(name, step, wire.decode_value(value), epoch, at, ranks)
+            good.append(checked_point(point))
         except (ValueError, OverflowError, OSError) as exc:  # OSError: a time out of range
             refused.append(f"row {i}: {exc}")
     return good, refused
@@ -382,4 +386,41 @@ def checkpoint_deletions_route(
     with _fenced(ref), _db(request).session() as session:
         check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
         mark_checkpoints_deleted(session, ref.job_id, sorted(set(deletion.steps)))
+    return Response(status_code=204)
+
+
+@router.post(
+    wire.TIMELINE_PATH,
+    status_code=204,
+    response_class=Response,
+    summary="Tell the attempt's resume step and costs",
+    openapi_extra=_body_doc(wire.AttemptTimeline),
+)
+def timeline_route(
+    request: Request,
+    ref: AttemptDep,
+    timeline: Annotated[wire.AttemptTimeline, _json_body(wire.AttemptTimeline)],
+) -> Response:
+    """Store what rank 0 measured about its attempt (``AttemptTimeline``). The first
+    ``resume_step`` told moves earlier attempts' points of later steps aside as superseded
+    (still readable with ``GET /jobs/{id}/metrics?include_superseded=true``), so the steps
+    this attempt trains again are stored with its own values.
+
+    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
+    the attempt is not current (nothing stored), 422 for a body that is not an
+    ``AttemptTimeline``.
+    """
+    started = timeline.training_started_at_s
+    update = TimelineUpdate(
+        resume_step=timeline.resume_step,
+        restore_s=timeline.restore_s,
+        training_started_at=datetime.fromtimestamp(started, UTC) if started is not None else None,
+        checkpoint_stall_s=timeline.checkpoint_stall_s,
+        checkpoint_saves=timeline.checkpoint_saves,
+    )
+    with _fenced(ref), _db(request).session() as session:
+        moved = record_attempt_timeline(session, ref.job_id, ref.attempt, update)
+    if moved:
+        log.info("job %d attempt %d resumed from step %s: %d earlier points superseded",
+                 ref.job_id, ref.attempt, timeline.resume_step, moved)  # fmt: skip
     return Response(status_code=204)

@@ -12,10 +12,13 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.dry_run import dry_run as dry_run_answer
+from service.api.queue_schemas import DryRunOut
 from service.api.schemas import (
     EventListOut,
     JobListOut,
     JobOut,
+    SubmittedJobOut,
     dump_json,
     event_out,
     job_out,
@@ -35,6 +38,7 @@ from service.store.jobs import (
     list_jobs,
     submit_job,
 )
+from service.store.queue_explain import JobShape, submit_warnings
 from service.store.rate_limits import RateLimitedError, check_submission_rate
 
 router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -96,11 +100,16 @@ def etag_response(request: Request, model: BaseModel) -> Response:
 
 
 def _store(
-    db: Database, spec: JobSpec, owner: str, idempotency_key: str | None, per_minute: int | None
-) -> tuple[JobOut, bool]:
+    db: Database,
+    spec: JobSpec,
+    owner: str,
+    idempotency_key: str | None,
+    per_minute: int | None,
+    heartbeat_interval_s: float,
+) -> tuple[SubmittedJobOut, bool]:
     """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec. A new
     job counts against the owner's ``per_minute`` submissions (a replay does not; None: no
-    limit).
+    limit). A new job no registered worker could ever run comes with a warning.
 
     Raises:
         SpecValidationError: the key was used before for a different spec (422).
@@ -129,7 +138,13 @@ def _store(
                     }
                 ]
             )
-        return job_out(job), created
+        warnings: list[str] = []
+        if created:
+            r = spec.resources
+            shape = JobShape(spec.launcher, r.gpus_per_node, r.nproc_per_node, spec.priority)
+            warnings = submit_warnings(session, shape, heartbeat_interval_s=heartbeat_interval_s)
+        submitted = SubmittedJobOut(**dict(job_out(job)), warnings=warnings)
+        return submitted, created
 
 
 def _json_response(
@@ -143,11 +158,16 @@ def _json_response(
 @router.post(
     "/jobs",
     status_code=201,
-    response_model=JobOut,
-    summary="Submit a job",
+    response_model=SubmittedJobOut,
+    summary="Submit a job (or plan one: dry_run=true)",
     openapi_extra=SPEC_BODY,
     responses={
-        200: {"model": JobOut, "description": "Replay of an earlier Idempotency-Key"},
+        200: {
+            "model": SubmittedJobOut | DryRunOut,
+            "description": "Replay of an earlier Idempotency-Key; or, with dry_run=true, what "
+            "would happen (nothing stored)",
+        },
+        404: {"description": "dry_run with a job_id the caller may not see"},
         413: {"description": "Body larger than DDPQ_MAX_BODY_BYTES"},
         422: ERRORS[422],
         429: {"description": "Over DDPQ_SUBMISSIONS_PER_MINUTE; `Retry-After` in seconds"},
@@ -165,16 +185,55 @@ async def submit(
             "(200); the key with another spec is refused (422).",
         ),
     ] = None,
+    dry_run: Annotated[
+        bool,
+        Query(
+            description="Validate and answer what would happen (normalised spec, launch "
+            "plan, queue explanation) without storing anything: 200 DryRunOut."
+        ),
+    ] = False,
+    job_id: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=MAX_INT64,
+            description="With dry_run: plan the spec as this job's next attempt (its resume "
+            "point); the job must be the caller's (an admin's: any).",
+        ),
+    ] = None,
 ) -> Response:
-    """Validate the spec (every bad field reported at once) and queue it: 201 with the job,
-    or 200 with the earlier job when ``Idempotency-Key`` was used before for this spec
-    (422 when it was used for another)."""
+    """Validate the spec (every bad field reported at once) and queue it: 201 with the job
+    (plus ``warnings``, e.g. no registered worker could ever run it), or 200 with the earlier
+    job when ``Idempotency-Key`` was used before for this spec (422 when it was used for
+    another). With ``dry_run=true``: 200 with what would happen, nothing stored.
+
+    Caller: any API token (auth on) or anyone (auth off), as for every user route; a dry
+    run's ``job_id`` must name one of the caller's jobs (404 otherwise)."""
+    if job_id is not None and not dry_run:
+        raise SpecValidationError(
+            [
+                {
+                    "loc": ["query", "job_id"],
+                    "msg": "job_id goes with dry_run=true (plan a job's next attempt)",
+                    "type": "value_error",
+                }
+            ]
+        )
     spec = await run_in_threadpool(_validated, await request.body(), ctx.settings)
+    if dry_run:
+        answer = await run_in_threadpool(dry_run_answer, ctx, spec, job_id)
+        return _json_response(answer, 200)
     # With auth off the one owner is the operator on their own box (a sweep script must not hit
     # 429 at job 61); the per-owner limit is for servers shared through tokens.
     per_minute = ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
     job, created = await run_in_threadpool(
-        _store, ctx.db, spec, ctx.caller.owner, idempotency_key, per_minute
+        _store,
+        ctx.db,
+        spec,
+        ctx.caller.owner,
+        idempotency_key,
+        per_minute,
+        ctx.settings.heartbeat_interval_s,
     )
     location = f"{request.url.path.rstrip('/')}/{job.id}"
     return _json_response(job, 201 if created else 200, {"Location": location})
@@ -245,13 +304,19 @@ def list_jobs_route(
 )
 async def get_job_route(request: Request, job_id: JobIdPath, ctx: ContextDep) -> Response:
     """State, attempt, progress, latest metrics and error of one job; a queued job also
-    says why it waits (``queue_reason``)."""
+    says why it waits (``queue_reason``, and in detail ``queue``: its place, the jobs ahead —
+    other owners' by id and priority only —, which workers could run it), as does a Slurm
+    job that Slurm keeps pending (Slurm's reason in plain words)."""
 
     def read(conn: Any) -> JobOut:
-        row, reason = get_job_view(
-            conn, job_id, owner=ctx.owner, heartbeat_interval_s=ctx.settings.heartbeat_interval_s
+        row, explanation = get_job_view(
+            conn,
+            job_id,
+            owner=ctx.owner,
+            heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+            max_gpus_per_node=ctx.settings.max_gpus_per_node,
         )
-        return job_out(row, queue_reason=reason)
+        return job_out(row, queue=explanation)
 
     # The hottest route (dashboards and CLIs poll it): a Core read, retried once on a
     # connection the database closed, in the loop's default executor: anyio's thread hop

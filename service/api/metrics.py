@@ -8,8 +8,15 @@ from fastapi import APIRouter, Query, Response
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
-from service.api.schemas import MetricNamesOut, MetricsOut, metrics_json
+from service.api.schemas import (
+    HistoryOut,
+    MetricNamesOut,
+    MetricsOut,
+    history_json,
+    metrics_json,
+)
 from service.store.jobs import get_job
+from service.store.metric_history import query_superseded
 from service.store.metrics import downsample_points, metric_names, query_points
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -17,7 +24,7 @@ router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UN
 
 @router.get(
     "/jobs/{job_id}/metrics",
-    response_model=MetricsOut,
+    response_model=MetricsOut | HistoryOut,
     summary="Points of one metric",
     responses=ERRORS,
 )
@@ -43,20 +50,43 @@ def metrics_route(
             "(min/max per bucket; ignores after_step and limit).",
         ),
     ] = None,
+    include_superseded: Annotated[
+        bool,
+        Query(
+            description="Also the points of earlier attempts that a resumed attempt trained "
+            "again (marked superseded), for the steps of this page (with max_points: of the "
+            "whole history)."
+        ),
+    ] = False,
 ) -> Response:
     """Steps after ``after_step`` in ascending order (poll on with ``next_after_step``), or,
-    with ``max_points``, the whole history min/max-decimated so spikes and extremes survive."""
+    with ``max_points``, the whole history min/max-decimated so spikes and extremes survive.
+    Each point names its ``attempt`` and how it was made (``agg``: ``mean`` over ``ranks``
+    ranks, or ``rank0``). A step has one current point: after a resume, the resumed attempt's
+    (``include_superseded=true`` adds the earlier attempts' points of those steps).
+
+    Who may call it: the job's owner or an admin (another owner: 404); an attempt token: 401.
+    """
     cap = ctx.settings.max_metric_points
     with ctx.db.session(write=False) as session:
         get_job(session, job_id, owner=ctx.owner)
         if max_points is not None:
             rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
             next_after = rows[-1].step if rows else after_step
+            full = False  # the whole history: no upper bound
         else:
             rows, next_after = query_points(
                 session, job_id, name, after_step=after_step, limit=min(limit, cap)
             )
-        body = metrics_json(name, rows, next_after)
+            full = len(rows) == min(limit, cap)
+        if not include_superseded:
+            body = metrics_json(name, rows, next_after)
+        else:
+            # The page's step range; an incomplete page (nothing newer) has no upper bound.
+            lo = after_step if max_points is None else 0
+            hi = next_after if full and rows else None
+            old = query_superseded(session, job_id, name, after_step=lo, to_step=hi)
+            body = history_json(name, rows, old, next_after)
     # Serialised once, here: returning a MetricsOut made FastAPI validate every point again.
     return Response(body, media_type="application/json")
 

@@ -7,20 +7,23 @@ import math
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic_core import PydanticSerializationError
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
+from service.api.queue_schemas import QueueOut, queue_out
 from service.core.artifacts import artifact_relative_path
 from service.core.main_metric import main_metric_name
 from service.core.metric_points import JsonNumber, json_safe
 from service.core.spec import JobSpec
 from service.core.spec_text import display_text
 from service.store.job_view import JobRow
+from service.store.metric_history import SupersededRow
 from service.store.metrics import PointRow
 from service.store.models import Checkpoint, Job, JobEvent, Worker, utcnow
+from service.store.queue_explain import QueueExplanation
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +85,23 @@ class JobOut(_Out):
     finished_at: datetime | None
     queue_reason: str | None = Field(
         default=None,
-        description="Why a queued job waits (GET /jobs/{id} only; null otherwise), e.g. "
-        "'no live worker for launcher local'.",
+        description="Why a queued job waits, or why Slurm holds a submitted one (GET "
+        "/jobs/{id} only; null otherwise), e.g. 'no live worker for launcher local'.",
+    )
+    queue: QueueOut | None = Field(
+        default=None,
+        description="``queue_reason`` in detail: place in the queue, jobs ahead, which "
+        "workers could run it and why not, the scheduler's reason (GET /jobs/{id} only).",
+    )
+
+
+class SubmittedJobOut(JobOut):
+    """POST /jobs's answer: the job, plus warnings about it (never a refusal)."""
+
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="e.g. no registered worker could ever run this spec (workers come and go, "
+        "so it is queued all the same).",
     )
 
 
@@ -113,12 +131,27 @@ class EventListOut(_Out):
 
 
 class MetricPointOut(_Out):
-    """One point; ``value`` is null for NaN and "Infinity"/"-Infinity" for ±inf."""
+    """One point; ``value`` is null for NaN and "Infinity"/"-Infinity" for ±inf. ``attempt``
+    made it; ``agg`` says how: ``"mean"`` over ``ranks`` ranks, ``"rank0"`` rank 0's own
+    value (e.g. the flush after a rank failure), null for a point that does not say.
+    ``superseded`` (only with ``include_superseded=true``): a point of an earlier attempt
+    whose step a resumed attempt (``superseded_by``) trained again."""
 
     step: int
     epoch: int | None = Field(description="0-based, as in code (the first epoch is 0).")
     value: JsonNumber
     time: datetime
+    attempt: int
+    agg: Literal["mean", "rank0"] | None
+    ranks: int | None = Field(description="Ranks averaged (agg mean), else null.")
+
+
+class HistoryPointOut(MetricPointOut):
+    """A point of ``include_superseded=true``: ``superseded`` when a later attempt
+    (``superseded_by``) resumed from an earlier checkpoint and trained its step again."""
+
+    superseded: bool
+    superseded_by: int | None
 
 
 class MetricsOut(_Out):
@@ -127,6 +160,13 @@ class MetricsOut(_Out):
     name: str
     points: list[MetricPointOut]
     next_after_step: int
+
+
+class HistoryOut(MetricsOut):
+    """``MetricsOut`` with ``include_superseded=true``: current and superseded points, by step
+    (the superseded ones of a step first)."""
+
+    points: list[HistoryPointOut]  # type: ignore[assignment]
 
 
 class MetricNamesOut(_Out):
@@ -252,9 +292,15 @@ def dump_json(model: BaseModel) -> bytes:
         return type(model).model_validate(_escaped(model.model_dump())).model_dump_json().encode()
 
 
-def job_out(job: Job | JobRow, queue_reason: str | None = None) -> JobOut:
+def job_out(
+    job: Job | JobRow,
+    queue_reason: str | None = None,
+    *,
+    queue: QueueExplanation | None = None,
+) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
-    a Core row from ``service.store.job_view.get_job_row`` works as well as a ``Job``."""
+    a Core row from ``service.store.job_view.get_job_row`` works as well as a ``Job``. With
+    ``queue``, ``queue_reason`` is its summary."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     for name, entry in sorted(metrics.items()):  # one order on both databases
@@ -281,7 +327,8 @@ def job_out(job: Job | JobRow, queue_reason: str | None = None) -> JobOut:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
-        queue_reason=queue_reason,
+        queue_reason=queue.summary if queue is not None else queue_reason,
+        queue=queue_out(queue) if queue is not None else None,
     )
 
 
@@ -303,6 +350,11 @@ class _PointJson(TypedDict):
     epoch: int | None
     value: JsonNumber
     time: datetime
+    attempt: int
+    agg: str | None
+    ranks: int | None
+    superseded: NotRequired[bool]
+    superseded_by: NotRequired[int | None]
 
 
 class _MetricsJson(TypedDict):
@@ -320,10 +372,64 @@ def metrics_json(name: str, rows: Sequence[PointRow], next_after_step: int) -> b
     """Points rows (``service.store.metrics.query_points``) as a ``MetricsOut`` JSON body (the same
     bytes ``MetricsOut`` would give: ``value`` null for NaN, "±Infinity" for ±inf, times in
     ISO 8601 UTC), serialised in one pydantic-core call without re-validating each point."""
-    points: list[_PointJson] = [
-        {"step": step, "epoch": epoch, "value": json_safe(value), "time": time}
-        for step, epoch, value, time in rows  # unpacking: 3x faster than Row attributes
-    ]
+    points: list[_PointJson] = []
+    for step, epoch, value, time, attempt, ranks in rows:  # unpacking: 3x faster than Row.x
+        point: _PointJson = {
+            "step": step,
+            "epoch": epoch,
+            "value": json_safe(value),
+            "time": time,
+            "attempt": attempt,
+            "agg": _AGG.get(ranks, "mean"),
+            "ranks": ranks or None,
+        }
+        points.append(point)
+    return _METRICS_JSON.dump_json(
+        {"name": name, "points": points, "next_after_step": next_after_step}
+    )
+
+
+# ``Metric.ranks`` → the point's ``agg`` (any other value: the mean over that many ranks).
+_AGG: dict[int | None, str | None] = {None: None, 0: "rank0"}
+
+
+def history_json(
+    name: str,
+    rows: Sequence[PointRow],
+    superseded: Sequence[SupersededRow],
+    next_after_step: int,
+) -> bytes:
+    """``metrics_json`` with the superseded points of the same steps merged in (by step, an
+    earlier attempt's point first), each marked ``superseded: true`` with ``superseded_by``;
+    the current ones ``superseded: false``."""
+    points: list[_PointJson] = []
+    for step, epoch, value, time, attempt, ranks in rows:
+        point: _PointJson = {
+            "step": step,
+            "epoch": epoch,
+            "value": json_safe(value),
+            "time": time,
+            "attempt": attempt,
+            "agg": _AGG.get(ranks, "mean"),
+            "ranks": ranks or None,
+            "superseded": False,
+            "superseded_by": None,
+        }
+        points.append(point)
+    for step, epoch, value, time, attempt, ranks, by in superseded:
+        point = {
+            "step": step,
+            "epoch": epoch,
+            "value": json_safe(value),
+            "time": time,
+            "attempt": attempt,
+            "agg": _AGG.get(ranks, "mean"),
+            "ranks": ranks or None,
+            "superseded": True,
+            "superseded_by": by,
+        }
+        points.append(point)
+    points.sort(key=lambda p: (p["step"], not p.get("superseded"), p["attempt"]))
     return _METRICS_JSON.dump_json(
         {"name": name, "points": points, "next_after_step": next_after_step}
     )

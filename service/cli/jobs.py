@@ -34,7 +34,8 @@ from service.cli.output import (
     jobs_table,
     metric_points_csv,
 )
-from service.client import ApiUnreachableError, DdpqClient
+from service.cli.queue_output import format_dry_run
+from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
 from service.core.spec_text import SpecTextError, parse_spec_text
 
@@ -75,8 +76,17 @@ def _summary(client: DdpqClient, settings: Settings, job: dict[str, Any]) -> Any
     newest = checkpoints[0] if checkpoints else None
     ckpt_url = client.checkpoint_url(job_id, newest["step"]) if newest else None
     dashboard = f"{client.base_url}/jobs/{job_id}"
+    try:
+        goodput = client.goodput(job_id)
+    except ApiError:  # an older server: the report goes without it
+        goodput = None
     return format_job_summary(
-        job, newest, ckpt_url, dashboard, checkpoint_file=checkpoint_file(settings, newest)
+        job,
+        newest,
+        ckpt_url,
+        dashboard,
+        checkpoint_file=checkpoint_file(settings, newest),
+        goodput=goodput,
     )
 
 
@@ -89,17 +99,45 @@ def submit(
         str | None, typer.Option(help="Retry-safe key: resubmitting returns the same job.")
     ] = None,
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Validate and show what would run (launch plan, resume point, queue) "
+            "without storing anything.",
+        ),
+    ] = False,
+    as_job: Annotated[
+        int | None,
+        typer.Option("--as-job", min=1, help="With --dry-run: plan it as this job's next attempt."),
+    ] = None,
+    as_json: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
-    """Submit a job; with --wait, show its progress and exit 0 if it succeeds, 1 if not."""
+    """Submit a job; with --wait, show its progress and exit 0 if it succeeds, 1 if not.
+    --dry-run: store nothing, print the plan (--json: the API's answer)."""
     spec = load_spec_file(spec_file)
     if name is not None:
         spec["name"] = name
+    if as_job is not None and not dry_run:
+        fail("--as-job goes with --dry-run", "add --dry-run to plan a job's next attempt")
     with friendly_errors():
         settings = load_settings()
         client = make_client(settings)
+        if dry_run:
+            answer = client.dry_run(spec, job_id=as_job)
+            if as_json:
+                print_json(answer)
+            else:
+                out.print(format_dry_run(answer))
+            return
         job = client.submit(spec, idempotency_key=idempotency_key)
+        if as_json:
+            print_json(job)
+            return
         url = f"{client.base_url}/jobs/{job['id']}"
         out.print(cell(f"job {job['id']} {job['name']!r} {job['state']}  {url}"))
+        for warning in job.get("warnings") or []:
+            err.print(cell(f"warning: {warning}"))
         if wait:
             raise typer.Exit(wait_for_job(client, job["id"], poll_s, settings=settings))
 

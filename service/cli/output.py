@@ -231,17 +231,21 @@ def format_job_summary(
     checkpoint_url: str | None,
     dashboard_url: str,
     checkpoint_file: str | None = None,
+    goodput: dict[str, Any] | None = None,
 ) -> RenderableType:
     """The job report: state, why it waits, progress, latest metrics, newest checkpoint (its
-    download URL and ``checkpoint_file``, where the file is), links, error."""
+    download URL and ``checkpoint_file``, where the file is), where its time went
+    (``goodput``: the ``GET /jobs/{id}/goodput`` body), links, error."""
     head = Text(f"job {job['id']} {printable(repr(job['name']))} ") + state_text(job["state"])
     head.append(f"{_duration(job)} (attempt {job['attempt']})")
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     grid.add_row("owner", cell(job.get("owner") or ""))
-    if job["state"] == "queued" and job.get("queue_reason"):
-        grid.add_row("queued", cell(job["queue_reason"]))
+    from service.cli.queue_output import queue_rows  # builds on this module's cells
+
+    for label, text in queue_rows(job):  # why it waits: place, jobs ahead, workers, Slurm
+        grid.add_row(label, cell(text))
     line = progress_line(job)
     if line:
         grid.add_row("progress", cell(line))
@@ -260,6 +264,10 @@ def format_job_summary(
         )
         if checkpoint_file:
             grid.add_row("file", cell(checkpoint_file))
+    from service.cli.goodput_output import goodput_rows  # builds on this module's cells
+
+    for label, text in goodput_rows(goodput):  # where the wall time went, lost work
+        grid.add_row(label, cell(text))
     grid.add_row("dashboard", cell(dashboard_url))
     if job.get("cancel_requested") and job["state"] not in {"succeeded", "failed", "cancelled"}:
         grid.add_row("cancel", "requested")

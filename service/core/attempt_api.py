@@ -8,11 +8,12 @@ attempt is the job's current, active one: after a requeue, a terminal state or a
 API answers 409 (``detail`` starts with ``ATTEMPT_SUPERSEDED``) and the rank stops as a fenced
 rank does. It opens no user route: those answer 401 to it.
 
-Metric batches are compact rows (``MetricRow``): ``[name, step, epoch, value, time_s]``, with
-``value`` a number, ``null`` (NaN) or one of ``"Infinity"``/``"-Infinity"``, and ``time_s``
-epoch seconds (UTC). The answer counts what was accepted; 429 with ``Retry-After`` (seconds)
-is back-pressure: send the same batch again later (points are idempotent per (job, name,
-step) within an attempt, so a resend stores nothing twice).
+Metric batches are compact rows (``MetricRow``): ``[name, step, epoch, value, time_s]`` (and an
+optional ``ranks``), with ``value`` a number, ``null`` (NaN) or one of
+``"Infinity"``/``"-Infinity"``, and ``time_s`` epoch seconds (UTC). The answer counts what was
+accepted; 429 with ``Retry-After`` (seconds) is back-pressure: send the same batch again later
+(points are idempotent per (job, name, step) within an attempt, so a resend stores nothing
+twice).
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ ATTEMPT_TOKEN_PREFIX = "ddpqa_"
 # The first words of a 409's detail when the attempt is no longer the job's current one.
 ATTEMPT_SUPERSEDED = "attempt superseded"
 
-# One metric point on the wire: [name, step, epoch | null, value | null | "±Infinity", time_s].
-MetricRow = tuple[str, int, int | None, float | str | None, float]
+# One metric point on the wire: [name, step, epoch | null, value | null | "±Infinity", time_s],
+# optionally followed by ``ranks`` (how the value was made: N ≥ 1 the mean over N ranks, 0 rank
+# 0's own; ``service.core.metric_points.MetricPoint.ranks``). Rows without it stay valid.
+MetricRow = (
+    tuple[str, int, int | None, float | str | None, float]
+    | tuple[str, int, int | None, float | str | None, float, int | None]
+)
 MAX_BATCH_ROWS = 5000
 # The keys of a job's progress snapshot that are stored; others in a batch are dropped.
 PROGRESS_KEYS = ("step", "total_steps", "epoch", "samples_per_s", "eta_s")
@@ -150,3 +156,30 @@ class CheckpointList(_Wire):
     """``GET /attempts/self/checkpoints``: the job's checkpoints, newest step first."""
 
     checkpoints: list[CheckpointEntry]
+
+
+# -- the attempt's timeline (resume point, start and checkpoint costs) ------------------------
+
+TIMELINE_PATH = f"{ATTEMPT_PREFIX}/timeline"  # POST AttemptTimeline → 204
+MAX_SECONDS = 10.0**9
+
+
+class AttemptTimeline(_Wire):
+    """``POST /attempts/self/timeline``: what rank 0 measured about its attempt. Every field
+    is optional; a given one replaces the stored one, except ``resume_step`` (the first one
+    told stays: the attempt resumed once).
+
+    ``resume_step``: the checkpoint step this attempt resumed from (0: from scratch). Told
+    before the attempt's first metric batch: the API then moves earlier attempts' points of
+    later steps aside (they are kept, as superseded), so the steps this attempt trains again
+    are stored with its values. ``restore_s``: seconds spent finding, verifying and loading
+    that checkpoint. ``training_started_at_s``: when the first step began (epoch seconds,
+    UTC). ``checkpoint_stall_s``: seconds the training loop waited on checkpoint saves so
+    far, over ``checkpoint_saves`` saves.
+    """
+
+    resume_step: Step | None = None
+    restore_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
+    training_started_at_s: float | None = Field(default=None, ge=0, le=1e11)
+    checkpoint_stall_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
+    checkpoint_saves: int | None = Field(default=None, ge=0, le=2**31 - 1)

@@ -17,17 +17,38 @@ MAX_NAME_CHARS = 100
 MAX_STEP = 2**53 - 1
 # models.Metric.epoch is a 32-bit INTEGER.
 MAX_EPOCH = 2**31 - 1
+# models.Metric.ranks is a SMALLINT.
+MAX_RANKS = 2**15 - 1
+
+
+# How a point's value was made (``MetricPoint.ranks``): rank 0's own, not averaged.
+RANK0_ONLY = 0
 
 
 @dataclass(frozen=True)
 class MetricPoint:
-    """One reported scalar: ``name`` at global ``step`` (1-based), in ``epoch`` (0-based)."""
+    """One reported scalar: ``name`` at global ``step`` (1-based), in ``epoch`` (0-based).
+
+    ``ranks`` says how the value was made: N ≥ 1 the mean (or a reduction) over N ranks,
+    ``RANK0_ONLY`` (0) rank 0's own value on a job of several ranks, None unknown.
+    """
 
     name: str
     step: int
     value: float
     epoch: int | None = None
     time: datetime | None = None
+    ranks: int | None = None
+
+
+def point_agg(ranks: int | None) -> dict[str, str | int | None]:
+    """How a stored point was made, as the API tells it: ``{"agg": "mean", "ranks": N}``,
+    ``{"agg": "rank0"}``, or ``{"agg": None}`` for a point that does not say."""
+    if ranks is None:
+        return {"agg": None}
+    if ranks == RANK0_ONLY:
+        return {"agg": "rank0"}
+    return {"agg": "mean", "ranks": ranks}
 
 
 def json_safe(value: float | None) -> JsonNumber:
@@ -52,8 +73,8 @@ class CheckedPoint(MetricPoint):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MetricPoint):
             return NotImplemented
-        return (self.name, self.step, self.value, self.epoch, self.time) == (
-            other.name, other.step, other.value, other.epoch, other.time,
+        return (self.name, self.step, self.value, self.epoch, self.time, self.ranks) == (
+            other.name, other.step, other.value, other.epoch, other.time, other.ranks,
         )  # fmt: skip
 
     __hash__ = MetricPoint.__hash__
@@ -131,7 +152,8 @@ def checked_point(point: MetricPoint) -> CheckedPoint:
     Raises:
         ValueError: a name that is empty, over ``MAX_NAME_CHARS`` characters, or holds NUL or
             a lone surrogate; a step outside 1..``MAX_STEP``; an epoch outside
-            0..``MAX_EPOCH``; a value that is not a number; a naive ``time``. The message
+            0..``MAX_EPOCH``; a value that is not a number; a naive ``time``; ``ranks``
+            outside 0..``MAX_RANKS``. The message
             names the point.
     """
     if type(point) is CheckedPoint:
@@ -150,7 +172,17 @@ def checked_point(point: MetricPoint) -> CheckedPoint:
         if at.tzinfo is None:
             raise ValueError("naive datetime given to a UTC column")
         at = at.astimezone(UTC)
-    return CheckedPoint(name, step, value, epoch, at)
+    ranks = point.ranks
+    if ranks is not None:
+        try:
+            ranks = operator.index(ranks)
+        except TypeError as exc:
+            raise ValueError(f"metric {name!r} at step {step}: ranks: {exc}") from None
+        if not 0 <= ranks <= MAX_RANKS:
+            raise ValueError(
+                f"metric {name!r} at step {step}: ranks {ranks} is outside 0..{MAX_RANKS}"
+            )
+    return CheckedPoint(name, step, value, epoch, at, ranks)
 
 
 def _has_lone_surrogate(text: str) -> bool:

@@ -35,10 +35,11 @@ _PG_RECORD = text(
     "WITH job AS (SELECT attempt, state, latest_metrics FROM jobs WHERE id = :job_id FOR UPDATE), "
     "ok AS (SELECT FROM job WHERE job.attempt = :attempt "
     "AND job.state = ANY(CAST(:active AS varchar[]))), "
-    "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time) "
-    "SELECT :job_id, u.name, u.step, :attempt, u.epoch, u.value, u.time "
+    "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time, ranks) "
+    "SELECT :job_id, u.name, u.step, :attempt, u.epoch, u.value, u.time, u.ranks "
     "FROM json_to_recordset(CAST(:points AS json)) AS u(name varchar, step bigint, "
-    "epoch integer, value double precision, time timestamptz) WHERE EXISTS (SELECT FROM ok) "
+    "epoch integer, value double precision, time timestamptz, ranks smallint) "
+    "WHERE EXISTS (SELECT FROM ok) "
     "ON CONFLICT DO NOTHING RETURNING 1), "
     "upd AS (UPDATE jobs SET updated_at = :now, "
     "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
@@ -58,7 +59,7 @@ _SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
 
 def _points_params(points: Sequence[CheckedPoint]) -> dict[str, list[Any]]:
     """Checked points (``checked_point``) as columns: ``names``, ``steps``, ``epochs``,
-    ``values`` (None for NaN) and ``times`` (a point without one gets now)."""
+    ``values`` (None for NaN), ``times`` (a point without one gets now) and ``ranks``."""
     now = utcnow()
     return {
         "names": [p.name for p in points],
@@ -66,6 +67,7 @@ def _points_params(points: Sequence[CheckedPoint]) -> dict[str, list[Any]]:
         "epochs": [p.epoch for p in points],
         "values": [None if math.isnan(p.value) else p.value for p in points],
         "times": [p.time or now for p in points],
+        "ranks": [p.ranks for p in points],
     }
 
 
@@ -84,6 +86,7 @@ def _points_json(points: Sequence[CheckedPoint]) -> str:
         value = json_safe(p.value)
         records.append(
             {"name": p.name, "step": p.step, "epoch": p.epoch, "value": value, "time": text_at}
+            | {"ranks": p.ranks}
         )
     return json.dumps(records, allow_nan=False)
 
@@ -104,8 +107,8 @@ def _insert_points_sqlite(
     job = lock_attempt(session, job_id, attempt)
     rows = [
         {"job_id": job_id, "attempt": attempt, "name": n, "step": s, "epoch": e}
-        | {"value": v, "time": t}
-        for n, s, e, v, t in zip(*cols.values(), strict=True)
+        | {"value": v, "time": t, "ranks": r}
+        for n, s, e, v, t, r in zip(*cols.values(), strict=True)
     ]
     result = session.connection().execute(_SQLITE_INSERT_POINTS, rows)
     return job, int(cast(CursorResult[Any], result).rowcount)
@@ -201,11 +204,15 @@ def metric_names(session: Session, job_id: int) -> list[str]:
     )
 
 
-# What a reader of points gets: rows with ``.step``, ``.epoch``, ``.value`` (None for NaN) and
-# ``.time``, not ORM objects (loading 1,000 ORM entities cost 5× the plain rows per poll).
+# What a reader of points gets: rows with ``.step``, ``.epoch``, ``.value`` (None for NaN),
+# ``.time``, ``.attempt`` and ``.ranks`` (``Metric.ranks``), not ORM objects (loading 1,000
+# ORM entities cost 5× the plain rows per poll). Every column is in the PostgreSQL primary
+# key's INCLUDE list, so a poll stays an index-only scan.
 # A string: ``Row[int, …]`` is SQLAlchemy 2.1's variadic form (2.0 would refuse it at import).
-PointRow: TypeAlias = "Row[int, int | None, float | None, datetime]"
-_POINT_COLUMNS = (Metric.step, Metric.epoch, Metric.value, Metric.time)
+PointRow: TypeAlias = "Row[int, int | None, float | None, datetime, int, int | None]"
+_POINT_COLUMNS = (
+    Metric.step, Metric.epoch, Metric.value, Metric.time, Metric.attempt, Metric.ranks,
+)  # fmt: skip
 
 
 def query_points(

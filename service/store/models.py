@@ -1,5 +1,5 @@
-"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics, checkpoints, api_tokens,
-attempt_tokens.
+"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded),
+job_attempts, checkpoints, api_tokens, attempt_tokens.
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     String,
     Text,
     TypeDecorator,
@@ -153,7 +154,14 @@ class Worker(Base):
 
 
 class Metric(Base):
-    """One scalar a job reported at a step; (job_id, name, step) is unique."""
+    """One scalar a job reported at a step: the current point of (job_id, name, step).
+
+    ``ranks`` says how the value was made: N ≥ 1 the mean over N ranks (a one-rank job's own
+    value counts as its mean), 0 rank 0's own unaveraged value (e.g. the flush after a rank
+    failure, a custom loop's plain float), NULL not recorded (a point an older rank sent).
+    Points of an earlier attempt that a resumed attempt re-trains move to
+    ``metrics_superseded`` (``service.store.metric_history``).
+    """
 
     __tablename__ = "metrics"
 
@@ -165,15 +173,64 @@ class Metric(Base):
     # NULL stands for NaN (SQLite cannot store NaN); ±inf are stored as is.
     value: Mapped[float | None] = mapped_column(Float, nullable=True)
     time: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ranks: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
 
     __table_args__ = (
         # On PostgreSQL the primary key's index carries every other column too, so a dashboard
         # poll (job, name, step > ?) is an index-only scan, and an insert maintains one b-tree
         # (a separate poll index beside the key doubled the index work of every ingested point).
         PrimaryKeyConstraint(
-            "job_id", "name", "step", postgresql_include=["attempt", "epoch", "value", "time"]
+            "job_id",
+            "name",
+            "step",
+            postgresql_include=["attempt", "epoch", "value", "time", "ranks"],
         ),
     )
+
+
+class MetricSuperseded(Base):
+    """A point an earlier attempt reported for a step that a later attempt trained again
+    after resuming from an earlier checkpoint: kept, but no longer the job's curve. Same
+    columns as ``metrics`` plus ``superseded_by`` (the attempt whose resume threw it away)."""
+
+    __tablename__ = "metrics_superseded"
+
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    step: Mapped[int] = mapped_column(BigInteger)
+    attempt: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    time: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ranks: Mapped[int | None] = mapped_column(SmallInteger, nullable=True)
+    superseded_by: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (PrimaryKeyConstraint("job_id", "name", "step", "attempt"),)
+
+
+class JobAttempt(Base):
+    """What rank 0 told about one attempt of a job (``POST /attempts/self/timeline``): where
+    it resumed from and what its start and its checkpoints cost. The goodput ledger
+    (``service.store.goodput``) reads it with the job's events, metrics and checkpoints.
+
+    ``resume_step``: the checkpoint step the attempt resumed from (0: from scratch; NULL: not
+    told). ``restore_s``: seconds spent finding, verifying and loading that checkpoint.
+    ``training_started_at``: when its first step began. ``checkpoint_stall_s``: seconds the
+    training loop waited on checkpoint saves, over ``checkpoint_saves`` saves.
+    """
+
+    __tablename__ = "job_attempts"
+
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    resume_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    restore_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    training_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    checkpoint_stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    checkpoint_saves: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+    __table_args__ = (PrimaryKeyConstraint("job_id", "attempt"),)
 
 
 class Checkpoint(Base):

@@ -4,18 +4,23 @@ leases.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.core.launchers import uses_host_gpus
-from service.core.states import ACTIVE_STATES, JobState
+from service.core.states import ACTIVE_STATES
 from service.store.models import Job, Worker, utcnow
+from service.store.queue_explain import LIVE_HEARTBEATS, JobShape, explain_queue
 
-# A worker is live while its last heartbeat is younger than this many heartbeat intervals.
-LIVE_HEARTBEATS = 3
+__all__ = [
+    "LIVE_HEARTBEATS",
+    "HeldJob",
+    "list_workers",
+    "queue_reason",
+    "register_worker",
+    "stop_worker",
+]
 
 
 @dataclass(frozen=True)
@@ -69,17 +74,6 @@ def list_workers(session: Session) -> list[tuple[Worker, list[int]]]:
     return [(w, sorted(held.get(w.id, []))) for w in workers]
 
 
-def _capacity_int(capacity: Any, key: str, default: int) -> int:
-    value = capacity.get(key) if isinstance(capacity, dict) else None
-    if key == "gpus":
-        return len(value) if isinstance(value, list) else default
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def queue_reason(
     session: Session,
     *,
@@ -88,73 +82,22 @@ def queue_reason(
     gpus_per_node: int,
     priority: int,
     heartbeat_interval_s: float,
+    nproc_per_node: int = 1,
+    max_gpus_per_node: int = 0,
 ) -> str:
-    """Why a queued job is still waiting, for people (two small queries; call it for one
-    job, not for lists).
-
-    Considers the live workers of the job's launcher (not stopped, heartbeat younger than
-    ``LIVE_HEARTBEATS × heartbeat_interval_s`` seconds), their ``capacity`` (slots, GPUs)
-    and the active jobs they hold; GPUs count only for launchers whose traits say
-    ``host_gpus`` (``service.core.launchers``).
+    """Why a queued job is still waiting, for people: the ``summary`` of
+    ``service.store.queue_explain.explain_queue`` (kept for callers that want the one line).
 
     Returns:
-        e.g. ``"no live worker for launcher local"``, ``"waiting for a worker with 1 free
-        GPU (live workers have at most 0)"``, ``"waiting for a free slot (…)"`` or
+        e.g. ``"no live worker for launcher local (start one: …)"``, ``"waiting for a worker
+        with 1 free GPU (live workers have at most 0)"``, ``"waiting for a free slot (…)"`` or
         ``"waiting for a worker to claim it (2 queued jobs ahead)"``.
     """
-    cutoff = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * heartbeat_interval_s)
-    # Each live worker with what it holds, in one query (correlated counts, served by
-    # ix_jobs_worker_id): this runs on every GET of a queued job.
-    held_by_worker = [Job.worker_id == Worker.id, Job.state.in_([s.value for s in ACTIVE_STATES])]
-    live = list(
-        session.execute(
-            select(
-                Worker.id,
-                Worker.capacity,
-                select(func.count()).where(*held_by_worker).scalar_subquery(),
-                select(func.coalesce(func.sum(Job.gpus_per_node), 0))
-                .where(*held_by_worker)
-                .scalar_subquery(),
-            ).where(
-                Worker.launcher == launcher,
-                Worker.stopped_at.is_(None),
-                Worker.heartbeat_at > cutoff,
-            )
-        )
-    )
-    if not live:
-        hint = f"`ddpq worker --launcher {launcher}`"
-        return f"no live worker for launcher {launcher} (start one: {hint})"
-    host_gpus = uses_host_gpus(launcher)
-    wants_gpus = gpus_per_node if host_gpus else 0
-    free_slots, free_gpus, total_gpus = [], [], []
-    for _wid, capacity, jobs_held, gpus_held in live:
-        total = _capacity_int(capacity, "gpus", 0)
-        free_slots.append(_capacity_int(capacity, "slots", 1) - int(jobs_held))
-        free_gpus.append(total - int(gpus_held))
-        total_gpus.append(total)
-    if wants_gpus and max(total_gpus) < wants_gpus:
-        return (
-            f"waiting for a worker with {_plural(wants_gpus, 'free GPU')} "
-            f"(live workers have at most {max(total_gpus)})"
-        )
-    fitting = [g for s, g in zip(free_slots, free_gpus, strict=True) if s > 0 and g >= wants_gpus]
-    if not fitting:
-        if wants_gpus and any(s > 0 for s in free_slots):
-            return (
-                f"waiting for {_plural(wants_gpus, 'free GPU')} on one worker "
-                f"(live workers have at most {max(free_gpus)} free now)"
-            )
-        return f"waiting for a free slot ({_plural(len(live), 'live worker')}, all busy)"
-    # Jobs the same workers would claim first: better priority (or older), and small enough.
-    ahead_filter = [
-        Job.state == JobState.QUEUED.value,
-        Job.launcher == launcher,
-        or_(Job.priority > priority, (Job.priority == priority) & (Job.id < job_id)),
-    ]
-    if host_gpus:
-        ahead_filter.append(Job.gpus_per_node <= max(fitting))
-    ahead = session.scalar(select(func.count()).where(*ahead_filter))
-    if ahead:
-        return f"waiting for a worker to claim it ({_plural(int(ahead), 'queued job')} ahead)"
-    return "waiting for a worker to claim it"
+    shape = JobShape(launcher, gpus_per_node, nproc_per_node, priority, job_id=job_id)
+    return explain_queue(
+        session,
+        shape,
+        viewer=None,
+        heartbeat_interval_s=heartbeat_interval_s,
+        max_gpus_per_node=max_gpus_per_node,
+    ).summary

@@ -73,8 +73,16 @@ def test_submit_get_and_job_shape(api: TestClient) -> None:
     assert job["queue_reason"] is None, "computed by GET /jobs/{id} only"
     got = api.get(f"{API}/jobs/{job['id']}")
     assert got.status_code == 200
-    assert got.json() == {**job, "queue_reason": "no live worker for launcher local "
-                          "(start one: `ddpq worker --launcher local`)"}  # fmt: skip
+    assert job["warnings"] == [
+        "no worker of launcher local is registered: the job waits until one starts "
+        "(`ddpq worker --launcher local`)"
+    ], "a spec no worker could run is queued with a warning"
+    body = got.json()
+    assert body["queue"]["position"] == 1 and body["queue"]["workers"] == []
+    assert job["queue"] is None, "computed by GET /jobs/{id} only"
+    del job["warnings"], job["queue"], body["queue"]
+    assert body == {**job, "queue_reason": "no live worker for launcher local "
+                    "(start one: `ddpq worker --launcher local`)"}  # fmt: skip
     assert api.get(f"{API}/jobs/999999").status_code == 404
     assert api.get(f"{API}/jobs/{2**70}").status_code == 422
 

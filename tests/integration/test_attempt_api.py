@@ -35,6 +35,7 @@ ROUTES = [  # every attempt route with a well-formed body
     ("POST", wire.CHECKPOINTS_PATH, None),  # body: a path of the job's own (see _body)
     ("POST", wire.CHECKPOINT_FAILURES_PATH, {"step": 3, "reason": "disk full"}),
     ("POST", wire.CHECKPOINT_DELETIONS_PATH, {"steps": [3]}),
+    ("POST", wire.TIMELINE_PATH, {"checkpoint_stall_s": 0.5, "checkpoint_saves": 1}),
 ]
 
 

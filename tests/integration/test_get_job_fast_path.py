@@ -23,7 +23,7 @@ from service.store.db import Database
 from service.store.job_view import get_job_row
 from service.store.jobs import get_job
 from service.store.models import Job
-from service.store.workers import queue_reason
+from service.store.queue_explain import JobShape, explain_queue
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {
@@ -51,17 +51,23 @@ def orm_body(db: Database, settings: Settings, job_id: int) -> bytes:
     """The body the ORM path (``Session.get`` + ``job_out``) gives for the job."""
     with db.session(write=False) as s:
         job = get_job(s, job_id)
-        reason = None
+        explanation = None
         if job.state == JobState.QUEUED.value:
-            reason = queue_reason(
-                s,
+            shape = JobShape(
+                job.launcher,
+                job.gpus_per_node,
+                job.spec["resources"]["nproc_per_node"],
+                job.priority,
                 job_id=job.id,
-                launcher=job.launcher,
-                gpus_per_node=job.gpus_per_node,
-                priority=job.priority,
-                heartbeat_interval_s=settings.heartbeat_interval_s,
             )
-        return dump_json(job_out(job, queue_reason=reason))
+            explanation = explain_queue(
+                s,
+                shape,
+                viewer=None,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+                max_gpus_per_node=settings.max_gpus_per_node,
+            )
+        return dump_json(job_out(job, queue=explanation))
 
 
 def assert_same_as_orm(api: TestClient, db: Database, settings: Settings, job_id: int) -> None:

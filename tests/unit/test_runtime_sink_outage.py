@@ -226,6 +226,9 @@ def test_flush_whose_all_reduce_breaks_still_writes_rank0_points(
     assert written["raised"], "the flush must report the broken collective"
     values, _ = stored_losses(db, job_id)
     assert values == {step: float(step) for step in range(1, 6)}, "rank 0's own values"
+    with db.session(write=False) as s:
+        made = {p.ranks for p in query_points(s, job_id, "loss")[0]}
+    assert made == {0}, f"stored as rank 0's own (not a mean over 2 ranks): {made}"
 
 
 if __name__ == "__main__":  # one rank, started by the test above

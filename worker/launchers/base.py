@@ -86,9 +86,7 @@ class LaunchPlan(Generic[RequestT]):
         names: a spec's text is the job's, shown elsewhere), command line, and the script if
         any."""
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
-        lines += [
-            f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())
-        ]
+        lines += [f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())]
         lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
         lines.append(" ".join(self.argv))
@@ -168,4 +166,15 @@ class BatchPoller(Protocol):
 
     def poll_many(self, handles: list[str]) -> dict[str, RunStatus]:
         """The status of every handle in ``handles``."""
+        ...
+
+
+@runtime_checkable
+class PendingExplainer(Protocol):
+    """A launcher whose backend says why a submitted attempt is still pending (Slurm's
+    ``squeue -o %r``), for many attempts with one query."""
+
+    def pending_reasons(self, handles: list[str]) -> dict[str, str]:
+        """The backend's reason code (e.g. ``Resources``) of each of ``handles`` that is
+        still pending; handles it does not know or that run are left out."""
         ...

@@ -41,6 +41,7 @@ from worker.launchers.slurm_params import (
     rank_environment,
     sbatch_parameters,
 )
+from worker.launchers.slurm_pending import query_pending_reasons
 from worker.launchers.slurm_rank import SlurmRank
 from worker.launchers.slurm_states import (
     SacctRecord,
@@ -95,6 +96,7 @@ class SlurmLauncher:
         missing_grace_s: float = DEFAULT_MISSING_GRACE_S,
         cancel_confirm_s: float = DEFAULT_CANCEL_CONFIRM_S,
         sacct: str = "sacct",
+        squeue: str = "squeue",
     ) -> None:
         """Args:
         settings: where ranks find the API (``resolved_api_url``: it must be reachable
@@ -107,7 +109,7 @@ class SlurmLauncher:
         poll_interval_s: at most one sacct per this many seconds; polls in between share it.
         missing_grace_s: seconds a job may be unknown to sacct before it counts as lost.
         cancel_confirm_s: seconds ``cancel`` waits for Slurm to confirm the job ended.
-        sacct: the sacct executable.
+        sacct, squeue: the sacct and squeue executables.
         """
         self.settings = settings
         self.api_url = settings.resolved_api_url
@@ -120,6 +122,7 @@ class SlurmLauncher:
         self.missing_grace_s = missing_grace_s
         self.cancel_confirm_s = cancel_confirm_s
         self.sacct = sacct
+        self.squeue = squeue
         self._followed: dict[str, _Followed] = {}
         self._last_sacct_mono = float("-inf")
         self._last_asked: frozenset[str] = frozenset()  # the handles the last sacct covered
@@ -282,6 +285,11 @@ class SlurmLauncher:
             self._followed.setdefault(handle, _Followed(time.monotonic()))
         self.refresh()
         return {h: self.poll(h) for h in handles}
+
+    def pending_reasons(self, handles: list[str]) -> dict[str, str]:
+        """Slurm's pending reason (``squeue -o %r``) of each of ``handles`` still pending,
+        by one squeue call for all of them."""
+        return query_pending_reasons(handles, self.squeue)
 
     def _sacct_due(self) -> bool:
         return time.monotonic() - self._last_sacct_mono >= self.poll_interval_s

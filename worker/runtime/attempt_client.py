@@ -196,6 +196,11 @@ class AttemptClient:
             body = wire.CheckpointDeletion(steps=list(steps))
             self._call("POST", wire.CHECKPOINT_DELETIONS_PATH, None, body)
 
+    def send_timeline(self, timeline: wire.AttemptTimeline) -> None:
+        """``POST /attempts/self/timeline``: the attempt's resume step and costs (safe to
+        resend: the first resume step told is kept)."""
+        self._call("POST", wire.TIMELINE_PATH, None, timeline)
+
     # -- plumbing ------------------------------------------------------------------------------
     def _call(
         self,

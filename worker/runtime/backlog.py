@@ -35,6 +35,7 @@ def encode_point(point: MetricPoint) -> bytes:
         "value": point.value,
         "epoch": point.epoch,
         "time": point.time.isoformat() if point.time is not None else None,
+        "ranks": point.ranks,
     }
     return json.dumps(record, separators=(",", ":")).encode() + b"\n"
 
@@ -55,6 +56,7 @@ def decode_point(line: bytes) -> CheckedPoint:
             value=float(record["value"]),
             epoch=None if record["epoch"] is None else int(record["epoch"]),
             time=datetime.fromisoformat(time) if time is not None else None,
+            ranks=None if record.get("ranks") is None else int(record["ranks"]),
         )
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a spilled metric point: {line[:80]!r}") from exc

@@ -370,11 +370,11 @@ def find_resume_checkpoint(client: AttemptClient, artifact_dir: Path, job_id: in
     return chosen
 
 
-def agree_on_resume(
+def agree_on_resume_step(
     ctx: DistContext, client: AttemptClient | None, artifact_dir: Path, job_id: int
-) -> Path | None:
+) -> int:
     """Rank 0 picks the checkpoint to resume from and broadcasts its step; every rank returns
-    the same path (None: start from scratch). A collective: all ranks must call it.
+    the same step (0: start from scratch). A collective: all ranks must call it.
 
     Args:
         client: rank 0's attempt API client (other ranks may pass None).
@@ -386,7 +386,14 @@ def agree_on_resume(
         if client is None:
             raise ValueError("rank 0 needs an AttemptClient to find its resume checkpoint")
         step = find_resume_checkpoint(client, artifact_dir, job_id) or 0
-    step = broadcast_int(step, ctx)
+    return broadcast_int(step, ctx)
+
+
+def agree_on_resume(
+    ctx: DistContext, client: AttemptClient | None, artifact_dir: Path, job_id: int
+) -> Path | None:
+    """``agree_on_resume_step`` as the checkpoint's path (None: start from scratch)."""
+    step = agree_on_resume_step(ctx, client, artifact_dir, job_id)
     return artifacts.checkpoint_path(artifact_dir, job_id, step) if step > 0 else None
 
 

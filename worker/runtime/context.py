@@ -14,12 +14,17 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from service.core.artifacts import checkpoint_path
 from service.core.config import Settings
 from service.core.metric_points import checked_report
 from service.core.spec import JobSpec
 from worker.entrypoints import EntrypointError, import_failed, no_function
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpointing import CheckpointSaver, agree_on_resume, load_checkpoint_file
+from worker.runtime.checkpointing import (
+    CheckpointSaver,
+    agree_on_resume_step,
+    load_checkpoint_file,
+)
 from worker.runtime.distributed import (
     DistContext,
     ResumableDistributedSampler,
@@ -32,6 +37,7 @@ from worker.runtime.nonfinite import REPORTED_LOSS, NonFinitePolicy, first_nonfi
 from worker.runtime.progress import ProgressClock
 from worker.runtime.signals import StopFlag
 from worker.runtime.sink_buffer import Sink
+from worker.runtime.timeline import AttemptFacts
 from worker.runtime.watchdog import NullWatchdog, StallWatchdog
 
 log = logging.getLogger(__name__)
@@ -120,6 +126,8 @@ class TrainContext:
         )
         self.nonfinite = NonFinitePolicy(spec.training.nonfinite_loss, dist.rank)
         self.clock = ProgressClock()
+        # The resume step, restore time, start and checkpoint stall rank 0 tells the API.
+        self.facts = AttemptFacts(sink)
         self._api, self._artifact_dir = api, artifact_dir
         self._vote = StopVote(dist)
         self.last_step = 0
@@ -159,6 +167,8 @@ class TrainContext:
                 (its ``reason`` is ``nonfinite_loss``).
         """
         step, epoch = checked_report(step, epoch, metrics, self._known_names)
+        if not self.facts.began:  # before the first point: its resume step goes first
+            self.facts.begin_at_report(step)
         sink = self.sink
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
@@ -198,8 +208,12 @@ class TrainContext:
 
     def agree_on_resume(self) -> Path | None:
         """The newest intact checkpoint of this job (any attempt), the same on every rank;
-        None on a fresh start. A collective."""
-        return agree_on_resume(self.dist, self._api, self._artifact_dir, self.job_id)
+        None on a fresh start. A collective. Its step is the attempt's resume step (told to
+        the API when training begins: ``facts``)."""
+        with self.facts.restoring():
+            step = agree_on_resume_step(self.dist, self._api, self._artifact_dir, self.job_id)
+        self.facts.resume_step = step
+        return checkpoint_path(self._artifact_dir, self.job_id, step) if step > 0 else None
 
     def _warn_skip_not_applied(self) -> None:
         self._warned_skip = True
@@ -212,19 +226,23 @@ class TrainContext:
     def save_checkpoint(self, state: dict[str, Any], step: int, epoch: int = 0) -> None:
         """Checkpoint ``state`` (e.g. model/optimizer state dicts) at ``step``: tensors are
         copied to CPU now, the file is written in the background (rank 0 only)."""
-        with self.watchdog.pause():  # a slow disk is not a stall
+        with self.watchdog.pause(), self.facts.checkpoint_stall():  # a slow disk: no stall
             self.checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)
         self.watchdog.step_finished(self.last_step)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
-        None on a fresh start. A collective: every rank loads the same one."""
+        None on a fresh start. A collective: every rank loads the same one. Training counts
+        as begun from here (the resume step is told to the API)."""
         path = self.agree_on_resume()
         if path is None:
+            self.facts.begin(0)
             return None
-        state = load_checkpoint_file(path, self.device)
+        with self.facts.restoring():
+            state = load_checkpoint_file(path, self.device)
         self.clock.restart(int(state.get("step", 0) or 0))
+        self.facts.begin(self.facts.resume_step or 0)
         return state
 
     def should_stop(self) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from service.core.artifacts import metrics_spill_path
-from service.core.attempt_api import MetricBatch, MetricRow, encode_value
+from service.core.attempt_api import AttemptTimeline, MetricBatch, MetricRow, encode_value
 from service.core.errors import StaleAttemptError
 from service.core.metric_points import (
     CheckedPoint,
@@ -55,10 +55,13 @@ OUTAGE_LOG_EVERY_S = 30.0
 
 
 def metric_row(point: MetricPoint) -> MetricRow:
-    """One point as the wire's compact row ``[name, step, epoch, value, time_s]`` (time in
-    epoch seconds; a point without a time is stamped now)."""
+    """One point as the wire's compact row ``[name, step, epoch, value, time_s, ranks]`` (time
+    in epoch seconds; a point without a time is stamped now; ``ranks`` left off when
+    unknown)."""
     at = point.time.timestamp() if point.time is not None else time.time()
-    return (point.name, point.step, point.epoch, encode_value(point.value), at)
+    if point.ranks is None:
+        return (point.name, point.step, point.epoch, encode_value(point.value), at)
+    return (point.name, point.step, point.epoch, encode_value(point.value), at, point.ranks)
 
 
 def metric_batch(points: list[CheckedPoint], progress: Progress | None) -> MetricBatch:
@@ -107,6 +110,7 @@ class ApiSink(MetricsSink):
             spill_path = Path(tempfile.gettempdir()) / name
         self._backlog = MetricBacklog(spill_path, memory_cap)
         self._progress: Progress | None = None  # the newest one not written yet
+        self._timeline: AttemptTimeline | None = None  # facts not written yet (merged)
         self._progress_lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -146,13 +150,15 @@ class ApiSink(MetricsSink):
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
+        ranks: int,
     ) -> None:
-        now = datetime.now(UTC)
         reported: list[MetricPoint] = []
         if stacked is not None:
             values = stacked.tolist()  # the one device→host copy of this batch
+            stamp = datetime.fromtimestamp
             reported = [
-                MetricPoint(n, s, v, e, now) for (n, s, e), v in zip(keys, values, strict=True)
+                MetricPoint(n, s, v, e, stamp(t, UTC), ranks)
+                for (n, s, e, t), v in zip(keys, values, strict=True)
             ]
         reported.extend(host)
         points, refused = split_points(reported)
@@ -171,6 +177,18 @@ class ApiSink(MetricsSink):
 
     def final_metrics(self) -> dict[str, JsonNumber] | None:
         return {k: json_safe(v) for k, v in self.latest.items()}
+
+    def report_timeline(self, timeline: AttemptTimeline) -> None:
+        """Queue ``timeline`` (merged into facts not written yet: newer fields win); the
+        writer sends it before the next metric batch, so a resume step told before the first
+        report reaches the API before any of the attempt's points."""
+        with self._progress_lock:
+            pending = self._timeline
+            if pending is not None:
+                merged = pending.model_dump() | timeline.model_dump(exclude_none=True)
+                timeline = AttemptTimeline.model_construct(**merged)
+            self._timeline = timeline
+        self._wake.set()
 
     def close(self) -> None:
         """Write everything handed over so far, then stop the writer and close the client.
@@ -221,6 +239,8 @@ class ApiSink(MetricsSink):
         """Send the backlog oldest first, ``WRITE_BATCH_POINTS`` per request, with the newest
         progress. False when the API is unavailable (the rest stays queued)."""
         while not self._stale.is_set():
+            if not self._write_timeline():
+                return False
             batch = self._backlog.peek(WRITE_BATCH_POINTS)
             with self._progress_lock:
                 progress = self._progress
@@ -259,6 +279,30 @@ class ApiSink(MetricsSink):
             self._note_repeats(len(batch), inserted)
             self._note_recovery()
         self.discarded += self._backlog.discard()
+        return True
+
+    def _write_timeline(self) -> bool:
+        """Send the pending timeline facts first (they may supersede earlier attempts'
+        points). False when the API is unavailable (they stay pending; batches wait)."""
+        with self._progress_lock:
+            timeline = self._timeline
+        if timeline is None:
+            return True
+        try:
+            self.client.send_timeline(timeline)
+        except StaleAttemptError as exc:
+            self._stale.set()
+            self.discarded += self._backlog.discard()
+            log.warning("attempt timeline fenced off, stopping: %s", exc)
+        except ApiUnavailableError as exc:
+            self._retry_after_s = exc.retry_after_s
+            self._note_outage(exc)
+            return False
+        except AttemptRequestError as exc:  # resending cannot help (e.g. an older API)
+            log.error("attempt timeline refused by the API, dropped: %s", exc)
+        with self._progress_lock:
+            if self._timeline is timeline:
+                self._timeline = None
         return True
 
     def _note_ack(self, sent: int, accepted: int, refused: list[str]) -> None:

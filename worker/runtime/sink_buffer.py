@@ -13,11 +13,13 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import torch
 
-from service.core.metric_points import JsonNumber, MetricPoint, json_safe
+from service.core.attempt_api import AttemptTimeline
+from service.core.metric_points import RANK0_ONLY, JsonNumber, MetricPoint, json_safe
 from worker.runtime.distributed import DistContext, all_reduce_sum_
 
 log = logging.getLogger(__name__)
@@ -26,8 +28,9 @@ log = logging.getLogger(__name__)
 FLUSH_EVERY_POINTS = 500
 FLUSH_INTERVAL_S = 2.0
 
-# A buffered ``report``: (name, step, epoch), checked with its value when the batch is flushed.
-Key = tuple[str, int, int | None]
+# A buffered ``report``: (name, step, epoch, time_s), checked with its value when the batch is
+# flushed; ``time_s`` (epoch seconds) is when it was reported, so a point's time is its step's.
+Key = tuple[str, int, int | None, float]
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,14 @@ class Sink(Protocol):
     def report(self, step: int, epoch: int | None, value: torch.Tensor, name: str = "loss") -> None:
         """Buffer one scalar tensor (no host sync)."""
 
-    def report_values(self, step: int, epoch: int | None, values: Mapping[str, float]) -> None:
-        """Buffer host scalars."""
+    def report_values(
+        self, step: int, epoch: int | None, values: Mapping[str, float], *, reduced: bool = False
+    ) -> None:
+        """Buffer host scalars; ``reduced``: already reduced over every rank."""
+
+    def report_timeline(self, timeline: AttemptTimeline) -> None:
+        """Hand rank 0's attempt facts (resume step, restore time, checkpoint stall) to the
+        writer, which sends them before any later metric batch."""
 
     def buffered(self, name: str) -> list[tuple[int, torch.Tensor]]:
         """The ``(step, tensor)`` pairs buffered under ``name`` since the last flush."""
@@ -114,13 +123,27 @@ class MetricsSink:
         """Buffer one scalar tensor (kept on its device); costs a list append, no host sync.
         Points are checked (``checked_point``) when rank 0 publishes the batch; a bad one is
         dropped there with a warning."""
-        self._keys.append((name, step, epoch))
+        self._keys.append((name, step, epoch, time.time()))
         self._tensors.append(value.detach())
 
-    def report_values(self, step: int, epoch: int | None, values: Mapping[str, float]) -> None:
-        """Buffer host scalars (e.g. eval metrics already reduced over ranks)."""
+    def report_values(
+        self, step: int, epoch: int | None, values: Mapping[str, float], *, reduced: bool = False
+    ) -> None:
+        """Buffer host scalars: with ``reduced``, values already reduced over every rank (e.g.
+        eval metrics after an all_reduce), else rank 0's own (a custom loop's floats)."""
+        at = datetime.fromtimestamp(time.time(), UTC)
+        ranks = self._ranks(averaged=reduced)
         for name, value in values.items():
-            self._host.append(MetricPoint(name, step, float(value), epoch))
+            self._host.append(MetricPoint(name, step, float(value), epoch, at, ranks))
+
+    def report_timeline(self, timeline: AttemptTimeline) -> None:
+        """Hand rank 0's attempt facts to the writer (only rank 0's ``ApiSink`` sends them)."""
+
+    def _ranks(self, *, averaged: bool) -> int:
+        """``MetricPoint.ranks`` of a value: the world size when averaged (or on one rank),
+        else ``RANK0_ONLY``."""
+        world = self._ctx.world_size if self._ctx is not None else 1
+        return world if averaged or world == 1 else RANK0_ONLY
 
     def buffered(self, name: str) -> list[tuple[int, torch.Tensor]]:
         """``(step, tensor)`` of every tensor buffered under ``name`` since the last flush (the
@@ -170,10 +193,10 @@ class MetricsSink:
             except Exception:
                 log.warning("metrics all_reduce failed: keeping %d points unaveraged",
                             len(keys))  # fmt: skip
-                self._publish(keys, local, host, progress)
+                self._publish(keys, local, host, progress, self._ranks(averaged=False))
                 raise
             stacked /= ctx.world_size
-        self._publish(keys, stacked, host, progress)
+        self._publish(keys, stacked, host, progress, self._ranks(averaged=average))
 
     def should_stop(self) -> bool:
         """True when the sink's writes were fenced off (the attempt is stale)."""
@@ -193,7 +216,10 @@ class MetricsSink:
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
+        ranks: int,
     ) -> None:
+        """Take a flushed batch: ``stacked`` holds the tensor values of ``keys`` (made over
+        ``ranks`` ranks: ``MetricPoint.ranks``), ``host`` the host points."""
         raise NotImplementedError
 
 
@@ -207,6 +233,7 @@ class NullSink(MetricsSink):
         stacked: torch.Tensor | None,
         host: list[MetricPoint],
         progress: Progress | None,
+        ranks: int,
     ) -> None:
         return None
 

@@ -9,6 +9,7 @@ are the context's, so each is written once for both kinds of loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -129,6 +130,7 @@ class Trainer:
         """Train until ``total_steps``, the last epoch, or a collective stop decision."""
         t = self.spec.training
         resumed_step = self._resume() if self.resume_path is not None else None
+        self.ctx.facts.begin(resumed_step or 0)  # before the first point (see timeline.py)
         vote = StopVote(self.dist)
         stopped = False
         evaluated_at: int | None = None
@@ -174,7 +176,9 @@ class Trainer:
             self._evaluate()
         self._flush()
         if not stale and 0 < self.step != resumed_step and (not stopped or self.stop.is_set()):
-            self._checkpoint()  # the end of training, or a signal (preemption, cancel)
+            # The end of training, or a signal (preemption, cancel): after the last step, so
+            # its wait is the attempt's teardown, not a stall of training.
+            self._checkpoint(stall=False)
         ctx = self.ctx
         ctx.last_step, ctx.stopped = self.step, stopped
         ctx.last_epoch = min(self.epoch, t.epochs - 1)
@@ -196,7 +200,7 @@ class Trainer:
             self.optimizer.step()
         else:
             skipped = float(self.nonfinite.skipped)
-            self.sink.report_values(self.step, self.epoch, {"skipped_steps": skipped})
+            self.sink.report_values(self.step, self.epoch, {"skipped_steps": skipped}, reduced=True)
         return loss
 
     # -- reporting -----------------------------------------------------------------------------
@@ -211,7 +215,8 @@ class Trainer:
         )
         if advanced and self.parts.tokens_per_sample and progress.samples_per_s is not None:
             tokens_per_s = progress.samples_per_s * self.parts.tokens_per_sample
-            self.sink.report_values(self.step, self.epoch, {"tokens_per_s": tokens_per_s})
+            values = {"tokens_per_s": tokens_per_s}  # of all ranks
+            self.sink.report_values(self.step, self.epoch, values, reduced=True)
         self.sink.flush(progress)
 
     def _evaluate(self) -> None:
@@ -240,11 +245,12 @@ class Trainer:
         values = {"eval_loss": loss_sum / max(count, 1.0)}
         if self.parts.classification:
             values["eval_accuracy"] = correct / max(count, 1.0)
-        self.sink.report_values(self.step, self.epoch, values)
+        self.sink.report_values(self.step, self.epoch, values, reduced=True)  # all shards
         log.info("eval at step %d: %s", self.step, values)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, *, stall: bool = True) -> None:
+        """Save a checkpoint now; with ``stall``, its wait counts as checkpoint stall."""
         epoch, step, batch_idx = self.epoch, self.step, self.batch_idx
 
         def build_state() -> dict[str, Any]:
@@ -261,14 +267,16 @@ class Trainer:
                 "skipped_steps": self.nonfinite.skipped,
             }
 
-        with self.watchdog.pause():  # a slow disk is not a stall
+        timed = self.ctx.facts.checkpoint_stall() if stall else contextlib.nullcontext()
+        with self.watchdog.pause(), timed:  # a slow disk is not a stall of the watchdog
             self.checkpointer.save(step, epoch, build_state)
 
     def _resume(self) -> int:
         assert self.resume_path is not None
-        state = load_checkpoint_file(self.resume_path, self.dist.device)
-        self.bare.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.ctx.facts.restoring():
+            state = load_checkpoint_file(self.resume_path, self.dist.device)
+            self.bare.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.epoch, self.step, self.batch_idx = state["epoch"], state["step"], state["batch_idx"]
         self.nonfinite.skipped = int(state.get("skipped_steps", 0))

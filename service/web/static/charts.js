@@ -4,7 +4,12 @@
  * drawn as gaps. Each chart's element carries data-points and data-last-step.
  * The x axis is the step, the epoch (fractional: epochs done) or the wall time since the
  * series' first point; EMA smoothing is display only (the raw curve stays, faint). With no
- * point hovered the legend shows the newest point, not "--". */
+ * point hovered the legend shows the newest point, not "--".
+ * Restarts (setHistory, from the goodput ledger): on the step axis a dashed vertical line marks
+ * where each attempt resumed, the earlier attempts' superseded points of those steps are drawn
+ * dashed and grey, and points that are rank 0's own values (not the mean over ranks, e.g. the
+ * flush after a rank failure) get a hollow red marker. Each chart's element also carries
+ * data-resume-steps, data-superseded-points and data-rank0-points. */
 "use strict";
 
 (function () {
@@ -16,7 +21,16 @@
   /* Charts of job ``base`` ("jobs/<id>") inside ``container``; ``emptyNote`` hides once a
    * metric exists. refresh(fetchNames) resolves to true when any series got new points. */
   function metricCharts(base, container, emptyNote) {
-    const state = { series: new Map(), names: [], logScale: false, xMode: "step", smoothing: 0 };
+    const state = {
+      series: new Map(),
+      names: [],
+      logScale: false,
+      xMode: "step",
+      smoothing: 0,
+      // From the goodput ledger: where attempts resumed, and the step ranges they superseded.
+      history: { resumes: [], lost: [] },
+      historyKey: "",
+    };
 
     // Charts follow their box's width (window resizes, a second chart joining the grid).
     const resizer =
@@ -125,10 +139,55 @@
       if (idx >= 0) u.setLegend({ idx: idx }, false);
     }
 
-    function chartOptions(name, width, mode) {
+    /* Resume markers (step x axis only): a dashed line where each attempt resumed. */
+    function drawResumes(u, mode) {
+      if (mode !== "step") return;
+      const ctx = u.ctx;
+      const top = u.bbox.top;
+      const height = u.bbox.height;
+      ctx.save();
+      ctx.strokeStyle = "#7a4fb0";
+      ctx.fillStyle = "#7a4fb0";
+      ctx.lineWidth = Math.max(1, window.devicePixelRatio || 1);
+      ctx.setLineDash([5, 4]);
+      ctx.font = Math.round(11 * (window.devicePixelRatio || 1)) + "px sans-serif";
+      for (const r of state.history.resumes) {
+        const x = u.valToPos(r.step, "x", true);
+        if (!Number.isFinite(x) || x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+        ctx.beginPath();
+        ctx.moveTo(x, top);
+        ctx.lineTo(x, top + height);
+        ctx.stroke();
+        ctx.fillText("attempt " + r.attempt, x + 4, top + 12 * (window.devicePixelRatio || 1));
+      }
+      ctx.restore();
+    }
+
+    /* ``extras``: series drawn under the curve (superseded attempts, rank-0-only points). */
+    function chartOptions(name, width, mode, extras) {
       const color = name === "loss" ? "#1f4e8c" : "#b15d00";
       const fmtY = (u, v) => (v === null || v === undefined ? "--" : d.fmtValue(v));
       const series = [{ label: X_LABELS[mode], value: (u, v) => fmtX(mode, v) }];
+      for (const extra of extras || []) {
+        if (extra.kind === "superseded") {
+          series.push({
+            label: "attempt " + extra.attempt + " (superseded)",
+            stroke: "#9aa3b2",
+            width: 1.5,
+            dash: [6, 4],
+            spanGaps: true,
+            value: fmtY,
+          });
+        } else {
+          series.push({
+            label: name + " (rank 0 only)",
+            stroke: "#c0392b",
+            paths: () => null,
+            points: { show: true, size: 7, width: 1.5, stroke: "#c0392b", fill: "#ffffff" },
+            value: fmtY,
+          });
+        }
+      }
       if (state.smoothing > 0) {
         series.push(
           { label: name + " (raw)", stroke: color + "40", width: 1, spanGaps: false, value: fmtY },
@@ -147,7 +206,11 @@
         scales: { x: { time: false }, y: state.logScale ? { distr: 3 } : { auto: true } },
         axes: [xAxis, { size: 60 }],
         series: series,
-        hooks: { ready: [showLatest], setLegend: [showLatest] },
+        hooks: {
+          ready: [showLatest],
+          setLegend: [showLatest],
+          draw: [(u) => drawResumes(u, mode)],
+        },
       };
     }
 
@@ -170,6 +233,8 @@
         epochs: [],
         times: [],
         raw: [],
+        aggs: [],
+        old: [],
         after: 0,
         loaded: false,
         node: node,
@@ -188,22 +253,55 @@
       s.latest.textContent = s.raw.length
         ? "latest " + d.fmtValue(s.raw[s.raw.length - 1]) + " at step " + s.steps[s.steps.length - 1]
         : "";
+      s.node.dataset.resumeSteps = state.history.resumes.map((r) => r.step).join(",");
+      s.node.dataset.supersededPoints = String(s.old.length);
+      s.node.dataset.rank0Points = String(s.aggs.filter((a) => a === "rank0").length);
       if (!s.steps.length || typeof window.uPlot !== "function") return;
-      const x = xValues(s);
-      const values = s.raw.map(plotValue);
-      const data = [x.x, values];
+      let x = xValues(s);
+      let values = s.raw.map(plotValue);
+      let aggs = s.aggs;
+      const extras = [];
+      const under = [];
+      if (x.mode === "step" && s.old.length) {
+        // One x for every series: the current steps and the superseded ones, merged.
+        const xs = [...new Set([...s.steps, ...s.old.map((p) => p.step)])].sort((a, b) => a - b);
+        const at = new Map(xs.map((step, i) => [step, i]));
+        const current = xs.map(() => null);
+        const currentAgg = xs.map(() => null);
+        s.steps.forEach((step, i) => {
+          current[at.get(step)] = values[i];
+          currentAgg[at.get(step)] = s.aggs[i];
+        });
+        const attempts = [...new Set(s.old.map((p) => p.attempt))].sort((a, b) => a - b);
+        for (const attempt of attempts) {
+          const ys = xs.map(() => null);
+          for (const p of s.old) if (p.attempt === attempt) ys[at.get(p.step)] = plotValue(p.value);
+          extras.push({ kind: "superseded", attempt: attempt });
+          under.push(ys);
+        }
+        x = { mode: "step", x: xs };
+        values = current;
+        aggs = currentAgg;
+      }
+      if (aggs.some((a) => a === "rank0")) {
+        extras.push({ kind: "rank0" });
+        under.push(values.map((v, i) => (aggs[i] === "rank0" ? v : null)));
+      }
+      const data = [x.x, ...under, values];
       if (state.smoothing > 0) data.push(ema(values, state.smoothing));
       s.node.dataset.x = x.mode;
       s.node.dataset.smoothing = String(state.smoothing);
-      // A series whose x fell back to step (or back from it) needs its axis rebuilt.
-      if (s.chart && s.chartMode !== x.mode) {
+      // A series whose x fell back to step (or back from it), or whose extra series changed,
+      // needs its chart rebuilt.
+      const shape = x.mode + "/" + extras.map((e) => e.kind + (e.attempt || "")).join(",");
+      if (s.chart && s.chartMode !== shape) {
         s.chart.destroy();
         s.chart = null;
       }
       const width = Math.max(200, s.plot.clientWidth || 300);
       if (!s.chart) {
-        s.chart = new window.uPlot(chartOptions(name, width, x.mode), data, s.plot);
-        s.chartMode = x.mode;
+        s.chart = new window.uPlot(chartOptions(name, width, x.mode, extras), data, s.plot);
+        s.chartMode = shape;
         if (resizer) resizer.observe(s.plot);
       } else {
         s.chart.setData(data);
@@ -231,7 +329,9 @@
         s.epochs = points.map((p) => p.epoch);
         s.times = points.map((p) => p.time);
         s.raw = points.map((p) => p.value);
+        s.aggs = points.map((p) => p.agg);
         s.after = points.length ? points[points.length - 1].step : Number(res.body.next_after_step) || 0;
+        s.old = await supersededPoints(name);
         s.loaded = true;
         changed = true;
       }
@@ -248,6 +348,7 @@
           s.epochs.push(p.epoch);
           s.times.push(p.time);
           s.raw.push(p.value);
+          s.aggs.push(p.agg);
           s.after = p.step;
         }
         if (points.length) changed = true;
@@ -255,6 +356,42 @@
       }
       if (changed || !s.chart) drawSeries(name, s);
       return changed;
+    }
+
+    /* Earlier attempts' points of the step ranges a resume superseded (from the ledger). */
+    async function supersededPoints(name) {
+      const old = [];
+      for (const range of state.history.lost) {
+        let after = range.from - 1;
+        for (let page = 0; page < 5 && after < range.to; page += 1) {
+          const q = new URLSearchParams({
+            name: name,
+            include_superseded: "true",
+            after_step: String(after),
+            limit: String(PAGE_LIMIT),
+          });
+          const res = await d.api(base + "/metrics?" + q.toString());
+          const points = res.body.points || [];
+          for (const p of points) {
+            if (p.superseded && p.attempt === range.attempt && p.step <= range.to) old.push(p);
+          }
+          const next = Number(res.body.next_after_step) || after;
+          if (!points.length || next <= after) break;
+          after = next;
+        }
+      }
+      return old;
+    }
+
+    /* ``history``: {resumes: [{attempt, step}], lost: [{attempt, from, to}]} from the goodput
+     * ledger. A change (a new resume) reloads every series: a resumed attempt's points
+     * replace earlier ones at steps the page already holds. */
+    function setHistory(history) {
+      const key = JSON.stringify(history);
+      if (key === state.historyKey) return;
+      state.historyKey = key;
+      state.history = { resumes: history.resumes || [], lost: history.lost || [] };
+      for (const s of state.series.values()) s.loaded = false;
     }
 
     async function refresh(fetchNames) {
@@ -299,7 +436,13 @@
       resetCharts();
     }
 
-    return { refresh: refresh, setLogScale: setLogScale, setXAxis: setXAxis, setSmoothing: setSmoothing };
+    return {
+      refresh: refresh,
+      setHistory: setHistory,
+      setLogScale: setLogScale,
+      setXAxis: setXAxis,
+      setSmoothing: setSmoothing,
+    };
   }
 
   window.ddpqCharts = { metricCharts: metricCharts };

@@ -14,6 +14,8 @@
     etag: null,
     eventsKey: null,
     checkpointsKey: null,
+    goodputKey: null,
+    goodputWaiting: false,
     log: { rank: 0, attempt: null, offset: 0, eof: false, userPickedAttempt: false },
     drained: false,
   };
@@ -27,6 +29,35 @@
   function worldSize(spec) {
     const r = (spec && spec.resources) || {};
     return (Number(r.nnodes) || 1) * (Number(r.nproc_per_node) || 1);
+  }
+
+  /* Why a job waits (the API's `queue`): the one-line reason, its place and the jobs
+   * ahead, each worker's verdict; or Slurm's pending reason in plain words. */
+  function renderQueue(job) {
+    const node = $("queue-reason");
+    const q = job.queue;
+    node.hidden = !(job.queue_reason && (job.state === "queued" || q));
+    if (node.hidden) return;
+    const lines = ["Waiting: " + job.queue_reason];
+    if (q && !q.scheduler && q.position !== null) {
+      const ahead = q.ahead.map(
+        (a) =>
+          "job " + a.id + (a.name !== null ? " “" + a.name + "”" : "") +
+          " (priority " + a.priority + ")",
+      );
+      if (q.ahead_count > ahead.length) ahead.push(q.ahead_count - ahead.length + " more");
+      const behind = ahead.length ? "; ahead: " + ahead.join(", ") : "";
+      lines.push("Position " + q.position + " in the queue" + behind);
+    }
+    for (const w of (q && q.workers) || []) {
+      const verdict = w.can_now
+        ? "can run it now"
+        : (w.can_ever ? "not now: " : "never: ") + w.why_not.join("; ");
+      const notes = w.notes.map((n) => " — " + n).join("");
+      lines.push("Worker " + w.id + " (" + w.launcher + "): " + verdict + notes);
+    }
+    node.style.whiteSpace = "pre-line";
+    d.setText(node, lines.join("\n"));
   }
 
   function renderJob(job) {
@@ -73,9 +104,7 @@
     bar.classList.toggle("failed", job.state === "failed");
     d.setText("progress-text", [p.text, p.eta].filter(Boolean).join(" · ") || "No progress reported yet.");
 
-    const reason = $("queue-reason");
-    reason.hidden = !(job.state === "queued" && job.queue_reason);
-    if (!reason.hidden) d.setText(reason, "Waiting: " + job.queue_reason);
+    renderQueue(job);
 
     const errorPanel = $("error-panel");
     errorPanel.hidden = !job.error;
@@ -202,6 +231,30 @@
 
   const charts = window.ddpqCharts.metricCharts(base, $("charts"), $("charts-empty"));
 
+  /* ---------- where the time went (GET /jobs/{id}/goodput; goodput.js draws it) ---------- */
+
+  async function refreshGoodput(job) {
+    // Fetched when the attempt or state changes, while the newest attempt has not told its
+    // resume step yet, and every 10th tick while the job lives (the bar grows).
+    const key = job.state + "/" + job.attempt;
+    const waiting = view.goodputWaiting && isLive(job);
+    if (key === view.goodputKey && !waiting && !(isLive(job) && ticks % 10 === 0)) return;
+    let res;
+    try {
+      res = await d.api(base + "/goodput");
+    } catch (err) {
+      view.goodputKey = key; // the ledger is extra: the rest of the page goes on without it
+      $("goodput-panel").hidden = true;
+      return;
+    }
+    view.goodputKey = key;
+    const ledger = res.body;
+    const newest = (ledger.attempts || [])[ledger.attempts.length - 1];
+    view.goodputWaiting = Boolean(newest && newest.attempt > 1 && newest.claimed_at && newest.resume_step === null);
+    window.ddpqGoodput.render(ledger);
+    charts.setHistory(window.ddpqGoodput.historyOf(ledger));
+  }
+
   /* ---------- logs ---------- */
 
   function syncLogPickers(job) {
@@ -308,6 +361,7 @@
     }
     renderJob(job);
     await refreshEvents(job);
+    await refreshGoodput(job);
     const metricsChanged = await charts.refresh(changed || ticks % 3 === 1);
     await refreshLog(job);
     await refreshCheckpoints(job);

@@ -257,6 +257,60 @@
     $("spec-text").closest(".field").classList.add("invalid");
   }
 
+  /* ---------- preview: what would run (POST /jobs?dry_run=true, nothing stored) ---------- */
+  function showPreview(answer) {
+    const warnings = $("preview-warnings");
+    d.clear(warnings);
+    for (const w of answer.warnings) warnings.append(d.el("li", null, "Warning: " + w));
+    warnings.hidden = !answer.warnings.length;
+    const q = answer.queue;
+    const lines = ["Queue: " + q.summary];
+    for (const w of q.workers) {
+      const verdict = w.can_now ? "can run it now" : (w.can_ever ? "not now: " : "never: ") + w.why_not.join("; ");
+      lines.push("Worker " + w.id + " (" + w.launcher + "): " + verdict + w.notes.map((n) => " — " + n).join(""));
+    }
+    d.setText("preview-queue", lines.join("\n"));
+    const plans = $("preview-plans");
+    d.clear(plans);
+    for (const plan of answer.plans) {
+      plans.append(d.el("h3", null, "Launch plan (" + plan.launcher + ")"));
+      plans.append(plan.error ? d.el("p", { class: "field-error" }, plan.error) : d.el("pre", { class: "plan" }, plan.text));
+    }
+    $("preview").hidden = false;
+  }
+
+  async function preview(spec) {
+    const res = await d.api("jobs?dry_run=true", { method: "POST", json: spec });
+    showPreview(res.body);
+  }
+
+  $("preview-form").addEventListener("click", () => {
+    guarded($("preview-form"), async () => {
+      clearErrors(form);
+      try {
+        await preview(specFromForm());
+      } catch (err) {
+        $("preview").hidden = true;
+        if (err.status === 422 || err.status === 400) showFormErrors(err.detail);
+        else d.showBanner("Preview failed: " + err.message, "error");
+      }
+    });
+  });
+
+  $("preview-paste").addEventListener("click", () => {
+    guarded($("preview-paste"), async () => {
+      clearErrors(pasteForm);
+      try {
+        const parsed = await d.api("/submit/parse-spec", { method: "POST", json: { text: $("spec-text").value } });
+        await preview(parsed.body.spec);
+      } catch (err) {
+        $("preview").hidden = true;
+        if (err.status === 422 || err.status === 400) showPasteErrors(err.detail);
+        else d.showBanner("Preview failed: " + err.message, "error");
+      }
+    });
+  });
+
   /* ---------- submitting ---------- */
   async function post(spec, key) {
     const res = await d.api("jobs", { method: "POST", json: spec, headers: { "Idempotency-Key": key } });
