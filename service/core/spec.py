@@ -293,7 +293,7 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
                 ("task",),
                 f"entrypoint {task!r} is not on this deployment's allow-list "
                 f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); the operator allows it with e.g. "
-                f"""DDPQ_ALLOWED_ENTRYPOINTS='["{task.partition(':')[0]}:*"]' on the API and """
+                f"""DDPQ_ALLOWED_ENTRYPOINTS='["{task.partition(":")[0]}:*"]' on the API and """
                 f"workers; built-in tasks: {', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
             )
         )
