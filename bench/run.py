@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import Any
 
 # In the order of the task's priorities: #1, #4, #6, #3, #2, #5, then #7.
-BENCHMARKS = ("reporting", "claims", "ingest", "launch", "checkpoint", "api", "scale")
+BENCHMARKS = (
+    "reporting",
+    "claims",
+    "ingest",
+    "launch",
+    "checkpoint",
+    "api",
+    "scale",
+    "sweeps",
+    "sweep_page",
+)
 DEFAULT_MLFLOW_SITE = "/tmp/mlflow-site"
 
 

@@ -15,7 +15,19 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
-from service.api import attempts, checkpoints, docs, goodput, health, jobs, logs, metrics, workers
+from service.api import (
+    attempts,
+    checkpoints,
+    docs,
+    goodput,
+    health,
+    jobs,
+    logs,
+    metrics,
+    sweep_metrics,
+    sweeps,
+    workers,
+)
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimit
 from service.api.schemas import job_spec_openapi_schemas
@@ -95,7 +107,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    for module in (jobs, metrics, checkpoints, logs, workers, attempts, goodput):
+    for module in (
+        jobs,
+        metrics,
+        checkpoints,
+        logs,
+        workers,
+        attempts,
+        goodput,
+        sweeps,
+        sweep_metrics,
+    ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them
     app.include_router(health.router, prefix=API_PREFIX)

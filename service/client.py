@@ -176,6 +176,57 @@ class DdpqClient:
         )
         return result
 
+    # ---- sweeps ---------------------------------------------------------------------
+
+    def submit_sweep(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Submit a sweep (SweepSpec); returns the Sweep.
+
+        Raises:
+            ApiError: 422 naming the bad field, or ``[body, trials, i, dotted.field]`` of
+                a bad trial (nothing is stored then).
+        """
+        body = json.dumps(spec, ensure_ascii=True, allow_nan=True)
+        headers = {"Content-Type": "application/json"}
+        result: dict[str, Any] = self._json("POST", "/sweeps", content=body, headers=headers)
+        return result
+
+    def get_sweep(self, sweep_id: int) -> dict[str, Any]:
+        """The Sweep ``sweep_id`` (state, counts by outcome, best trial)."""
+        result: dict[str, Any] = self._json("GET", f"/sweeps/{int(sweep_id)}")
+        return result
+
+    def list_sweeps(self, *, limit: int = 50, cursor: int | None = None) -> dict[str, Any]:
+        """One page ``{"sweeps": [...], "next_cursor": int | None}``, newest first."""
+        params: dict[str, Any] = {"limit": limit}
+        if cursor:
+            params["cursor"] = cursor
+        result: dict[str, Any] = self._json("GET", "/sweeps", params=params)
+        return result
+
+    def sweep_trials(self, sweep_id: int) -> list[dict[str, Any]]:
+        """The sweep's trials in position order (one row per trial key, newest job)."""
+        result: list[dict[str, Any]] = self._json("GET", f"/sweeps/{int(sweep_id)}/trials")[
+            "trials"
+        ]
+        return result
+
+    def cancel_sweep(self, sweep_id: int) -> dict[str, Any]:
+        """Cancel the sweep's unfinished trials; returns the Sweep (409 if it had ended)."""
+        result: dict[str, Any] = self._json("POST", f"/sweeps/{int(sweep_id)}/cancel")
+        return result
+
+    def retry_failed(self, sweep_id: int) -> dict[str, Any]:
+        """Re-queue the failed trials (a new job each); the Sweep, ``added`` = how many."""
+        result: dict[str, Any] = self._json("POST", f"/sweeps/{int(sweep_id)}/retry-failed")
+        return result
+
+    def extend_sweep(self, sweep_id: int, extension: dict[str, Any]) -> dict[str, Any]:
+        """Add grid values / samples / seeds; the Sweep, ``added`` = new trials."""
+        result: dict[str, Any] = self._json(
+            "POST", f"/sweeps/{int(sweep_id)}/extend", json=extension
+        )
+        return result
+
     def get_job(self, job_id: int) -> dict[str, Any]:
         """The Job ``job_id``."""
         result: dict[str, Any] = self._json("GET", f"/jobs/{int(job_id)}")

@@ -11,7 +11,8 @@ A detached launcher (Slurm) runs jobs that outlive the worker: the loop records 
 handle as the job's ``scheduler_job_id``, and on a clean shutdown leaves its jobs running for
 the next worker to adopt instead of cancelling them. A launcher that ``adopts`` takes over
 such jobs from lost or stopped workers on every tick (``service.store.leases``) and follows
-them by their ``scheduler_job_id``.
+them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
+gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import time
 from typing import Any
 
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError, DdpqError, NotFoundError, StaleStateError
+from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
 from service.core.launchers import launcher_traits
-from service.core.spec import JobSpec
 from service.store.db import Database
-from worker.attempt_notes import PendingReasons, oversubscription_note, usable_cpus
+from worker.attempt_notes import PendingReasons, usable_cpus
 from worker.decisions import (
     Decision,
     GpuPool,
@@ -36,7 +36,8 @@ from worker.decisions import (
     decide_on_status,
     reconcile,
 )
-from worker.launchers.base import BatchPoller, Launcher, RunStatus, with_attempt_token
+from worker.launchers.base import ArrayStarter, BatchPoller, Launcher, RunStatus
+from worker.launches import Launches
 from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class WorkerLoop:
         self.detached = traits.detached
         self.adopts = traits.adopts
         self.runs: dict[int, HeldRun] = {}
+        self.launches = Launches(
+            launcher, lambda: self.records, self.pool, self.host_gpus, self.detached, self.cpus
+        )
         self.registered = False
         self.stopping = False
         self._next_reap = 0.0
@@ -336,52 +340,34 @@ class WorkerLoop:
             self._apply(run, decision)
 
     def _claim_and_launch(self) -> None:
+        """Claim and start jobs while slots are free: a launcher that starts arrays takes a
+        sweep's trials in batches (one claim, one array per batch), others one job a time."""
         while len(self.runs) < self.slots:
-            claimed = self.records.claim(self._max_gpus)
-            if claimed is None:
+            if isinstance(self.launcher, ArrayStarter):
+                batch = self.records.claim_batch(self._max_gpus, self.slots - len(self.runs))
+                claimed = batch.claimed if batch is not None else []
+            else:
+                one = self.records.claim(self._max_gpus)
+                batch, claimed = None, [one] if one is not None else []
+            if not claimed:
                 return
-            self._launch(*claimed)
+            for run, _ in claimed:
+                self._hold(run)
+            if batch is not None and batch.sweep_id is not None:
+                self.launches.start_arrays(claimed, parallelism=batch.max_concurrent)
+            else:
+                self.launches.start_one(*claimed[0])
+            for run, _ in claimed:
+                if self.runs.get(run.job_id) is run:
+                    self._watch(run)
 
-    def _launch(self, run: HeldRun, spec_data: dict[str, Any]) -> None:
+    def _hold(self, run: HeldRun) -> None:
+        """Take a claimed run into ``runs`` (stopping a stale copy of the job, if any)."""
         stale = self.runs.get(run.job_id)
         if stale is not None and stale.handle is not None:
             self.launcher.cancel(stale.handle)
         self.runs[run.job_id] = run
         _jlog(logging.INFO, run, "claimed")
-        try:
-            spec = JobSpec.model_validate(spec_data)
-            if self.host_gpus:
-                gpus = self.pool.take(spec.resources.gpus_per_node)
-                if gpus is None:
-                    raise RuntimeError(f"{spec.resources.gpus_per_node} GPU(s) not free")
-                run.gpus = gpus
-            plan = self.launcher.plan(spec, run.job_id, run.attempt)
-            note = oversubscription_note(spec, self.cpus) if self.host_gpus else None
-            if note is not None:
-                _jlog(logging.WARNING, run, "%s", note)
-                self.records.note(run, note)
-            if run.gpus:
-                plan = self.launcher.bind_gpus(plan, run.gpus)
-            # The ranks' only credential: this attempt's token, minted once the plan stands.
-            plan = with_attempt_token(plan, self.records.mint_token(run))
-            _jlog(logging.INFO, run, "launch plan:\n%s", plan.render())
-            handle = self.launcher.start(plan)
-            if self.detached:
-                self._record_scheduler_job_id(run, handle)
-            run.handle = handle
-        except Exception as exc:  # any launch problem fails this job, not the worker
-            _jlog(logging.ERROR, run, "launch failed: %s", exc)
-            run.launch_error = f"launch failed: {type(exc).__name__}: {exc}"
-        self._watch(run)
-
-    def _record_scheduler_job_id(self, run: HeldRun, handle: str) -> None:
-        """Store a detached launcher's handle on the job, so that any worker can adopt and
-        follow it; a failure is logged, not fatal (the job runs on, this worker follows it)."""
-        try:
-            self.records.record_handle(run, handle)
-        except DdpqError as exc:
-            _jlog(logging.WARNING, run, "could not record %s job %s: %s",
-                  self.launcher.name, handle, exc)  # fmt: skip
 
     def _apply(self, run: HeldRun | None, decision: Decision) -> bool:
         """Apply ``decision``; False when the job had moved on (logged, not fatal)."""

@@ -13,10 +13,32 @@ from typing import Any
 
 from service.core.errors import NotFoundError, StaleAttemptError
 from service.core.states import JobState
-from service.store import attempt_tokens, claims, job_notes, jobs, leases, workers
+from service.store import attempt_tokens, batch_claims, claims, job_notes, jobs, leases, workers
 from service.store.db import Database
+from service.store.models import Job
 from service.store.workers import HeldJob
 from worker.decisions import Decision, HeldRun
+
+
+@dataclass(frozen=True)
+class ClaimedRuns:
+    """A batch claim as the loop sees it: each job's run and stored spec (best first), the
+    sweep they belong to (None: one plain job) and its ``max_concurrent``."""
+
+    claimed: list[tuple[HeldRun, dict[str, Any]]]
+    sweep_id: int | None
+    max_concurrent: int | None
+
+
+def _claimed_run(job: Job) -> tuple[HeldRun, dict[str, Any]]:
+    run = HeldRun(
+        job_id=job.id,
+        attempt=job.attempt,
+        state=JobState.STARTING,
+        restarts=job.restarts,
+        max_restarts=int(job.spec.get("max_restarts", 0)),
+    )
+    return run, job.spec
 
 
 @dataclass(frozen=True)
@@ -76,16 +98,24 @@ class WorkerRecords:
                 max_gpus_per_node=max_gpus_per_node,
                 lease_s=self.lease_s,
             )
-            if job is None:
-                return None
-            run = HeldRun(
-                job_id=job.id,
-                attempt=job.attempt,
-                state=JobState.STARTING,
-                restarts=job.restarts,
-                max_restarts=int(job.spec.get("max_restarts", 0)),
+            return None if job is None else _claimed_run(job)
+
+    def claim_batch(self, max_gpus_per_node: int, limit: int) -> ClaimedRuns | None:
+        """Claim up to ``limit`` queued trials of one sweep (within its ``max_concurrent``),
+        or one plain job (``service.store.batch_claims``); None when nothing is claimable."""
+        with self.db.session() as s:
+            batch = batch_claims.claim_trial_batch(
+                s,
+                worker_id=self.worker_id,
+                launcher=self.launcher,
+                max_gpus_per_node=max_gpus_per_node,
+                lease_s=self.lease_s,
+                limit=limit,
             )
-            return run, job.spec
+            if batch is None:
+                return None
+            runs = [_claimed_run(job) for job in batch.jobs]
+            return ClaimedRuns(runs, batch.sweep_id, batch.max_concurrent)
 
     def mint_token(self, run: HeldRun) -> str:
         """A new attempt token for ``run``'s attempt (stored hashed), for its ranks: valid for
@@ -101,6 +131,12 @@ class WorkerRecords:
         """Store a detached launcher's handle as the job's ``scheduler_job_id``."""
         with self.db.session() as s:
             jobs.set_scheduler_job_id(s, run.job_id, run.attempt, handle)
+
+    def record_handles(self, handles: list[tuple[HeldRun, str]]) -> None:
+        """``record_handle`` for many runs (an array's elements) in one transaction."""
+        with self.db.session() as s:
+            for run, handle in handles:
+                jobs.set_scheduler_job_id(s, run.job_id, run.attempt, handle)
 
     def apply(self, decision: Decision) -> JobState:
         """Apply ``decision`` (one compare-and-set with its event); the state it produced (a

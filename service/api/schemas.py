@@ -83,6 +83,10 @@ class JobOut(_Out):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    sweep_id: int | None = Field(default=None, description="The sweep this job is a trial of.")
+    trial_key: str | None = Field(
+        default=None, description="Its trial's key (sha256 of the trial's overrides)."
+    )
     queue_reason: str | None = Field(
         default=None,
         description="Why a queued job waits, or why Slurm holds a submitted one (GET "
@@ -327,6 +331,8 @@ def job_out(
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
+        sweep_id=job.sweep_id,
+        trial_key=job.trial_key,
         queue_reason=queue.summary if queue is not None else queue_reason,
         queue=queue_out(queue) if queue is not None else None,
     )

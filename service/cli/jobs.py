@@ -37,6 +37,7 @@ from service.cli.output import (
 from service.cli.queue_output import format_dry_run
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
+from service.core.overrides import OverridePathError, apply_overrides, parse_assignment
 from service.core.spec_text import SpecTextError, parse_spec_text
 
 TABLE_POINTS = 100  # points `ddpq metrics` shows in its table unless --limit says otherwise
@@ -56,6 +57,21 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         return parse_spec_text(text, json_only=path.suffix.lower() == ".json")
     except SpecTextError as exc:
         fail(f"spec file {path}: {exc}")
+
+
+def with_overrides(spec: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """``spec`` with each ``PATH=VALUE`` of ``--set`` applied (``service.core.overrides``);
+    exits 2 with the fix for a malformed one. Whether the field exists is the API's call
+    (its 422 names the closest valid field)."""
+    try:
+        overrides = dict(parse_assignment(a) for a in assignments)
+        return apply_overrides(spec, overrides)
+    except OverridePathError as exc:
+        fail(
+            f"--set {exc.detail}",
+            "write --set PATH=VALUE with PATH the field's dotted path in the spec, e.g. "
+            "--set training.lr=0.01 or --set config.hidden=64",
+        )
 
 
 def checkpoint_file(settings: Settings, checkpoint: dict[str, Any] | None) -> str | None:
@@ -99,6 +115,16 @@ def submit(
         str | None, typer.Option(help="Retry-safe key: resubmitting returns the same job.")
     ] = None,
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+    set_values: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="PATH=VALUE",
+            help="Override one field by its dotted path, e.g. --set training.lr=0.01 "
+            "--set config.hidden=64 (VALUE read as YAML: numbers, true/false, text). "
+            "Repeatable.",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -114,8 +140,9 @@ def submit(
     as_json: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
     """Submit a job; with --wait, show its progress and exit 0 if it succeeds, 1 if not.
-    --dry-run: store nothing, print the plan (--json: the API's answer)."""
-    spec = load_spec_file(spec_file)
+    --set overrides fields by dotted path; --dry-run: store nothing, print the plan (--json:
+    the API's answer)."""
+    spec = with_overrides(load_spec_file(spec_file), set_values or [])
     if name is not None:
         spec["name"] = name
     if as_job is not None and not dry_run:

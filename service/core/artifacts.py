@@ -5,7 +5,10 @@ Layout::
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
-    <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only)
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only;
+                                       a link to the array's folder for an array element)
+    <artifact_dir>/slurm-arrays/<job_id>-<attempt>/  (a Slurm job array's submitit folder,
+                                       named after its element 0; manifest elements.json)
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
 """
 
@@ -106,6 +109,13 @@ def slurm_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     """submitit's folder for one Slurm attempt (sbatch script, pickles, per-task stdout/stderr):
     ``…/attempt-<n>/slurm``. It must be on a file system every Slurm node shares."""
     return attempt_dir(artifact_dir, job_id, attempt) / "slurm"
+
+
+def slurm_array_dir(artifact_dir: Path, first_job_id: int, first_attempt: int) -> Path:
+    """submitit's folder for one Slurm job array, shared by its elements (one sbatch script,
+    a pickle and stdout/stderr per element, the ``elements.json`` manifest):
+    ``<artifact_dir>/slurm-arrays/<job_id>-<attempt>`` after element 0's attempt."""
+    return artifact_dir / "slurm-arrays" / f"{int(first_job_id)}-{int(first_attempt)}"
 
 
 def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:

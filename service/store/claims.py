@@ -9,11 +9,16 @@ import functools
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import String, bindparam, exists, insert, select, update
+from sqlalchemy import String, bindparam, delete, exists, func, insert, or_, select, text, update
 from sqlalchemy.orm import Session, aliased
 
 from service.core.states import JobState
-from service.store.models import Job, JobEvent, UTCDateTime, utcnow
+from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
+
+# The states that hold one of a sweep's max_concurrent places.
+HOLDING_STATES = (JobState.STARTING.value, JobState.RUNNING.value)
+# Advisory-lock class of the per-sweep claim lock (PostgreSQL; any constant of our own).
+SWEEP_CLAIM_LOCK_CLASS = 0x5357
 
 
 def has_claimable_job(session: Session, *, launcher: str, max_gpus_per_node: int) -> bool:
@@ -24,13 +29,33 @@ def has_claimable_job(session: Session, *, launcher: str, max_gpus_per_node: int
 
 
 def _claimable(launcher: Any, max_gpus: Any) -> tuple[Any, ...]:
-    """The WHERE clause of a claimable job (one fact, used by the claim and the poll)."""
+    """The WHERE clause of a claimable job (one fact, used by the claim and the poll).
+
+    A sweep's trial is claimable only while its sweep has fewer than ``max_concurrent``
+    trials starting or running (``_FULL_SWEEPS``).
+    """
     return (
         Job.state == JobState.QUEUED.value,
         Job.cancel_requested.is_(False),
         Job.launcher == launcher,
         Job.gpus_per_node <= max_gpus,
+        or_(Job.sweep_id.is_(None), Job.sweep_id.not_in(_FULL_SWEEPS)),
     )
+
+
+# Ids of the running sweeps whose ``max_concurrent`` places are all taken. Not correlated
+# with the candidate job: the database computes it once per statement (one
+# ``ix_jobs_sweep_id_state`` probe per running sweep with a limit), however many queued trials
+# the claim passes over (a per-candidate count made each claim behind 1,000 queued trials of
+# a full sweep take 6–9 ms). Written as SQL text because SQLAlchemy walks a statement's whole
+# tree for its cache key on every execution: built from constructs, this subquery cost ~50 µs
+# of Python per claim of every job, a text clause ~nothing. The states are HOLDING_STATES.
+_FULL_SWEEPS = text(
+    "SELECT s.id FROM sweeps AS s WHERE s.state = 'running' AND s.max_concurrent IS NOT NULL "
+    "AND s.max_concurrent <= (SELECT count(*) FROM jobs AS holder WHERE holder.sweep_id = s.id "
+    "AND (holder.state = 'starting' OR holder.state = 'running'))"
+).columns(Sweep.id)
+assert HOLDING_STATES == ("starting", "running"), "update _FULL_SWEEPS with HOLDING_STATES"
 
 
 def claim_next_job(
@@ -69,7 +94,10 @@ def claim_next_job(
     load = {"populate_existing": True}
     if session.get_bind().dialect.name == "postgresql":
         stmt = _claim_statements()[1]
-        return session.scalars(stmt, params, execution_options=load).one_or_none()
+        claimed = session.scalars(stmt, params, execution_options=load).one_or_none()
+        if claimed is not None and claimed.sweep_id is not None:
+            return _within_sweep_limit(session, claimed)
+        return claimed
     job = session.scalars(
         _claim_statements()[0],
         params,
@@ -80,6 +108,66 @@ def claim_next_job(
             _CLAIM_EVENT, {"claim_job_id": job.id, "claim_attempt": job.attempt, **params}
         )
     return job
+
+
+def lock_sweep_claims(session: Session, sweep_id: int) -> None:
+    """Serialise the claims of one sweep until this transaction ends: PostgreSQL's
+    transaction-scoped advisory lock ``(SWEEP_CLAIM_LOCK_CLASS, sweep_id % 2**31)``; nothing
+    on SQLite, whose ``BEGIN IMMEDIATE`` serialises every writer already. Take it before
+    counting ``holding_count`` in a statement of its own, so the count sees every claim of the
+    sweep committed before."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    session.execute(
+        text("SELECT pg_advisory_xact_lock(:lock_class, CAST(:lock_key AS integer))"),
+        {"lock_class": SWEEP_CLAIM_LOCK_CLASS, "lock_key": sweep_id % 2**31},
+    )
+
+
+def holding_count(session: Session, sweep_id: int) -> int:
+    """How many of the sweep's trials are starting or running (holding a place)."""
+    return (
+        session.scalar(
+            select(func.count()).where(Job.sweep_id == sweep_id, Job.state.in_(HOLDING_STATES))
+        )
+        or 0
+    )
+
+
+def _within_sweep_limit(session: Session, job: Job) -> Job | None:
+    """PostgreSQL only: ``job`` if its sweep still has room counting every committed claim,
+    else the claim undone (None).
+
+    The claim's own count reads its statement's snapshot, so two claimers racing for two
+    trials of one sweep could each see the last free place. Claims of one sweep are
+    serialised here by a transaction-scoped advisory lock: whoever takes it after another
+    claim of the sweep committed sees that claim in a fresh count. The undo is inside the
+    same uncommitted transaction (the job row is still locked by it), so nobody ever saw
+    the job ``starting``; no state changed as far as any other reader can tell.
+    """
+    assert job.sweep_id is not None
+    lock_sweep_claims(session, job.sweep_id)
+    limit = session.scalar(select(Sweep.max_concurrent).where(Sweep.id == job.sweep_id))
+    holding = holding_count(session, job.sweep_id)
+    if limit is None or holding <= limit:
+        return job
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state == JobState.STARTING.value)
+        .values(state=JobState.QUEUED.value, worker_id=None, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    session.execute(
+        delete(JobEvent).where(
+            JobEvent.job_id == job.id,
+            JobEvent.attempt == job.attempt,
+            JobEvent.reason == "claimed",
+            JobEvent.id == select(func.max(JobEvent.id)).where(JobEvent.job_id == job.id)
+            .scalar_subquery(),
+        )
+    )  # fmt: skip
+    session.expire(job)
+    return None
 
 
 _CLAIM_EVENT_VALUES = {

@@ -41,6 +41,8 @@ _JOB_VIEW = select(
     Job.created_at,
     Job.started_at,
     Job.finished_at,
+    Job.sweep_id,
+    Job.trial_key,
 ).where(Job.id == bindparam("job_id"))
 
 

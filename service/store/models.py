@@ -1,5 +1,5 @@
 """SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded),
-job_attempts, checkpoints, api_tokens, attempt_tokens.
+job_attempts, checkpoints, api_tokens, attempt_tokens, sweeps, sweep_trials.
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -104,6 +104,11 @@ class Job(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The sweep and trial this job runs (None for a plain job). No foreign key: adding one
+    # would make SQLite rebuild the whole jobs table in the migration; sweeps are never
+    # deleted, and sweep_trials.job_id points back with a real key.
+    sweep_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    trial_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),
@@ -118,6 +123,9 @@ class Job(Base):
 # The claim: queued jobs of a launcher, best priority first, then oldest. priority is DESC in
 # the index so ORDER BY priority DESC, id is an index scan, not a sort of the whole queue.
 Index("ix_jobs_claim", Job.state, Job.launcher, Job.priority.desc(), Job.id)
+# A sweep's trials by state: the claim's "fewer than max_concurrent starting or running"
+# count is a probe of this index, and so are the sweep's counts by state.
+Index("ix_jobs_sweep_id_state", Job.sweep_id, Job.state)
 
 
 class JobEvent(Base):
@@ -280,3 +288,55 @@ class AttemptToken(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (Index("ix_attempt_tokens_job_id", "job_id"),)
+
+
+class Sweep(Base):
+    """A sweep: its spec as submitted (``service.core.sweep_spec.SweepSpec``), its resolved
+    objective, and its state (running → succeeded | failed | cancelled)."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    owner: Mapped[str] = mapped_column(String(100))
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    objective: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Copied from spec for the claim's predicate (None: no limit).
+    max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_failed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    stop_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    __table_args__ = (
+        Index("ix_sweeps_owner_id", "owner", "id"),
+        Index("ix_sweeps_state", "state"),
+    )
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its key (sha256 of its canonical overrides, unique in the
+    sweep), overrides, newest job and how many jobs it has had (a retry is a new job), and
+    its outcome when that is not the job's state (``stopped_early``). ``rungs`` holds the
+    objective at each ASHA rung it reached: ``{"<rung>": value}``."""
+
+    __tablename__ = "sweep_trials"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    sweep_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("sweeps.id", ondelete="CASCADE"))
+    trial_key: Mapped[str] = mapped_column(String(64))
+    position: Mapped[int] = mapped_column(Integer)
+    overrides: Mapped[dict[str, Any]] = mapped_column(JSON)
+    job_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True
+    )
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    rungs: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+    __table_args__ = (
+        UniqueConstraint("sweep_id", "trial_key"),
+        Index("ix_sweep_trials_job_id", "job_id"),
+    )

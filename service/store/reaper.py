@@ -17,6 +17,7 @@ from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
 from service.store import jobs, leases
 from service.store.db import Database
+from service.store.sweep_progress import advance_sweeps, has_running_sweeps
 from service.store.worker_rows import prune_stopped_workers
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,20 @@ def reap_once(
     """Requeue (or cancel, if flagged) the jobs whose lease expired; the transitions made.
     Then delete the rows of workers stopped more than ``worker_retention_s`` seconds ago
     (``worker_rows.prune_stopped_workers``), in a transaction of its own so a failed prune
-    never undoes a requeue."""
+    never undoes a requeue. Last, running sweeps move on (``sweep_progress.advance_sweeps``:
+    max_failed, ASHA early stopping, end states), in a transaction of their own too."""
     with db.session() as session:
         reaped = leases.requeue_expired_jobs(session)
     with db.session() as session:
         pruned = prune_stopped_workers(session, retention_s=worker_retention_s)
     if pruned:
         log.info("reaper: deleted %d stopped worker row(s): %s", len(pruned), ", ".join(pruned))
+    with db.session(write=False) as session:
+        running = has_running_sweeps(session)
+    if running:  # a read first: no write lock on SQLite for a deployment without sweeps
+        with db.session() as session:
+            for line in advance_sweeps(session):
+                log.info("reaper: %s", line)
     return reaped
 
 

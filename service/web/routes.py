@@ -31,6 +31,7 @@ from service.core.spec_text import SpecTextError, display_text, parse_spec_text
 from service.core.states import JobState
 from service.core.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
 from service.store.jobs import get_job
+from service.store.sweeps import get_sweep
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -295,6 +296,46 @@ def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) ->
         page.status_code = 404
         return page
     return _page(request, "job.html", title=f"Job {job_id}", job_id=job_id)
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(request: Request) -> HTMLResponse:
+    """Jobs side by side (``?jobs=1,2,3``, picked on the job list): every metric's curves
+    overlaid and the spec fields that differ. The ids are read by the page's script; a job
+    the caller may not see is shown as not found."""
+    return _page(request, "compare.html", title="Compare jobs")
+
+
+@router.get("/sweeps", response_class=HTMLResponse)
+def sweeps_page(request: Request) -> HTMLResponse:
+    """The sweep list (newest first) with each sweep's counts by state and its best trial."""
+    return _page(request, "sweeps.html", title="Sweeps")
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_page(request: Request, sweep_id: int, db: DbDep, settings: SettingsDep) -> HTMLResponse:
+    """One sweep: its trials (sortable, the best highlighted, states live), the selected
+    metric's curves of all trials overlaid, and the objective against each axis. As for the
+    job page, a sweep that does not exist gets a small 404 page with auth off; with auth on
+    the page says nothing of the sweep: its script shows "not found" when the API answers
+    404."""
+    exists = 1 <= sweep_id <= MAX_INT64
+    if exists and not settings.auth_enabled:
+        try:
+            with db.session(write=False) as session:
+                get_sweep(session, sweep_id)
+        except NotFoundError:
+            exists = False
+    if not exists:
+        page = _page(
+            request,
+            "not_found.html",
+            title="Sweep not found",
+            message=f"Sweep {sweep_id} was not found.",
+        )
+        page.status_code = 404
+        return page
+    return _page(request, "sweep.html", title=f"Sweep {sweep_id}", sweep_id=sweep_id)
 
 
 @router.get("/submit", response_class=HTMLResponse)

@@ -180,8 +180,11 @@ def sacct_state(scheduler_job_id: str) -> str:
 
 
 @contextmanager
-def running_worker(settings: Settings, timeout_s: float = 30.0) -> Iterator[threading.Event]:
-    """``run_worker(settings, launcher="slurm")`` in a thread; stopped (and joined) on exit."""
+def running_worker(
+    settings: Settings, timeout_s: float = 30.0, *, slots: int = 1
+) -> Iterator[threading.Event]:
+    """``run_worker(settings, launcher="slurm", slots=slots)`` in a thread; stopped (and
+    joined) on exit."""
     from worker.main import run_worker
 
     stop = threading.Event()
@@ -189,7 +192,7 @@ def running_worker(settings: Settings, timeout_s: float = 30.0) -> Iterator[thre
 
     def _run() -> None:
         try:
-            run_worker(settings, launcher="slurm", stop=stop)
+            run_worker(settings, launcher="slurm", stop=stop, slots=slots)
         except BaseException as exc:  # surfaced in the test below
             errors.append(exc)
 

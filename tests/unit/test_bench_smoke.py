@@ -89,3 +89,13 @@ def test_scale_tiny(tmp_path: Path) -> None:
     assert res.goals["exactly_once"], fig
     assert fig["points_stored"] == fig["points_sent"] > 0, fig
     assert fig["missing"] == fig["duplicates"] == 0, fig
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_sweeps_tiny(tmp_path: Path) -> None:
+    from bench import sweeps
+
+    res = sweeps.run("tiny", workdir=tmp_path)
+    _measured(res, "sqlite_sweep_vs_single_posts", "postgresql_sweep_vs_goal")
+    assert res.goals["sqlite_all_trials_stored"] and res.goals["postgresql_all_trials_stored"]

@@ -160,6 +160,64 @@ class Launcher(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ArrayPlan(Generic[RequestT]):
+    """Several attempts started by one backend submission (a Slurm job array), as plain values.
+
+    ``elements`` are the attempts' own plans (``Launcher.plan``, each with its attempt token),
+    in element order: element ``i`` runs ``elements[i]``. ``script`` is the one submission
+    they share; at most ``parallelism`` elements run at once. ``request`` is the launcher's own
+    part (e.g. the array's sbatch parameters).
+    """
+
+    launcher: str
+    elements: tuple[LaunchPlan[Any], ...]
+    parallelism: int
+    script: str | None = None
+    request: RequestT | None = None
+
+    def render(self) -> str:
+        """The array as text: each element's environment (secrets masked) and files, then
+        the command line and the shared script."""
+        n = len(self.elements)
+        lines = [f"# ddpq array of {n} attempt(s) via {self.launcher}, "
+                 f"at most {self.parallelism} at once"]  # fmt: skip
+        for i, plan in enumerate(self.elements):
+            lines.append(f"# element {i}: job {plan.job_id} attempt {plan.attempt}")
+            lines += [f"#   {k}={masked(k, v)}" for k, v in sorted(plan.env.items())]
+            lines += [f"#   writes {plan.log_dir}/{name}" for name in sorted(plan.files)]
+        if self.elements:
+            first = self.elements[0]
+            lines += [f"cd {first.cwd}", " ".join(first.argv)]
+        if self.script:
+            lines += ["", self.script]
+        return "\n".join(lines)
+
+
+@runtime_checkable
+class ArrayStarter(Protocol):
+    """A launcher that starts many attempts as one submission (Slurm: a job array). The
+    worker claims a batch of one sweep's trials and hands their plans over together."""
+
+    def plan_array(
+        self, plans: Sequence[LaunchPlan[Any]], *, parallelism: int | None
+    ) -> list[ArrayPlan[Any]]:
+        """The submissions that start ``plans`` (each made by ``plan``), in order, with at
+        most ``parallelism`` (None: no limit) of each submission's elements running at once;
+        several when the backend caps a submission's size. Touches nothing but what it reads
+        once of the backend's limits.
+
+        Raises:
+            LaunchError: the plans cannot be started as arrays on this backend.
+        """
+        ...
+
+    def start_array(self, plan: ArrayPlan[Any]) -> list[str]:
+        """Start one submission; returns a handle per element, in element order (Slurm: the
+        element ids ``<array job id>_<index>``), each followed like ``start``'s handle."""
+        ...
+
+
 @runtime_checkable
 class BatchPoller(Protocol):
     """A launcher that observes many attempts with one backend query (Slurm: one sacct)."""

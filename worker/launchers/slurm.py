@@ -26,15 +26,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from worker.attempt import FailureReason, inherited_env
 from worker.errors import LaunchError
-from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, write_plan_files
-from worker.launchers.failure_text import earliest_failure, tail_lines
+from worker.launchers.base import ArrayPlan, LaunchPlan, RunPhase, RunStatus, write_plan_files
+from worker.launchers.slurm_array import SlurmArrayRequest, plan_arrays, start_array_plan
+from worker.launchers.slurm_cluster import (
+    COMMAND_TIMEOUT_S,
+    read_max_array_size,
+    refusal_message,
+    scancel,
+)
+from worker.launchers.slurm_outcome import attempt_of, with_artifacts
 from worker.launchers.slurm_params import (
     DEFAULT_SIGNAL_DELAY_S,
     SlurmBatchRequest,
@@ -45,7 +52,6 @@ from worker.launchers.slurm_pending import query_pending_reasons
 from worker.launchers.slurm_rank import SlurmRank
 from worker.launchers.slurm_states import (
     SacctRecord,
-    parse_job_name,
     parse_sacct,
     sacct_command,
     slurm_job_name,
@@ -64,7 +70,6 @@ NAME = "slurm"
 DEFAULT_POLL_INTERVAL_S = 1.0  # one sacct per this many seconds, for all followed jobs
 DEFAULT_MISSING_GRACE_S = 60.0  # sacct may not know a fresh job yet; after this it is lost
 DEFAULT_CANCEL_CONFIRM_S = 15.0  # cancel() waits this long for Slurm to confirm
-COMMAND_TIMEOUT_S = 30.0  # sacct / scancel / sinfo
 MAX_FINISHED_JOBS = 1000  # ended jobs whose final status is kept for repeated polls
 
 
@@ -74,6 +79,7 @@ class _Followed:
 
     first_polled_mono: float
     job_name: str | None = None  # ``ddpq-<job_id>-<attempt>``; learnt from sacct on re-attach
+    ids: tuple[int, int] | None = None  # (job_id, attempt); from the name or array manifest
     records: list[SacctRecord] | None = None
     final: RunStatus | None = None
     cancel_sent: bool = False
@@ -97,6 +103,7 @@ class SlurmLauncher:
         cancel_confirm_s: float = DEFAULT_CANCEL_CONFIRM_S,
         sacct: str = "sacct",
         squeue: str = "squeue",
+        scontrol: str = "scontrol",
     ) -> None:
         """Args:
         settings: where ranks find the API (``resolved_api_url``: it must be reachable
@@ -110,6 +117,7 @@ class SlurmLauncher:
         missing_grace_s: seconds a job may be unknown to sacct before it counts as lost.
         cancel_confirm_s: seconds ``cancel`` waits for Slurm to confirm the job ended.
         sacct, squeue: the sacct and squeue executables.
+        scontrol: the scontrol executable (read once: the cluster's ``MaxArraySize``).
         """
         self.settings = settings
         self.api_url = settings.resolved_api_url
@@ -123,6 +131,8 @@ class SlurmLauncher:
         self.cancel_confirm_s = cancel_confirm_s
         self.sacct = sacct
         self.squeue = squeue
+        self.scontrol = scontrol
+        self._max_array_size: int | None = None
         self._followed: dict[str, _Followed] = {}
         self._last_sacct_mono = float("-inf")
         self._last_asked: frozenset[str] = frozenset()  # the handles the last sacct covered
@@ -224,7 +234,7 @@ class SlurmLauncher:
         try:
             job = executor.submit(rank)
         except Exception as exc:  # submitit wraps sbatch's failure in several types
-            raise LaunchError(self._refusal(params, exc)) from exc
+            raise LaunchError(refusal_message(params, exc)) from exc
         handle = str(job.job_id)
         self._followed[handle] = _Followed(
             first_polled_mono=time.monotonic(),
@@ -234,33 +244,47 @@ class SlurmLauncher:
                  handle, extra={"job_id": plan.job_id, "attempt": plan.attempt})  # fmt: skip
         return handle
 
-    def _refusal(self, params: dict[str, Any], exc: Exception) -> str:
-        lines = [ln.strip() for ln in str(exc).splitlines() if "error" in ln.lower()]
-        message = lines[-1] if lines else str(exc).strip().splitlines()[-1]
-        asked = ", ".join(
-            f"{k}={params[k]}"
-            for k in ("partition", "nodes", "ntasks_per_node", "cpus_per_task", "gpus_per_node",
-                      "mem", "time")
-            if k in params
-        )  # fmt: skip
-        return f"sbatch refused the job: {message} (asked for {asked}; {self._describe_nodes()})"
+    # -- arrays (a sweep's trials) -------------------------------------------------------
 
-    def _describe_nodes(self) -> str:
-        """What the partitions' nodes offer, from sinfo (for error messages)."""
-        try:
-            out = subprocess.run(
-                ["sinfo", "-h", "-o", "%P %D %c %m %G"],
-                capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True,
-            ).stdout  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
-            return "sinfo unavailable"
-        parts = []
-        for line in out.splitlines():
-            fields = line.split()
-            if len(fields) == 5:
-                p, n, cpus, mem, gres = fields
-                parts.append(f"partition {p}: {n} node(s) × {cpus} CPUs, {mem} MB, gres {gres}")
-        return "; ".join(parts) or "sinfo shows no partition"
+    @property
+    def max_array_size(self) -> int:
+        """The cluster's ``MaxArraySize`` (elements per array at most), read from ``scontrol
+        show config`` on first use and kept."""
+        if self._max_array_size is None:
+            self._max_array_size = read_max_array_size(self.scontrol)
+        return self._max_array_size
+
+    def plan_array(
+        self, plans: Sequence[LaunchPlan[SlurmBatchRequest]], *, parallelism: int | None
+    ) -> list[ArrayPlan[SlurmArrayRequest]]:
+        """The job arrays (``worker.launchers.slurm_array.plan_arrays``) that start ``plans``,
+        chunked below ``max_array_size`` (the one read this makes, once), at most
+        ``parallelism`` elements of each running at once (``--array=0-<n-1>%<parallelism>``).
+
+        Raises:
+            LaunchError: a plan was not made by ``plan``, or the cluster disables arrays.
+        """
+        size = self.max_array_size
+        return plan_arrays(plans, parallelism=parallelism, python=self.python,
+                           artifact_dir=self.artifact_dir, max_array_size=size)  # fmt: skip
+
+    def start_array(self, plan: ArrayPlan[SlurmArrayRequest]) -> list[str]:
+        """Submit one job array through submitit (``slurm_array.start_array_plan``); returns
+        the element ids ``<array id>_<index>``, in element order, each followed from here on
+        like a single job's handle (one sacct per poll covers the whole array).
+
+        Raises:
+            LaunchError: as ``start``.
+        """
+        handles = start_array_plan(plan, python=self.python, artifact_dir=self.artifact_dir)
+        name = plan.request.parameters["job_name"] if plan.request else None
+        now = time.monotonic()
+        for handle, element in zip(handles, plan.elements, strict=True):
+            ids = (element.job_id, element.attempt)
+            self._followed[handle] = _Followed(now, job_name=name, ids=ids)
+            log.info("job_id=%d attempt=%d submitted as Slurm array element %s", *ids, handle,
+                     extra={"job_id": ids[0], "attempt": ids[1]})  # fmt: skip
+        return handles
 
     # -- poll ----------------------------------------------------------------------------
 
@@ -338,12 +362,14 @@ class SlurmLauncher:
         status = status_from_records(followed.records)
         if status.phase in (RunPhase.PENDING, RunPhase.RUNNING):
             return status
-        ids = parse_job_name(followed.records[-1].job_name)
-        if ids is not None:
-            status = self._with_artifacts(handle, ids[0], ids[1], status)
+        followed.ids = followed.ids or attempt_of(
+            self.artifact_dir, followed.records[-1].job_name, handle
+        )
+        if followed.ids is not None:
+            status = with_artifacts(self.artifact_dir, handle, *followed.ids, status)
         if status.phase == RunPhase.PREEMPTED and followed.records[-1].state != "FAILED":
             # Slurm requeued the job: stop its copy, ddpq relaunches it as the next attempt.
-            self._scancel(handle)
+            scancel(handle)
         return self._end(followed, status)
 
     def _end(self, followed: _Followed, status: RunStatus) -> RunStatus:
@@ -352,26 +378,6 @@ class SlurmLauncher:
         for handle in ended[: max(0, len(ended) - MAX_FINISHED_JOBS)]:
             del self._followed[handle]
         return status
-
-    def _with_artifacts(
-        self, handle: str, job_id: int, attempt: int, status: RunStatus
-    ) -> RunStatus:
-        """result.json (written before teardown) beats the exit code; a rank's error file is
-        the best reason for a failure (its text and its ``FailureReason``), else the tail of
-        task 0's stderr (with the state's reason, ``FailureReason.ERROR``)."""
-        result = artifacts.result_path(self.artifact_dir, job_id, attempt)
-        if status.phase in (RunPhase.SUCCEEDED, RunPhase.FAILED) and result.exists():
-            return RunStatus(RunPhase.SUCCEEDED, exit_code=status.exit_code)
-        if status.phase != RunPhase.FAILED:
-            return status
-        attempt_dir = artifacts.attempt_dir(self.artifact_dir, job_id, attempt)
-        error = earliest_failure(attempt_dir)
-        if error is not None:
-            return RunStatus(RunPhase.FAILED, error.text, status.exit_code, failure=error.reason)
-        stderr = artifacts.slurm_dir(self.artifact_dir, job_id, attempt) / f"{handle}_0_log.err"
-        reason = f"{status.reason}; last lines of {stderr.name}:\n{tail_lines(stderr)}"
-        failure = status.failure or FailureReason.ERROR
-        return RunStatus(RunPhase.FAILED, reason, status.exit_code, failure=failure)
 
     # -- cancel --------------------------------------------------------------------------
 
@@ -382,7 +388,7 @@ class SlurmLauncher:
         if followed.final is not None:
             return
         if not followed.cancel_sent:
-            self._scancel(handle)
+            scancel(handle)
             followed.cancel_sent = True
         deadline = time.monotonic() + self.cancel_confirm_s
         while time.monotonic() < deadline:
@@ -393,14 +399,3 @@ class SlurmLauncher:
             time.sleep(0.25)
         log.warning("Slurm job %s not confirmed ended %.0f s after scancel", handle,
                     self.cancel_confirm_s)  # fmt: skip
-
-    def _scancel(self, handle: str) -> None:
-        try:
-            done = subprocess.run(
-                ["scancel", handle], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("scancel %s failed: %s", handle, exc)
-            return
-        if done.returncode != 0:
-            log.info("scancel %s: %s", handle, done.stderr.strip())

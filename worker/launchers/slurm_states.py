@@ -71,10 +71,14 @@ FAILURE_REASONS: dict[str, str] = {
 # checkpointed, but the job failed its limit; relaunching would only hit it again).
 PREEMPT_SIGNAL = signal.SIGUSR1
 
-# Fields asked of sacct, in this order (``--parsable2 --noheader``).
-SACCT_FIELDS = ("JobIDRaw", "JobName", "State", "ExitCode", "Reason")
+# Fields asked of sacct, in this order (``--parsable2 --noheader``). JobID, not JobIDRaw: an
+# array element is ``<array job id>_<index>`` there (its handle), and the elements still
+# pending are one row, ``<array job id>_[2-7%2]``.
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Reason")
+ARRAY_RANGE_RE = re.compile(r"^(?P<array>\d+)_\[(?P<ranges>[\d,\-]+)(?:%\d+)?\]$")
 
 JOB_NAME_RE = re.compile(r"^ddpq-(?P<job_id>\d+)-(?P<attempt>\d+)$")
+ARRAY_NAME_RE = re.compile(r"^ddpq-array-(?P<job_id>\d+)-(?P<attempt>\d+)$")
 
 
 def slurm_job_name(job_id: int, attempt: int) -> str:
@@ -86,6 +90,19 @@ def slurm_job_name(job_id: int, attempt: int) -> str:
 def parse_job_name(name: str) -> tuple[int, int] | None:
     """``(job_id, attempt)`` from a name made by ``slurm_job_name``; None for any other name."""
     m = JOB_NAME_RE.match(name)
+    return (int(m["job_id"]), int(m["attempt"])) if m else None
+
+
+def slurm_array_name(first_job_id: int, first_attempt: int) -> str:
+    """The Slurm job name of a job array, ``ddpq-array-<job_id>-<attempt>`` after its element
+    0: unique (an attempt is started once), and it names the array's folder, whose manifest
+    says which ddpq attempt each element runs (``worker.launchers.slurm_array``)."""
+    return f"ddpq-array-{int(first_job_id)}-{int(first_attempt)}"
+
+
+def parse_array_name(name: str) -> tuple[int, int] | None:
+    """``(job_id, attempt)`` of element 0 from a name made by ``slurm_array_name``; else None."""
+    m = ARRAY_NAME_RE.match(name)
     return (int(m["job_id"]), int(m["attempt"])) if m else None
 
 
@@ -101,10 +118,33 @@ class SacctRecord:
     reason: str | None
 
 
+def sacct_query_id(scheduler_job_id: str) -> str:
+    """What sacct is asked for to see ``scheduler_job_id``: an array element (``123_4``) by its
+    array (``123``), since sacct lists nothing for an element still pending in the array's
+    range; any other id as it is."""
+    array, sep, index = scheduler_job_id.partition("_")
+    return array if sep and array.isdigit() and index.isdigit() else scheduler_job_id
+
+
+def expand_job_ids(sacct_job_id: str) -> list[str]:
+    """The job ids one sacct row stands for: an array's pending range (``123_[2-4,7%2]``) →
+    ``["123_2", "123_3", "123_4", "123_7"]``; any other id → itself."""
+    m = ARRAY_RANGE_RE.match(sacct_job_id)
+    if m is None:
+        return [sacct_job_id]
+    ids: list[str] = []
+    for part in m["ranges"].split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            ids += [f"{m['array']}_{i}" for i in range(int(first), int(last or first) + 1)]
+    return ids
+
+
 def sacct_command(scheduler_job_ids: Iterable[str]) -> list[str]:
     """One sacct call for all ``scheduler_job_ids``: allocations only (``-X``), every run of a
-    requeued job (``-D``), machine-readable (``-n -P``)."""
-    ids = ",".join(sorted(set(scheduler_job_ids), key=_id_order))
+    requeued job (``-D``), machine-readable (``-n -P``); array elements by their array
+    (``sacct_query_id``), so one array costs one id in one call."""
+    ids = ",".join(sorted({sacct_query_id(i) for i in scheduler_job_ids}, key=_id_order))
     return ["sacct", "-n", "-P", "-X", "-D", "-o", ",".join(SACCT_FIELDS), "-j", ids]
 
 
@@ -121,7 +161,8 @@ def _exit_code(raw: str) -> tuple[int | None, int | None]:
 
 
 def parse_sacct(text: str) -> dict[str, list[SacctRecord]]:
-    """sacct's ``-n -P -o SACCT_FIELDS`` output → records per Slurm job id, oldest run first.
+    """sacct's ``-n -P -o SACCT_FIELDS`` output → records per Slurm job id, oldest run first;
+    an array's pending range gives each of its elements the range's record.
 
     Lines that are not ``len(SACCT_FIELDS)`` fields, or are job steps (``123.batch``), are
     skipped.
@@ -131,18 +172,19 @@ def parse_sacct(text: str) -> dict[str, list[SacctRecord]]:
         parts = line.split("|")
         if len(parts) != len(SACCT_FIELDS) or not parts[0] or "." in parts[0]:
             continue
-        job_id, name, state, exit_raw, reason = (p.strip() for p in parts)
+        raw_id, name, state, exit_raw, reason = (p.strip() for p in parts)
         code, sig = _exit_code(exit_raw)
-        records.setdefault(job_id, []).append(
-            SacctRecord(
-                scheduler_job_id=job_id,
-                job_name=name,
-                state=state.split(" ")[0].rstrip("+") if state else "UNKNOWN",
-                exit_code=code,
-                exit_signal=sig,
-                reason=None if reason in ("", "None") else reason,
+        for job_id in expand_job_ids(raw_id):
+            records.setdefault(job_id, []).append(
+                SacctRecord(
+                    scheduler_job_id=job_id,
+                    job_name=name,
+                    state=state.split(" ")[0].rstrip("+") if state else "UNKNOWN",
+                    exit_code=code,
+                    exit_signal=sig,
+                    reason=None if reason in ("", "None") else reason,
+                )
             )
-        )
     return records
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import shlex
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("submitit.slurm.slurm", "SlurmExecutor._make_submission_file_text"),
     ("submitit.slurm.slurm", "SlurmExecutor._submitit_command_str"),
     ("submitit.slurm.slurm", "SlurmExecutor._make_submission_command"),
+    ("submitit.slurm.slurm", "SlurmExecutor._submit_command"),
     (SUBMIT_MODULE, ""),
 )
 
@@ -121,3 +124,58 @@ def submit_with_environment(executor: SlurmExecutor, environ: dict[str, str]) ->
         return ["env", "-i", *assignments, *make_command(submission_file_path)]
 
     executor._make_submission_command = _scrubbed  # type: ignore[method-assign]
+
+
+# submitit's own name for the size of a job array (an argument of ``_make_sbatch_string`` that
+# ``update_parameters`` refuses: submitit sets it only on the executor copy it arrays with).
+ARRAY_SIZE_PARAMETER = "map_count"
+
+
+def set_array_size(executor: SlurmExecutor, n: int) -> None:
+    """Make ``executor``'s next submission a job array of ``n`` elements (``--array=0-<n-1>%<p>``
+    with ``p`` its ``array_parallelism``; stdout/stderr per element, ``%A_%a``)."""
+    executor.parameters[ARRAY_SIZE_PARAMETER] = int(n)
+
+
+def submit_array(executor: SlurmExecutor, functions: Sequence[Callable[[], Any]]) -> str:
+    """Submit ``functions`` as one job array of ``executor`` (sized by ``set_array_size``);
+    element ``i`` runs ``functions[i]``. Returns the array's job id (element ``i`` is
+    ``<id>_<i>``).
+
+    What ``SlurmExecutor.submit_array`` does, on ``executor`` itself: submitit's arrays go
+    through a fresh ``SlurmExecutor`` copy, which would drop ``submit_with_environment`` (and
+    sbatch would hand the job the worker's whole environment), and submitit submits one
+    function as a plain job, not an array of one. Wraps ``SlurmExecutor._submit_command``.
+
+    Raises:
+        ValueError: ``functions`` is empty or its size differs from ``set_array_size``'s.
+        Exception: whatever submitit raises when sbatch refuses (the pickles are removed).
+    """
+    from submitit.core import utils
+
+    n = len(functions)
+    if n == 0 or executor.parameters.get(ARRAY_SIZE_PARAMETER) != n:
+        raise ValueError(f"call set_array_size(executor, {n}) before submitting {n} function(s)")
+    folder = utils.JobPaths.get_first_id_independent_folder(executor.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    timeout_min = executor.parameters.get("time", 5)
+    pickles: list[Path] = []
+    try:
+        for function in functions:
+            delayed = utils.DelayedSubmission(function)
+            path = folder / f"{uuid.uuid4().hex}.pkl"
+            delayed.set_timeout(timeout_min, executor.max_num_timeout)
+            delayed.dump(path)
+            pickles.append(path)
+        first = executor._submit_command(executor._submitit_command_str)
+    except BaseException:
+        for path in pickles:
+            path.unlink(missing_ok=True)
+        raise
+    array_id = str(first.job_id)
+    # The elements wait (up to 60 s) for their pickle under their own id, as submitit's do.
+    for i, path in enumerate(pickles):
+        utils.JobPaths(executor.folder, job_id=f"{array_id}_{i}").move_temporary_file(
+            path, "submitted_pickle"
+        )
+    return array_id

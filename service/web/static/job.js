@@ -89,6 +89,11 @@
       job.attempt + (spec.max_restarts ? " (max restarts " + spec.max_restarts + ")" : ""),
     );
     d.setText("f-worker", job.worker_id || "–");
+    $("f-sweep-box").hidden = !job.sweep_id;
+    if (job.sweep_id) {
+      $("f-sweep").href = "/sweeps/" + job.sweep_id;
+      d.setText("f-sweep", "sweep #" + job.sweep_id);
+    }
     d.setText("f-created", d.fmtTime(job.created_at));
     const started = d.parseTime(job.started_at);
     const finished = d.parseTime(job.finished_at);

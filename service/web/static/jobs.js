@@ -1,5 +1,7 @@
 /* ddpq dashboard: the job list (/) — filter by state and by name/tag (the API's q=), newest
- * first, cursor paging, live polling. Each row's metric is the API's main_metric_value. */
+ * first, cursor paging, live polling. Each row's metric is the API's main_metric_value.
+ * Each row's checkbox picks the job for the compare page; the picks outlive re-renders and
+ * paging (kept here, in page order of picking). */
 "use strict";
 
 (function () {
@@ -12,6 +14,8 @@
   const olderButton = document.getElementById("page-older");
   const newestButton = document.getElementById("page-newest");
   const pollStatus = document.getElementById("poll-status");
+  const compareLink = document.getElementById("compare-link");
+  const picked = [];
 
   const params = new URLSearchParams(window.location.search);
   const view = {
@@ -88,6 +92,27 @@
     );
   }
 
+  function syncCompare() {
+    compareLink.hidden = picked.length === 0;
+    compareLink.textContent = "Compare " + picked.length + (picked.length === 1 ? " job" : " jobs");
+    const ready = picked.length >= 2;
+    compareLink.setAttribute("aria-disabled", ready ? "false" : "true");
+    compareLink.classList.toggle("primary", ready);
+    compareLink.href = "/compare?jobs=" + picked.join(",");
+    compareLink.title = ready ? "Overlay these jobs' curves and list where their specs differ" : "Pick one more job";
+  }
+
+  function pickCell(job) {
+    const box = d.el("input", {
+      type: "checkbox",
+      class: "pick",
+      "data-job-id": job.id,
+      "aria-label": "Pick job " + job.id + " to compare",
+      checked: picked.includes(job.id),
+    });
+    return d.el("td", { class: "pick" }, box);
+  }
+
   function row(job) {
     const link = d.el("a", { href: "/jobs/" + job.id, class: "job-link" }, job.name);
     const nameCell = d.el(
@@ -98,11 +123,14 @@
         "span",
         { class: "sub" },
         "#" + job.id + (job.cancel_requested && d.LIVE_STATES.includes(job.state) ? " · cancelling" : ""),
+        job.sweep_id ? " · " : null,
+        job.sweep_id ? d.el("a", { href: "/sweeps/" + job.sweep_id, class: "sweep-link" }, "sweep #" + job.sweep_id) : null,
       ),
     );
     return d.el(
       "tr",
       { "data-job-id": job.id, "data-state": job.state },
+      pickCell(job),
       nameCell,
       d.el("td", { class: "opt task" }, (job.spec && job.spec.task) || "–"),
       tagsCell(job),
@@ -190,6 +218,18 @@
     if (ev.key !== "Enter") return;
     window.clearTimeout(typing);
     applyText(textFilter.value);
+  });
+  body.addEventListener("change", (ev) => {
+    const box = ev.target;
+    if (!(box instanceof HTMLInputElement) || !box.classList.contains("pick")) return;
+    const id = Number(box.dataset.jobId);
+    const at = picked.indexOf(id);
+    if (box.checked && at < 0) picked.push(id);
+    if (!box.checked && at >= 0) picked.splice(at, 1);
+    syncCompare();
+  });
+  compareLink.addEventListener("click", (ev) => {
+    if (picked.length < 2) ev.preventDefault();
   });
   body.addEventListener("click", (ev) => {
     const tag = ev.target instanceof Element ? ev.target.closest("button.tag") : null;

@@ -1,0 +1,185 @@
+"""Routes of the sweep resource: submit, list, get, trials, cancel, retry-failed, extend.
+
+Who may call: any caller with a user API token (or anyone with auth off), on their own
+sweeps only; an admin on every sweep. Someone else's sweep is 404, an attempt token 401
+(``deps.get_context``), as for jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Path, Query, Response
+
+from service.api.bodies import body_doc, json_body
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.sweep_schemas import (
+    SweepListOut,
+    SweepOut,
+    TrialListOut,
+    sweep_out,
+    trial_out,
+    trials_csv,
+)
+from service.core.sweep_spec import (
+    SweepExtension,
+    SweepSpec,
+    extended_spec,
+    plan_trials,
+    resolve_objective,
+)
+from service.store import sweeps as store
+from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.sweep_view import list_trials
+
+router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
+
+MAX_INT64 = 2**63 - 1
+SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
+ERRORS: dict[int | str, dict[str, str]] = {
+    404: {"description": "No such sweep (or not yours)"},
+    409: {"description": "The sweep's state does not allow it"},
+    422: {
+        "description": "Invalid input: `detail` lists {loc, msg, type}; a trial's errors "
+        "are at loc [body, trials, <index>, <dotted.field>]"
+    },
+}
+
+
+@router.post(
+    "/sweeps",
+    status_code=201,
+    response_model=SweepOut,
+    summary="Submit a sweep",
+    responses={422: ERRORS[422], 429: {"description": "Over the submission limit"}},
+    openapi_extra=body_doc(SweepSpec),
+)
+def submit_sweep_route(
+    spec: Annotated[SweepSpec, json_body(SweepSpec)], ctx: ContextDep
+) -> SweepOut:
+    """Expand the sweep and validate every trial before anything is stored (422 naming the
+    trial and the field, nothing stored); then store the sweep and all its trials as queued
+    jobs in one transaction. The sweep counts as one submission against the owner's rate
+    limit (when auth is on)."""
+    planned = plan_trials(spec, ctx.settings)
+    objective = resolve_objective(spec)
+    with ctx.db.session() as session:
+        if ctx.settings.auth_enabled:
+            try:
+                check_submission_rate(
+                    session, ctx.caller.owner, per_minute=ctx.settings.submissions_per_minute
+                )
+            except RateLimitedError as exc:
+                headers = {"Retry-After": str(exc.retry_after_s)}
+                raise HTTPException(429, exc.detail, headers=headers) from None
+        sweep = store.submit_sweep(session, spec, objective, planned, owner=ctx.caller.owner)
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+@router.get("/sweeps", response_model=SweepListOut, summary="List sweeps, newest first")
+def list_sweeps_route(
+    ctx: ContextDep,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    cursor: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="next_cursor.")] = None,
+) -> SweepListOut:
+    """One page of the caller's sweeps (an admin's: everyone's)."""
+    with ctx.db.session(write=False) as session:
+        sweeps, next_id = store.list_sweeps(
+            session,
+            owner=ctx.owner,
+            limit=min(limit, ctx.settings.max_list_limit),
+            before_id=cursor,
+        )
+        return SweepListOut(
+            sweeps=[sweep_out(s, list_trials(session, s)) for s in sweeps],
+            next_cursor=next_id,
+        )
+
+
+@router.get(
+    "/sweeps/{sweep_id}",
+    response_model=SweepOut,
+    summary="Get a sweep",
+    responses={404: ERRORS[404]},
+)
+def get_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """State, counts of trials by outcome, and the best trial so far."""
+    with ctx.db.session(write=False) as session:
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+@router.get(
+    "/sweeps/{sweep_id}/trials",
+    response_model=TrialListOut,
+    summary="The trials table of a sweep",
+    responses={404: ERRORS[404], 200: {"content": {"text/csv": {}}}},
+)
+def trials_route(
+    sweep_id: SweepIdPath,
+    ctx: ContextDep,
+    format: Annotated[Literal["json", "csv"], Query(description="json or csv.")] = "json",
+) -> Response:
+    """One row per trial (newest job per key): key, overrides, job, state, outcome, attempts,
+    steps done, objective value, run time. ``format=csv``: the same as CSV, one column per
+    override path."""
+    with ctx.db.session(write=False) as session:
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        trials = list_trials(session, sweep)
+    if format == "csv":
+        return Response(trials_csv(trials), media_type="text/csv")
+    body = TrialListOut(trials=[trial_out(t) for t in trials])
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+@router.post(
+    "/sweeps/{sweep_id}/cancel",
+    status_code=202,
+    response_model=SweepOut,
+    summary="Cancel a sweep",
+    responses={404: ERRORS[404], 409: ERRORS[409]},
+)
+def cancel_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """Queued trials are cancelled at once, running ones get ``cancel_requested``; the
+    sweep is ``cancelled``. Repeating it is harmless; a finished sweep answers 409."""
+    with ctx.db.session() as session:
+        sweep = store.cancel_sweep(session, sweep_id, owner=ctx.owner, by=ctx.caller.owner)
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+@router.post(
+    "/sweeps/{sweep_id}/retry-failed",
+    response_model=SweepOut,
+    summary="Re-run the failed trials",
+    responses={404: ERRORS[404], 409: ERRORS[409]},
+)
+def retry_failed_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """A new job for every trial whose newest job failed (same spec and trial key; the
+    failed job is kept). ``added`` says how many."""
+    with ctx.db.session() as session:
+        added = store.retry_failed(session, sweep_id, owner=ctx.owner)
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        return sweep_out(sweep, list_trials(session, sweep), added=added)
+
+
+@router.post(
+    "/sweeps/{sweep_id}/extend",
+    response_model=SweepOut,
+    summary="Extend a sweep",
+    responses=ERRORS,
+    openapi_extra=body_doc(SweepExtension),
+)
+def extend_route(
+    sweep_id: SweepIdPath,
+    ext: Annotated[SweepExtension, json_body(SweepExtension)],
+    ctx: ContextDep,
+) -> SweepOut:
+    """Add grid values to existing axes, or raise samples/seeds (new totals): only trials
+    whose key the sweep does not hold yet are added (``added``), each validated first."""
+    with ctx.db.session() as session:
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
+        keys, next_position = store.trial_keys(session, sweep_id)
+        planned = plan_trials(spec, ctx.settings, skip_keys=keys, first_position=next_position)
+        added = store.extend_sweep(session, sweep, spec, planned)
+        return sweep_out(sweep, list_trials(session, sweep), added=added)

@@ -1,0 +1,217 @@
+"""The `ddpq sweep` commands: submit (with --wait: live counts by outcome), ls, show (the
+trials table, best first), retry, cancel."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from service.cli.common import (
+    EXIT_FAILED,
+    JSON_OPTION,
+    app,
+    err,
+    friendly_errors,
+    make_client,
+    out,
+    print_json,
+)
+from service.cli.jobs import load_spec_file
+from service.cli.output import cell, format_metric, format_seconds, state_text
+from service.client import ApiUnreachableError, DdpqClient
+
+sweep_app = typer.Typer(
+    help="Sweeps: many trials of one job spec over a grid or random draws.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(sweep_app, name="sweep")
+
+SWEEP_TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+COUNT_ORDER = ("queued", "starting", "running", "succeeded", "stopped_early", "failed", "cancelled")
+
+
+def counts_line(sweep: dict[str, Any]) -> str:
+    """``8 trials: 2 running, 5 succeeded, 1 failed`` (zero counts left out)."""
+    counts = sweep.get("counts") or {}
+    parts = [f"{counts[k]} {k.replace('_', ' ')}" for k in COUNT_ORDER if counts.get(k)]
+    return f"{sweep.get('trials_total', 0)} trials: " + (", ".join(parts) or "none")
+
+
+def best_line(sweep: dict[str, Any]) -> str:
+    """``best: job 12 eval_accuracy 0.97 (training.lr=0.01, …)``, or that there is none yet."""
+    best, metric = sweep.get("best"), (sweep.get("objective") or {}).get("metric", "?")
+    if not best:
+        return f"best: none yet ({metric})"
+    overrides = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["overrides"].items())
+    return (
+        f"best: job {best['job_id']} {metric} {format_metric(metric, best['value'])} ({overrides})"
+    )
+
+
+def sweep_summary(sweep: dict[str, Any]) -> Table:
+    """A few lines about a sweep: state, counts, best trial, why it stopped."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(cell(f"sweep {sweep['id']} {sweep['name']!r}"), state_text(sweep["state"]))
+    grid.add_row(cell(counts_line(sweep)), cell(""))
+    grid.add_row(cell(best_line(sweep)), cell(""))
+    if sweep.get("stop_reason"):
+        grid.add_row(cell(f"stopped: {sweep['stop_reason']}"), cell(""))
+    return grid
+
+
+def best_first(trials: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """Trials with an objective value best first (by ``mode``), then the rest by position."""
+    scored = [t for t in trials if t.get("objective_value") is not None]
+    rest = [t for t in trials if t.get("objective_value") is None]
+    scored.sort(key=lambda t: t["objective_value"], reverse=mode == "max")
+    return scored + sorted(rest, key=lambda t: t["position"])
+
+
+def trials_table(sweep: dict[str, Any], trials: list[dict[str, Any]]) -> Table:
+    """The trials table, best first: position, job, outcome, attempts, steps, objective, run
+    time, then one column per override path."""
+    objective = sweep.get("objective") or {}
+    metric = objective.get("metric", "objective")
+    paths = sorted({p for t in trials for p in t["overrides"]})
+    table = Table(
+        "#",
+        "job",
+        "outcome",
+        "attempts",
+        "steps",
+        metric,
+        "run time",
+        *paths,
+        title=cell(f"sweep {sweep['id']} trials (best first)"),
+    )
+    for t in best_first(trials, objective.get("mode", "min")):
+        value = t.get("objective_value")
+        table.add_row(
+            cell(t["position"]),
+            cell(t.get("job_id") or ""),
+            state_text(t["outcome"]),
+            cell(t["attempts"]),
+            cell("" if t.get("steps_done") is None else t["steps_done"]),
+            cell("" if value is None else format_metric(metric, value)),
+            cell("" if t.get("run_time_s") is None else format_seconds(t["run_time_s"])),
+            *(cell(json.dumps(t["overrides"].get(p, ""))) for p in paths),
+        )
+    return table
+
+
+@sweep_app.command("submit")
+def submit_command(
+    spec_file: Annotated[Path, typer.Argument(metavar="FILE", help="Sweep spec (.yaml/.json).")],
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the sweep until it ends.")] = False,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 2.0,
+) -> None:
+    """Submit a sweep; with --wait, show live counts by outcome and exit 0 if it succeeds."""
+    spec = load_spec_file(spec_file)
+    with friendly_errors():
+        client = make_client()
+        sweep = client.submit_sweep(spec)
+        out.print(
+            cell(f"sweep {sweep['id']} {sweep['name']!r} {sweep['state']}: {counts_line(sweep)}")
+        )
+        if wait:
+            raise typer.Exit(wait_for_sweep(client, sweep["id"], poll_s))
+
+
+def wait_for_sweep(client: DdpqClient, sweep_id: int, poll_s: float, max_misses: int = 30) -> int:
+    """Show the sweep's counts live until it ends; print the summary; the exit code (0 when
+    it succeeded, 1 otherwise, 130 on Ctrl-C).
+
+    Raises:
+        ApiUnreachableError: the API stayed unreachable for ``max_misses`` polls in a row.
+    """
+    misses = 0
+    try:
+        with Live(cell(f"sweep {sweep_id}: waiting"), console=out, auto_refresh=False) as live:
+            while True:
+                try:
+                    sweep = client.get_sweep(sweep_id)
+                    misses = 0
+                except ApiUnreachableError:
+                    misses += 1
+                    if misses >= max_misses:
+                        raise
+                    time.sleep(poll_s)
+                    continue
+                live.update(
+                    cell(f"sweep {sweep_id} {sweep['state']}: {counts_line(sweep)}"), refresh=True
+                )
+                if sweep["state"] in SWEEP_TERMINAL:
+                    break
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        err.print(f"stopped waiting; sweep {sweep_id} goes on (`ddpq sweep cancel {sweep_id}`)")
+        return 130
+    out.print(sweep_summary(sweep))
+    return 0 if sweep["state"] == "succeeded" else EXIT_FAILED
+
+
+@sweep_app.command("ls")
+def list_command(
+    limit: Annotated[int, typer.Option(min=1, help="Most sweeps to show.")] = 20,
+    as_json: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """List sweeps, newest first. --json: the page {"sweeps": [...], "next_cursor": ...}."""
+    with friendly_errors():
+        page = make_client().list_sweeps(limit=limit)
+    if as_json:
+        print_json(page)
+        return
+    table = Table("id", "name", "state", "trials", "best")
+    for s in page["sweeps"]:
+        table.add_row(
+            cell(s["id"]),
+            cell(s["name"]),
+            state_text(s["state"]),
+            cell(counts_line(s)),
+            cell(best_line(s).removeprefix("best: ")),
+        )
+    out.print(table)
+
+
+@sweep_app.command("show")
+def show_command(
+    sweep_id: Annotated[int, typer.Argument(help="Sweep id.")],
+    as_json: Annotated[bool, JSON_OPTION] = False,
+) -> None:
+    """Show a sweep and its trials table, best first. --json: {"sweep": ..., "trials": [...]}."""
+    with friendly_errors():
+        client = make_client()
+        sweep = client.get_sweep(sweep_id)
+        trials = client.sweep_trials(sweep_id)
+    if as_json:
+        print_json({"sweep": sweep, "trials": trials})
+        return
+    out.print(sweep_summary(sweep))
+    out.print(trials_table(sweep, trials))
+
+
+@sweep_app.command("retry")
+def retry_command(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
+    """Re-run the failed trials (a new job each, same trial key)."""
+    with friendly_errors():
+        sweep = make_client().retry_failed(sweep_id)
+    out.print(
+        cell(
+            f"sweep {sweep_id}: {sweep['added']} failed trial(s) queued again; {counts_line(sweep)}"
+        )
+    )
+
+
+@sweep_app.command("cancel")
+def cancel_command(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) -> None:
+    """Cancel a sweep: queued trials at once, running ones by their workers."""
+    with friendly_errors():
+        sweep = make_client().cancel_sweep(sweep_id)
+    out.print(cell(f"sweep {sweep_id} cancelled: {counts_line(sweep)}"))

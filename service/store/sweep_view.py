@@ -1,0 +1,134 @@
+"""The read view of a sweep's trials: one row per trial key with its newest job's state,
+steps, run time and objective value; the best trial; counts by outcome."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.core.states import JobState
+from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
+
+STOPPED_EARLY = "stopped_early"  # a trial's outcome when ASHA stopped it (its job: cancelled)
+OUTCOMES = (*(s.value for s in JobState), STOPPED_EARLY)
+
+
+@dataclass(frozen=True)
+class TrialView:
+    """One trial as the API's trials table shows it (newest job per key)."""
+
+    key: str
+    position: int
+    overrides: dict[str, Any]
+    job_id: int | None
+    state: str | None
+    outcome: str
+    attempts: int
+    steps_done: int | None
+    objective_value: float | None
+    run_time_s: float | None
+    cancel_requested: bool
+
+
+def trial_outcome(job_state: str | None, outcome: str | None) -> str:
+    """The trial's outcome: its recorded one (``stopped_early``), else its job's state."""
+    return outcome or job_state or JobState.CANCELLED.value
+
+
+def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
+    """Every trial of ``sweep`` in position order, with its newest job's state, steps and
+    run time, and its objective (``sweep.objective``: the metric's last value, or its best
+    over the job's points for ``at: best``; None until reported or when NaN)."""
+    rows = session.execute(
+        select(
+            SweepTrial,
+            Job.state,
+            Job.progress,
+            Job.latest_metrics,
+            Job.started_at,
+            Job.finished_at,
+            Job.cancel_requested,
+        )
+        .outerjoin(Job, Job.id == SweepTrial.job_id)
+        .where(SweepTrial.sweep_id == sweep.id)
+        .order_by(SweepTrial.position)
+    ).all()
+    metric, mode, at = (sweep.objective[k] for k in ("metric", "mode", "at"))
+    best: dict[int, float | None] = {}
+    if at == "best":
+        agg = func.max(Metric.value) if mode == "max" else func.min(Metric.value)
+        job_ids = [r[0].job_id for r in rows if r[0].job_id is not None]
+        for chunk in range(0, len(job_ids), 500):
+            best.update(
+                session.execute(
+                    select(Metric.job_id, agg)
+                    .where(Metric.job_id.in_(job_ids[chunk : chunk + 500]), Metric.name == metric)
+                    .group_by(Metric.job_id)
+                ).all()
+            )
+    now = utcnow()
+    views = []
+    for trial, state, progress, latest, started, finished, cancel_requested in rows:
+        if at == "best":
+            value = best.get(trial.job_id) if trial.job_id is not None else None
+        else:
+            value = _latest_value(latest, metric)
+        views.append(
+            TrialView(
+                key=trial.trial_key,
+                position=trial.position,
+                overrides=trial.overrides,
+                job_id=trial.job_id,
+                state=state,
+                outcome=trial_outcome(state, trial.outcome),
+                attempts=trial.attempts,
+                steps_done=_int(progress.get("step")) if isinstance(progress, dict) else None,
+                objective_value=_finite(value),
+                run_time_s=_run_time_s(started, finished, now),
+                cancel_requested=bool(cancel_requested),
+            )
+        )
+    return views
+
+
+def _latest_value(latest: Any, metric: str) -> Any:
+    entry = latest.get(metric) if isinstance(latest, dict) else None
+    return entry.get("value") if isinstance(entry, dict) else entry
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _run_time_s(started: datetime | None, finished: datetime | None, now: datetime) -> float | None:
+    if started is None:
+        return None
+    return max(0.0, ((finished or now) - started).total_seconds())
+
+
+def best_trial(trials: Sequence[TrialView], mode: str) -> TrialView | None:
+    """The trial with the best objective value (max or min by ``mode``); None if none has one."""
+    scored = [t for t in trials if t.objective_value is not None]
+    if not scored:
+        return None
+    pick = max if mode == "max" else min
+    return pick(scored, key=lambda t: t.objective_value or 0.0)
+
+
+def outcome_counts(trials: Sequence[TrialView]) -> dict[str, int]:
+    """Trials by outcome, every outcome present (zeros too)."""
+    counts = Counter(t.outcome for t in trials)
+    return {o: counts.get(o, 0) for o in OUTCOMES}
