@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,10 +16,23 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
-from service.api import attempts, checkpoints, docs, health, jobs, logs, metrics, workers
+from service.api import (
+    attempt_downloads,
+    attempt_uploads,
+    attempts,
+    checkpoints,
+    docs,
+    health,
+    jobs,
+    logs,
+    metrics,
+    workers,
+)
+from service.api.checkpoint_files import checkpoint_stores
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimit
 from service.api.schemas import job_spec_openapi_schemas
+from service.core.attempt_api import UPLOAD_CHUNK_PATH
 from service.core.config import Settings, get_settings
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
@@ -28,6 +42,11 @@ from service.web import routes as web_routes
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1"
+CHUNK_UPLOAD_PATH_RE = re.compile(
+    "^"
+    + re.escape(API_PREFIX + UPLOAD_CHUNK_PATH).replace(re.escape("{upload_id}"), "[0-9]+")
+    + "$"
+)
 STATIC_DIR = Path(__file__).resolve().parent / "web" / "static"
 
 
@@ -72,7 +91,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             gc.freeze()
         reaper = asyncio.create_task(
             reap_forever(
-                db, settings.heartbeat_interval_s, worker_retention_s=settings.worker_retention_s
+                db,
+                settings.heartbeat_interval_s,
+                worker_retention_s=settings.worker_retention_s,
+                checkpoint_stores=checkpoint_stores(app),
+                upload_stale_s=settings.checkpoint_upload_stale_s,
             )
         )
         try:
@@ -94,8 +117,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    for module in (jobs, metrics, checkpoints, logs, workers, attempts):
+    # Chunk uploads carry their own cap (checkpoint_chunk_bytes), checked while they stream.
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_body_bytes, exempt=CHUNK_UPLOAD_PATH_RE
+    )
+    for module in (
+        jobs,
+        metrics,
+        checkpoints,
+        logs,
+        workers,
+        attempts,
+        attempt_uploads,
+        attempt_downloads,
+    ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them
     app.include_router(health.router, prefix=API_PREFIX)

@@ -45,11 +45,19 @@ class Traits:
 
 LAUNCHER_TRAITS: dict[str, Traits] = {
     "local": Traits(
-        host_gpus=True, detached=False, adopts=False, multi_node=False, title="local",
+        host_gpus=True,
+        detached=False,
+        adopts=False,
+        multi_node=False,
+        title="local",
         implementation="worker.launchers.local:LocalLauncher",
     ),
     "slurm": Traits(
-        host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm",
+        host_gpus=False,
+        detached=True,
+        adopts=True,
+        multi_node=True,
+        title="Slurm",
         implementation="worker.launchers.slurm:SlurmLauncher",
     ),
 }

@@ -142,9 +142,7 @@ def test_error_lines_are_not_wrapped_without_a_terminal(
     assert lines[0].strip().startswith(f"{field}:"), lines
 
 
-def test_csv_and_json_export_the_whole_history(
-    live_url: str, job_id: int, db: Database
-) -> None:
+def test_csv_and_json_export_the_whole_history(live_url: str, job_id: int, db: Database) -> None:
     """More points than one API page: --csv and --json page through all of them (the table
     keeps its 100-point view)."""
     with db.session() as s:

@@ -86,9 +86,7 @@ class LaunchPlan(Generic[RequestT]):
         names: a spec's text is the job's, shown elsewhere), command line, and the script if
         any."""
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
-        lines += [
-            f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())
-        ]
+        lines += [f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())]
         lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
         lines.append(" ".join(self.argv))
