@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
 from service.api import (
+    attempt_downloads,
+    attempt_uploads,
     attempts,
     checkpoints,
     docs,
@@ -28,9 +31,11 @@ from service.api import (
     sweeps,
     workers,
 )
+from service.api.checkpoint_files import checkpoint_stores
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodySizeLimit
 from service.api.schemas import job_spec_openapi_schemas
+from service.core.attempt_api import UPLOAD_CHUNK_PATH
 from service.core.config import Settings, get_settings
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
@@ -40,6 +45,11 @@ from service.web import routes as web_routes
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1"
+CHUNK_UPLOAD_PATH_RE = re.compile(
+    "^"
+    + re.escape(API_PREFIX + UPLOAD_CHUNK_PATH).replace(re.escape("{upload_id}"), "[0-9]+")
+    + "$"
+)
 STATIC_DIR = Path(__file__).resolve().parent / "web" / "static"
 
 
@@ -84,7 +94,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             gc.freeze()
         reaper = asyncio.create_task(
             reap_forever(
-                db, settings.heartbeat_interval_s, worker_retention_s=settings.worker_retention_s
+                db,
+                settings.heartbeat_interval_s,
+                worker_retention_s=settings.worker_retention_s,
+                checkpoint_stores=checkpoint_stores(app),
+                upload_stale_s=settings.checkpoint_upload_stale_s,
             )
         )
         try:
@@ -106,7 +120,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Chunk uploads carry their own cap (checkpoint_chunk_bytes), checked while they stream.
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_body_bytes, exempt=CHUNK_UPLOAD_PATH_RE
+    )
     for module in (
         jobs,
         metrics,
@@ -117,6 +134,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         goodput,
         sweeps,
         sweep_metrics,
+        attempt_uploads,
+        attempt_downloads,
     ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from service.core.attempt_api import SHA256_HEADER
 from service.core.config import Settings
 from service.core.errors import DdpqError
 
@@ -25,6 +28,20 @@ class ApiError(DdpqError):
 
     def __str__(self) -> str:
         return f"HTTP {self.status_code}: {self.detail}"
+
+
+class ChecksumMismatchError(DdpqError):
+    """A downloaded checkpoint's bytes do not have the sha256 the server recorded for it."""
+
+    status_code = 502
+    code = "checksum_mismatch"
+
+    def __init__(self, job_id: int, step: int, expected: str, actual: str) -> None:
+        super().__init__(
+            f"job {job_id}'s checkpoint at step {step} arrived with sha256 {actual}, not "
+            f"{expected or '(none sent)'}: the download was corrupted or cut short and was "
+            "deleted; download it again"
+        )
 
 
 class ApiUnreachableError(DdpqError):
@@ -292,20 +309,53 @@ class DdpqClient:
         """Absolute download URL of the checkpoint at ``step``."""
         return f"{self.base_url}{API_PREFIX}/jobs/{int(job_id)}/checkpoints/{int(step)}/file"
 
-    def download_checkpoint(self, job_id: int, step: int, dest: str | Path) -> Path:
-        """Stream the checkpoint at ``step`` into the file ``dest``; returns its path."""
+    def download_checkpoint(
+        self,
+        job_id: int,
+        step: int,
+        dest: str | Path,
+        *,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Path:
+        """Stream the checkpoint at ``step`` into the file ``dest`` and verify its sha256
+        (the server's ``X-Ddpq-Sha256``) before it takes that name: the bytes go to
+        ``dest`` + ``.part`` first, never held whole in memory. ``on_progress(done_bytes,
+        total_bytes)`` is called as blocks arrive.
+
+        Returns:
+            ``dest``.
+        Raises:
+            ApiError: the server refused (404: no such job or checkpoint).
+            ChecksumMismatchError: the bytes that arrived are not the checkpoint's (nothing
+                is left at ``dest``).
+            ApiUnreachableError: no answer, or the connection broke mid-file.
+        """
         dest = Path(dest)
+        part = dest.with_name(dest.name + ".part")
         path = f"{API_PREFIX}/jobs/{int(job_id)}/checkpoints/{int(step)}/file"
+        digest = hashlib.sha256()
         try:
             with self._http.stream("GET", path) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(response.status_code, _detail(response))
-                with dest.open("wb") as f:
-                    for chunk in response.iter_bytes():
-                        f.write(chunk)
+                expected = response.headers.get(SHA256_HEADER, "")
+                total = int(response.headers.get("content-length") or 0)
+                done = 0
+                with part.open("wb") as f:
+                    for block in response.iter_bytes():
+                        f.write(block)
+                        digest.update(block)
+                        done += len(block)
+                        if on_progress is not None:
+                            on_progress(done, total)
         except httpx.TransportError as exc:
+            part.unlink(missing_ok=True)
             raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
+        if digest.hexdigest() != expected:
+            part.unlink(missing_ok=True)
+            raise ChecksumMismatchError(job_id, step, expected, digest.hexdigest())
+        part.replace(dest)
         return dest
 
     def logs(

@@ -55,6 +55,13 @@ PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"
 # Optional, read by the rank runtime: seconds from a stop signal (cancel, preemption) to the
 # first step boundary that sees it, else the rank exits at once (worker.runtime.signals).
 STOP_GRACE_S = "DDPQ_STOP_GRACE_S"
+# Optional, read by the rank runtime (Settings.checkpoint_transport): how rank 0's checkpoints
+# reach the API's store, ``auto`` | ``shared`` | ``upload`` (worker.runtime.checkpoint_transport).
+CHECKPOINT_TRANSPORT = "DDPQ_CHECKPOINT_TRANSPORT"
+# Seconds a rank stopped by a signal (cancel, preemption, worker shutdown) waits for its stop
+# checkpoint's upload before it exits: inside the local launcher's SIGTERM→SIGKILL grace and
+# Slurm's signal lead time (DDPQ_SLURM_SIGNAL_DELAY_S, 60 s by default), with the write's time.
+STOP_UPLOAD_S = 40.0
 # The user entrypoints a rank may run (fnmatch patterns, JSON list): the ranks check a spec's
 # task against it again (Settings.allowed_entrypoints), so the worker passes its own on.
 ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"
@@ -66,7 +73,7 @@ ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"
 INHERITED_NAMES = frozenset(
     {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR", "TERM", "PYTHONPATH",
      "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", PG_TIMEOUT_S, STOP_GRACE_S,
-     ALLOWED_ENTRYPOINTS}
+     ALLOWED_ENTRYPOINTS, CHECKPOINT_TRANSPORT}
 )  # fmt: skip
 INHERITED_PREFIXES = (
     "LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "KMP_", "TORCH_",
@@ -98,6 +105,13 @@ def rank_env(
         "OMP_NUM_THREADS": str(cpus_per_task),
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def stop_upload_marker(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """The file rank 0 keeps in its attempt directory while it uploads its stop checkpoint
+    (after a stop signal): the local launcher then waits up to ``STOP_UPLOAD_S`` more before
+    it SIGKILLs the attempt."""
+    return artifacts.attempt_dir(artifact_dir, job_id, attempt) / "stop-upload"
 
 
 def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:

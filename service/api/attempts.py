@@ -28,6 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from service.api.checkpoint_files import checkpoint_stores, filesystem_store_id
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.core import attempt_api as wire
 from service.core.artifacts import artifact_relative_path
@@ -35,6 +36,12 @@ from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
 from service.store.attempt_timeline import TimelineUpdate, record_attempt_timeline
 from service.store.attempt_tokens import AttemptRef, current_state
+from service.store.checkpoint_retention import (
+    DoomedFile,
+    apply_retention,
+    delete_files,
+    pinned_steps,
+)
 from service.store.checkpoints import (
     list_checkpoints,
     mark_checkpoints_deleted,
@@ -42,6 +49,7 @@ from service.store.checkpoints import (
     record_checkpoint_failure,
 )
 from service.store.db import Database
+from service.store.init_from import describe_init_from
 from service.store.leases import check_attempt
 from service.store.metrics import record_metrics
 
@@ -207,7 +215,9 @@ def _own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
 
 @router.get(wire.SELF_PATH, response_model=wire.AttemptSelf, summary="The token's attempt")
 async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
-    """Which job and attempt the token stands for, while that attempt is current and active.
+    """Which job and attempt the token stands for, while that attempt is current and active;
+    the filesystem store's id (``store_id``: a rank whose artifact root holds the same id
+    shares the API's filesystem, any other uploads) and the job's resolved ``init_from``.
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt superseded``
     once the job was requeued, cancelled or finished.
@@ -216,7 +226,14 @@ async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
     def read() -> wire.AttemptSelf:
         with _fenced(ref), _db(request).session(write=False) as session:
             state = current_state(session, ref)
-        return wire.AttemptSelf(job_id=ref.job_id, attempt=ref.attempt, state=state.value)
+            init = describe_init_from(session, ref.job_id)
+        return wire.AttemptSelf(
+            job_id=ref.job_id,
+            attempt=ref.attempt,
+            state=state.value,
+            store_id=filesystem_store_id(request.app),
+            init_from=wire.InitFrom(**init) if init is not None else None,
+        )
 
     result: wire.AttemptSelf = await _in_thread(read)
     return result
@@ -315,8 +332,10 @@ def record_checkpoint_route(
     ref: AttemptDep,
     record: Annotated[wire.CheckpointRecord, _json_body(wire.CheckpointRecord)],
 ) -> wire.CheckpointEntry:
-    """Record a checkpoint file rank 0 wrote and verified (a re-record of a step replaces
-    it). ``path`` must resolve inside this job's artifact directory.
+    """Record a checkpoint file rank 0 wrote and verified into the API's own artifact
+    directory (a rank that shares the API's filesystem; others upload), then apply
+    retention (the server deletes what it lets go). A re-record of a step replaces it.
+    ``path`` must resolve inside this job's artifact directory.
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
     superseded`` when the attempt is not current (nothing recorded), 422 for a path
@@ -334,7 +353,11 @@ def record_checkpoint_route(
             path=path,
             size_bytes=record.size_bytes,
             sha256=record.sha256,
+            store="filesystem",
+            location=artifact_relative_path(root, path) or path,
         )
+        doomed = apply_retention(session, ref.job_id)
+    delete_files(checkpoint_stores(request.app), doomed)
     return wire.CheckpointEntry(attempt=ref.attempt, **record.model_dump() | {"path": path})
 
 
@@ -379,13 +402,20 @@ def checkpoint_deletions_route(
     """Mark this job's checkpoints at ``steps`` deleted (rotated away or found damaged);
     steps it has no checkpoint at are ignored.
 
+    Their bytes are removed from the server's store too. A step another job's ``init_from``
+    pins is kept. Retention is the server's (``checkpoint_retention``): a rank need not
+    rotate through this route any more.
+
     Caller: a rank holding the attempt token (nobody else), for its own job only; 409
     ``attempt superseded`` when the attempt is not current (nothing marked): a superseded
     attempt must not rotate away what the current one relies on.
     """
     with _fenced(ref), _db(request).session() as session:
         check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
-        mark_checkpoints_deleted(session, ref.job_id, sorted(set(deletion.steps)))
+        steps = set(deletion.steps) - pinned_steps(session, ref.job_id)
+        marked = mark_checkpoints_deleted(session, ref.job_id, sorted(steps))
+    doomed = [DoomedFile(ref.job_id, step, store, location) for step, store, location in marked]
+    delete_files(checkpoint_stores(request.app), doomed)
     return Response(status_code=204)
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path as FsPath
 from typing import Annotated
 
-from fastapi import APIRouter, Path
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Header, Path, Request
+from fastapi.responses import StreamingResponse
 
+from service.api.checkpoint_files import StoredFile, checkpoint_stores, stream_file
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
-from service.core.artifacts import confine
 from service.store.checkpoints import get_checkpoint, list_checkpoints
 from service.store.jobs import get_job
 
@@ -25,8 +24,9 @@ router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], response
     responses=ERRORS,
 )
 def checkpoints_route(job_id: JobIdPath, ctx: ContextDep) -> CheckpointListOut:
-    """Live (not rotated away) checkpoints, newest step first; ``path`` is relative to the
-    server's artifact directory."""
+    """Committed, live (not deleted by retention) checkpoints, newest step first; ``path`` is
+    relative to the server's artifact directory. A partial upload is never listed. Caller:
+    the job's owner or an admin (anyone else: 404)."""
     root = ctx.settings.resolved_artifact_dir
     with ctx.db.session(write=False) as session:
         get_job(session, job_id, owner=ctx.owner)
@@ -37,27 +37,33 @@ def checkpoints_route(job_id: JobIdPath, ctx: ContextDep) -> CheckpointListOut:
 
 @router.get(
     "/jobs/{job_id}/checkpoints/{step}/file",
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     response_model=None,
     summary="Download a checkpoint file",
-    responses={200: {"content": {"application/octet-stream": {}}}, **ERRORS},
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        206: {"description": "From the ``Range: bytes=N-`` start on"},
+        416: {"description": "The range starts beyond the file"},
+        **ERRORS,
+    },
 )
 def checkpoint_file_route(
+    request: Request,
     job_id: JobIdPath,
     step: Annotated[int, Path(ge=0, le=MAX_INT64, description="Global step.")],
     ctx: ContextDep,
-) -> FileResponse:
-    """The checkpoint file written at ``step`` (only files inside the artifact directory are
-    served; a recorded path outside it answers 404)."""
+    range_header: Annotated[str | None, Header(alias="Range")] = None,
+) -> StreamingResponse:
+    """The committed checkpoint at ``step``, streamed from whichever store holds it
+    (``Range: bytes=N-`` resumes); ``X-Ddpq-Sha256`` (and ``X-Checkpoint-Sha256``) carry its
+    sha256. Caller: the job's owner or an admin (anyone else: 404, as for a job that does
+    not exist); an attempt token is 401."""
     with ctx.db.session(write=False) as session:
         get_job(session, job_id, owner=ctx.owner)
-        ckpt = get_checkpoint(session, job_id, step)
-        stored, sha256 = FsPath(ckpt.path), ckpt.sha256
-    root = ctx.settings.resolved_artifact_dir
-    path = confine(root, stored if stored.is_absolute() else root / stored)
-    return FileResponse(
-        path,
-        media_type="application/octet-stream",
+        stored = StoredFile.of(get_checkpoint(session, job_id, step))
+    return stream_file(
+        checkpoint_stores(request.app),
+        stored,
+        range_header,
         filename=f"job-{job_id}-step-{step}.pt",
-        headers={"X-Checkpoint-Sha256": sha256},
     )

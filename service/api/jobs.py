@@ -29,6 +29,7 @@ from service.core.spec import JobSpec, validate_spec
 from service.core.spec_text import display_text
 from service.core.states import JobState
 from service.store.db import Database
+from service.store.init_from import resolve_init_from, same_submission
 from service.store.job_view import get_job_view
 from service.store.jobs import (
     cancel_job,
@@ -40,6 +41,7 @@ from service.store.jobs import (
 )
 from service.store.queue_explain import JobShape, submit_warnings
 from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.tokens import Caller
 
 router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -102,31 +104,38 @@ def etag_response(request: Request, model: BaseModel) -> Response:
 def _store(
     db: Database,
     spec: JobSpec,
-    owner: str,
+    caller: Caller,
     idempotency_key: str | None,
     per_minute: int | None,
     heartbeat_interval_s: float,
 ) -> tuple[SubmittedJobOut, bool]:
-    """Queue ``spec``; a replayed ``idempotency_key`` must come with the same spec. A new
-    job counts against the owner's ``per_minute`` submissions (a replay does not; None: no
-    limit). A new job no registered worker could ever run comes with a warning.
+    """Queue ``spec`` for ``caller``; a replayed ``idempotency_key`` must come with the same
+    spec. A new job counts against the owner's ``per_minute`` submissions (a replay does
+    not; None: no limit). An ``init_from`` is resolved to one committed checkpoint of a job
+    the caller may read. A new job no registered worker could ever run comes with a warning.
 
     Raises:
-        SpecValidationError: the key was used before for a different spec (422).
+        SpecValidationError: the key was used before for a different spec (422); the
+            ``init_from`` names no job of the caller's or no committed checkpoint of it.
         HTTPException: 429 with ``Retry-After`` (seconds): over the owner's rate limit.
     """
+    owner = caller.owner
     with db.session() as session:
-        if per_minute is not None and (
-            idempotency_key is None
-            or find_job_by_idempotency_key(session, owner, idempotency_key) is None
-        ):
+        replay = (
+            find_job_by_idempotency_key(session, owner, idempotency_key)
+            if idempotency_key is not None
+            else None
+        )
+        if replay is None:
+            spec = resolve_init_from(session, spec, owner=caller.owner_filter)
+        if per_minute is not None and replay is None:
             try:
                 check_submission_rate(session, owner, per_minute=per_minute)
             except RateLimitedError as exc:
                 headers = {"Retry-After": str(exc.retry_after_s)}
                 raise HTTPException(429, exc.detail, headers=headers) from None
         job, created = submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)
-        if not created and job.spec != spec.model_dump(mode="json"):
+        if not created and not same_submission(job.spec, spec):
             raise SpecValidationError(
                 [
                     {
@@ -230,7 +239,7 @@ async def submit(
         _store,
         ctx.db,
         spec,
-        ctx.caller.owner,
+        ctx.caller,
         idempotency_key,
         per_minute,
         ctx.settings.heartbeat_interval_s,

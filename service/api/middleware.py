@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,13 +13,20 @@ log = logging.getLogger(__name__)
 
 class BodySizeLimit:
     """ASGI middleware: answer 413 to a request body over ``max_bytes`` bytes, before the app
-    sees any of it (checked on Content-Length and again while the body streams in)."""
+    sees any of it (checked on Content-Length and again while the body streams in).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    PUTs to a path matching ``exempt`` pass untouched and unbuffered: routes that stream
+    their body and enforce a cap of their own (checkpoint chunks)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: re.Pattern[str] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._exempt(scope):
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -55,6 +63,14 @@ class BodySizeLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    def _exempt(self, scope: Scope) -> bool:
+        return (
+            scope["type"] == "http"
+            and scope["method"] == "PUT"
+            and self.exempt is not None
+            and self.exempt.match(scope["path"]) is not None
+        )
 
     async def _reject(self, scope: Scope, send: Send) -> None:
         log.warning(

@@ -195,6 +195,9 @@ class CheckpointOut(_Out):
         description="File path relative to the server's artifact directory "
         "(jobs/<id>/checkpoints/step-<step>.pt); null if recorded outside it.",
     )
+    store: str = Field(
+        default="filesystem", description="Where the bytes are: 'filesystem' or 'database'."
+    )
 
 
 class CheckpointListOut(_Out):
@@ -454,6 +457,7 @@ def checkpoint_out(ckpt: Checkpoint, artifact_dir: Path | None = None) -> Checkp
         sha256=ckpt.sha256,
         created_at=ckpt.created_at,
         path=path,
+        store=ckpt.store,
     )
 
 

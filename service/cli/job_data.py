@@ -1,5 +1,6 @@
-"""The `ddpq` commands that list what jobs and workers recorded (events, checkpoints, workers),
-as tables or, with --json, as the API's response bodies; registered on the app."""
+"""The `ddpq` commands that list what jobs and workers recorded (events, workers), as tables
+or, with --json, as the API's response bodies; registered on the app. `ddpq checkpoints`
+(list and download) is in cli.checkpoints and uses ``checkpoints_table`` from here."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from service.cli.output import (
 
 def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
     """A job's checkpoints, newest step first: step, epoch (``epoch_number``: 1-based),
-    attempt, size, time and the file's path under the server's artifact directory."""
-    table = Table("step", "epoch", "attempt", "size", "created", "path", title=f"job {job_id}")
+    attempt, size, the sha256's first 12 hex digits, time, and the store holding it."""
+    table = Table(
+        "step", "epoch", "attempt", "size", "sha256", "created", "store", title=f"job {job_id}"
+    )  # fmt: skip
     for c in checkpoints:
         table.add_row(
             cell(c["step"]), cell(epoch_number(c)), cell(c["attempt"]),
-            cell(format_bytes(c["size_bytes"])), cell(short_time(c["created_at"])),
-            cell(c.get("path") or ""),
+            cell(format_bytes(c["size_bytes"])), cell(str(c["sha256"])[:12]),
+            cell(short_time(c["created_at"])), cell(c.get("store") or "filesystem"),
         )  # fmt: skip
     if not checkpoints:
         table.caption = "no checkpoints yet"
@@ -62,21 +65,6 @@ def events(
         print_json({"events": job_events})
         return
     out.print(events_table(job_events))
-
-
-@app.command()
-def checkpoints(
-    job_id: Annotated[int, typer.Argument(help="Job id.")],
-    as_json: Annotated[bool, JSON_OPTION] = False,
-) -> None:
-    """Print a job's checkpoints, newest step first. --json: {"checkpoints": [...]}
-    (epoch 0-based there, as the API gives it)."""
-    with friendly_errors():
-        job_checkpoints = make_client().checkpoints(job_id)
-    if as_json:
-        print_json({"checkpoints": job_checkpoints})
-        return
-    out.print(checkpoints_table(job_id, job_checkpoints))
 
 
 @app.command("workers")

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from service.cli import checkpoints as cli_checkpoints  # noqa: F401 (registers its command)
 from service.cli import job_data as cli_job_data  # noqa: F401 (registers its commands)
 from service.cli import jobs as cli_jobs
 from service.cli import sweeps as cli_sweeps  # noqa: F401 (registers `ddpq sweep`)

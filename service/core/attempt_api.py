@@ -92,6 +92,11 @@ class AttemptSelf(_Wire):
     job_id: int
     attempt: int
     state: str
+    # The id of the API's filesystem checkpoint store (the content of STORE_ID_FILE under
+    # the API's artifact root), or None when checkpoints go to another store: a rank whose
+    # artifact root holds the same id shares the API's filesystem; any other rank uploads.
+    store_id: str | None = None
+    init_from: InitFrom | None = None
 
 
 class MetricBatch(_Wire):
@@ -183,3 +188,78 @@ class AttemptTimeline(_Wire):
     training_started_at_s: float | None = Field(default=None, ge=0, le=1e11)
     checkpoint_stall_s: float | None = Field(default=None, ge=0, le=MAX_SECONDS)
     checkpoint_saves: int | None = Field(default=None, ge=0, le=2**31 - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint uploads and downloads: how checkpoints cross hosts that share no filesystem.
+#
+# 1. POST UPLOADS_PATH UploadStart → 201 UploadStatus (200 with the same upload when
+#    (attempt, step, sha256) was begun before: an interrupted upload resumes at
+#    ``received_bytes``). Beginning a newer step's upload abandons older pending ones of the
+#    same attempt (only the newest checkpoint needs to go).
+# 2. PUT UPLOAD_CHUNK_PATH.format(upload_id=…)?offset=N, body the raw bytes
+#    (application/octet-stream, at most ``chunk_bytes`` of UploadStatus), header
+#    CHUNK_SHA256_HEADER = sha256 hex of the body → 200 UploadStatus. 409 UploadStatus-shaped
+#    detail when ``offset`` is not ``received_bytes`` (seek there and go on); 422 when the body
+#    does not match its sha256 or is too big (nothing kept: send it again). The body is
+#    streamed, never held whole; the API's JSON body-size cap does not apply, this one does.
+# 3. GET UPLOAD_PATH → UploadStatus (where to resume after an error).
+# 4. POST UPLOAD_COMMIT_PATH → 201 CheckpointEntry once every byte arrived and the whole
+#    file's sha256 matches UploadStart.sha256: only then is the checkpoint row written (the
+#    row is the only "latest" pointer) and retention applied. 422 when the sha256 does not
+#    match (the upload is discarded and a checkpoint-failure event written).
+# 5. GET CHECKPOINT_FILE_PATH.format(step=…) streams a committed checkpoint of the job (for
+#    resume on a host without the file); ``Range: bytes=N-`` resumes a download; the
+#    SHA256_HEADER response header carries the sha256 to verify before use.
+#    GET INIT_FILE_PATH streams the checkpoint named by the job's ``init_from``.
+# All of them: attempt token only, 409 ``attempt superseded`` when not current.
+# ---------------------------------------------------------------------------------------------
+UPLOADS_PATH = f"{ATTEMPT_PREFIX}/uploads"
+UPLOAD_PATH = f"{ATTEMPT_PREFIX}/uploads/{{upload_id}}"
+UPLOAD_CHUNK_PATH = f"{ATTEMPT_PREFIX}/uploads/{{upload_id}}/chunks"
+UPLOAD_COMMIT_PATH = f"{ATTEMPT_PREFIX}/uploads/{{upload_id}}/commit"
+CHECKPOINT_FILE_PATH = f"{ATTEMPT_PREFIX}/checkpoints/{{step}}/file"
+INIT_FILE_PATH = f"{ATTEMPT_PREFIX}/init-checkpoint/file"
+CHUNK_SHA256_HEADER = "X-Ddpq-Chunk-Sha256"
+SHA256_HEADER = "X-Ddpq-Sha256"
+# The chunk size a client should use unless the server's UploadStatus says otherwise.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+# A file the filesystem store writes at its root, holding a random id (see AttemptSelf).
+STORE_ID_FILE = ".ddpq-store-id"
+
+
+class UploadStart(_Wire):
+    """``POST /attempts/self/uploads``: a checkpoint file rank 0 wrote locally and will send."""
+
+    step: Step
+    epoch: int = Field(ge=0, le=MAX_EPOCH)
+    size_bytes: int = Field(ge=0, le=MAX_SIZE_BYTES)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class UploadStatus(_Wire):
+    """Where an upload stands: ``received_bytes`` of ``size_bytes`` arrived (the next chunk
+    goes at that offset); ``state`` is ``receiving`` | ``committed`` | ``abandoned``;
+    ``chunk_bytes`` is the most one chunk may carry."""
+
+    upload_id: int
+    step: int
+    size_bytes: int
+    received_bytes: int
+    chunk_bytes: int
+    state: str
+
+
+class InitFrom(_Wire):
+    """What ``GET /attempts/self`` says about the job's ``init_from``, resolved at submit:
+    the source job's committed checkpoint to start from, and what to load from it
+    (``weights_only``: the model; ``full``: model, optimizer and step count)."""
+
+    job_id: int
+    step: int
+    sha256: str
+    size_bytes: int
+    mode: str
+
+
+AttemptSelf.model_rebuild()

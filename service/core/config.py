@@ -113,6 +113,44 @@ class Settings(BaseSettings):
         "process writes at once; more answer 429 with Retry-After (the rank sends again).",
     )
 
+    checkpoint_transport: Literal["auto", "shared", "upload"] = Field(
+        default="auto",
+        description="How rank 0's checkpoints reach the API: 'shared' (the API reads the file "
+        "on a filesystem both see), 'upload' (streamed through the attempt API), or 'auto' "
+        "(shared when the rank's artifact dir holds the API's store id, else upload).",
+    )
+    # Checkpoints (service.store.checkpoint_store): where uploaded checkpoint files go.
+    checkpoint_store: Literal["filesystem", "database"] = Field(
+        default="filesystem",
+        description="Where the API keeps checkpoints that ranks upload: 'filesystem' (the "
+        "artifact directory) or 'database' (chunked rows; small models and CI).",
+    )
+    checkpoint_chunk_bytes: int = Field(
+        default=16 * 2**20,
+        ge=64 * 2**10,
+        le=256 * 2**20,
+        description="Most bytes one uploaded checkpoint chunk may carry (a chunk PUT has this "
+        "cap instead of DDPQ_MAX_BODY_BYTES); the database store keeps one row per chunk.",
+    )
+    checkpoint_db_max_bytes: int = Field(
+        default=2 * 2**30,
+        ge=1,
+        description="Largest checkpoint file the database store accepts (bytes); a bigger "
+        "upload is refused at its start (HTTP 413).",
+    )
+    checkpoint_upload_stale_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds an upload may go without a chunk before the API's reaper "
+        "abandons it and discards its partial file.",
+    )
+    checkpoint_corrupt_chunk_n: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tests only: flip one byte of the Nth checkpoint chunk this API process "
+        "receives (1-based), as a network fault would; the chunk is then refused.",
+    )
+
     @property
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to the embedded SQLite file under ``home``."""

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -126,6 +127,42 @@ class SlurmOptions(_Part):
     extra: dict[str, str] = Field(default_factory=dict)
 
 
+def _step_or_latest(value: Any) -> Any:
+    # One message instead of one per member of the union.
+    if isinstance(value, str) and value != "latest":
+        raise ValueError(f'step must be a step number or "latest", not {value!r}')
+    return value
+
+
+class InitFrom(_Part):
+    """Start from another job's committed checkpoint (fine-tuning, or resuming at another
+    ``nnodes``/``nproc_per_node``: a checkpoint holds the unwrapped model). Checked at submit:
+    the caller must own ``job`` (or be an admin) and it must have a committed checkpoint at
+    ``step``; ``"latest"`` is resolved to its newest step then, and ``sha256`` filled in, so
+    the stored spec names exactly one file."""
+
+    job: int = Field(ge=1, le=2**63 - 1, description="The source job's id.")
+    step: Annotated[int | Literal["latest"], BeforeValidator(_step_or_latest)] = Field(
+        default="latest", description='A step of a committed checkpoint of the job, or "latest".'
+    )
+    mode: Literal["weights_only", "full"] = Field(
+        default="weights_only",
+        description="weights_only: load the model; full: also the optimizer and step count.",
+    )
+    sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The checkpoint's sha256, filled in at submit; give it to insist on "
+        "exactly that file.",
+    )
+
+    @model_validator(mode="after")
+    def _step_in_range(self) -> InitFrom:
+        if isinstance(self.step, int) and not 0 <= self.step <= MAX_STEP:
+            raise ValueError(f'init_from.step must be 0–{MAX_STEP} or "latest"')
+        return self
+
+
 class JobSpec(_Part):
     """A training job as submitted. See DESIGN.md "Job spec"."""
 
@@ -144,6 +181,7 @@ class JobSpec(_Part):
     max_restarts: int = Field(default=0, ge=0, le=100)
     priority: int = Field(default=0, ge=-1000, le=1000)
     tags: list[str] = Field(default_factory=list, max_length=50)
+    init_from: InitFrom | None = None
 
     @property
     def resolved_backend(self) -> Literal["nccl", "gloo"]:

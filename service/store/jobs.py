@@ -59,6 +59,13 @@ def submit_job(
         priority=spec.priority,
         attempt=1,
         idempotency_key=idempotency_key,
+        # Resolved by ``init_from.resolve_init_from`` (a concrete step) before it gets here.
+        init_from_job_id=spec.init_from.job if spec.init_from is not None else None,
+        init_from_step=(
+            spec.init_from.step
+            if spec.init_from is not None and isinstance(spec.init_from.step, int)
+            else None
+        ),
     )
     try:
         with session.begin_nested():

@@ -1,5 +1,6 @@
 """SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded),
-job_attempts, checkpoints, api_tokens, attempt_tokens, sweeps, sweep_trials.
+job_attempts, checkpoints (with checkpoint_uploads and checkpoint_chunks), api_tokens,
+attempt_tokens, sweeps, sweep_trials.
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -19,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     SmallInteger,
@@ -109,9 +111,14 @@ class Job(Base):
     # deleted, and sweep_trials.job_id points back with a real key.
     sweep_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     trial_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The spec's init_from, resolved at submit (a concrete step): the source job's checkpoint
+    # that this job starts from, pinned against the source's retention while this job runs.
+    init_from_job_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    init_from_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),
+        Index("ix_jobs_init_from_job_id", "init_from_job_id"),
         Index("ix_jobs_owner_id", "owner", "id"),
         Index("ix_jobs_worker_id", "worker_id"),
         # AUTOINCREMENT: SQLite never hands out an id again, even after the newest job is
@@ -242,7 +249,14 @@ class JobAttempt(Base):
 
 
 class Checkpoint(Base):
-    """A checkpoint file written by rank 0, with its size and sha256."""
+    """A committed checkpoint of a job, with its size and sha256: the only "latest" pointer
+    (a row exists only once the whole file is in its store and verified).
+
+    ``store`` names the backend holding the bytes (``filesystem`` | ``database``) and
+    ``location`` where in it (a path relative to the artifact root; an upload id); ``path``
+    is the file's name under an artifact root (``jobs/<id>/checkpoints/step-<step>.pt``, or
+    where a rank sharing the API's filesystem recorded it). ``resumed_by_attempt`` is the last
+    attempt that downloaded it to resume (retention keeps it for that attempt)."""
 
     __tablename__ = "checkpoints"
 
@@ -256,8 +270,52 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    store: Mapped[str] = mapped_column(
+        String(16), default="filesystem", server_default="filesystem"
+    )
+    location: Mapped[str] = mapped_column(Text, default="", server_default="")
+    committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    resumed_by_attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+
+class CheckpointUpload(Base):
+    """A checkpoint file on its way from rank 0 to a store, chunk by chunk: ``received_bytes``
+    of ``size_bytes`` have arrived. ``state``: ``receiving`` → ``committed`` (its checkpoints
+    row written) or ``abandoned`` (superseded, corrupt, stale; its bytes discarded)."""
+
+    __tablename__ = "checkpoint_uploads"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    received_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    state: Mapped[str] = mapped_column(String(16), default="receiving")
+    store: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (Index("ix_checkpoint_uploads_job_id_state", "job_id", "state"),)
+
+
+class CheckpointChunk(Base):
+    """One chunk of a checkpoint file kept by the database store: bytes ``offset_bytes`` to
+    ``offset_bytes + len(data)`` of upload ``upload_id``'s file."""
+
+    __tablename__ = "checkpoint_chunks"
+
+    upload_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("checkpoint_uploads.id", ondelete="CASCADE")
+    )
+    offset_bytes: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (PrimaryKeyConstraint("upload_id", "offset_bytes"),)
 
 
 class ApiToken(Base):

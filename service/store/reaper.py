@@ -1,4 +1,5 @@
-"""The API's reaper: lost workers' jobs are requeued even when no worker is running.
+"""The API's reaper: lost workers' jobs are requeued even when no worker is running, and
+orphaned checkpoint uploads are cleaned (``checkpoint_uploads.orphaned_uploads``).
 
 Workers reap on every tick too (``worker.loop``); the API runs the same
 ``leases.requeue_expired_jobs`` every ``heartbeat_interval_s`` seconds so that a job whose only
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
 from service.store import jobs, leases
+from service.store.checkpoint_store import CheckpointStore
+from service.store.checkpoint_uploads import orphaned_uploads
 from service.store.db import Database
 from service.store.sweep_progress import advance_sweeps, has_running_sweeps
 from service.store.worker_rows import prune_stopped_workers
@@ -24,16 +28,24 @@ log = logging.getLogger(__name__)
 
 # Settings.worker_retention_s's default (7 days), for callers that pass no setting.
 DEFAULT_WORKER_RETENTION_S: float = Settings.model_fields["worker_retention_s"].default
+DEFAULT_UPLOAD_STALE_S: float = Settings.model_fields["checkpoint_upload_stale_s"].default
 
 
 def reap_once(
-    db: Database, *, worker_retention_s: float = DEFAULT_WORKER_RETENTION_S
+    db: Database,
+    *,
+    worker_retention_s: float = DEFAULT_WORKER_RETENTION_S,
+    checkpoint_stores: Mapping[str, CheckpointStore] | None = None,
+    upload_stale_s: float = DEFAULT_UPLOAD_STALE_S,
 ) -> list[jobs.Transition]:
     """Requeue (or cancel, if flagged) the jobs whose lease expired; the transitions made.
     Then delete the rows of workers stopped more than ``worker_retention_s`` seconds ago
     (``worker_rows.prune_stopped_workers``), in a transaction of its own so a failed prune
-    never undoes a requeue. Last, running sweeps move on (``sweep_progress.advance_sweeps``:
-    max_failed, ASHA early stopping, end states), in a transaction of their own too."""
+    never undoes a requeue. Then running sweeps move on (``sweep_progress.advance_sweeps``:
+    max_failed, ASHA early stopping, end states), in a transaction of their own too. With
+    ``checkpoint_stores``, abandon the uploads nobody will finish (superseded attempt,
+    finished job, no chunk for ``upload_stale_s`` seconds) and drop their partial bytes from
+    the stores."""
     with db.session() as session:
         reaped = leases.requeue_expired_jobs(session)
     with db.session() as session:
@@ -46,11 +58,31 @@ def reap_once(
         with db.session() as session:
             for line in advance_sweeps(session):
                 log.info("reaper: %s", line)
+    if checkpoint_stores is not None:
+        reap_uploads(db, checkpoint_stores, stale_s=upload_stale_s)
     return reaped
 
 
+def reap_uploads(db: Database, stores: Mapping[str, CheckpointStore], *, stale_s: float) -> int:
+    """Abandon and clean orphaned checkpoint uploads; how many partials were dropped."""
+    with db.session() as session:
+        discards = orphaned_uploads(session, stale_s=stale_s)
+    for d in discards:
+        store = stores.get(d.store)
+        if store is not None:
+            store.discard(d.key)
+    if discards:
+        log.info("reaper: dropped %d abandoned checkpoint upload(s)", len(discards))
+    return len(discards)
+
+
 async def reap_forever(
-    db: Database, interval_s: float, *, worker_retention_s: float = DEFAULT_WORKER_RETENTION_S
+    db: Database,
+    interval_s: float,
+    *,
+    worker_retention_s: float = DEFAULT_WORKER_RETENTION_S,
+    checkpoint_stores: Mapping[str, CheckpointStore] | None = None,
+    upload_stale_s: float = DEFAULT_UPLOAD_STALE_S,
 ) -> None:
     """``reap_once`` every ``interval_s`` seconds until cancelled; a database outage is
     logged and retried at the next interval, never raised."""
@@ -58,7 +90,12 @@ async def reap_forever(
         await asyncio.sleep(interval_s)
         try:
             reaped = await run_in_threadpool(
-                lambda: reap_once(db, worker_retention_s=worker_retention_s)
+                lambda: reap_once(
+                    db,
+                    worker_retention_s=worker_retention_s,
+                    checkpoint_stores=checkpoint_stores,
+                    upload_stale_s=upload_stale_s,
+                )
             )
         except DatabaseUnavailableError as exc:
             log.warning("reaper: database unavailable (%s); retrying in %.1f s", exc, interval_s)

@@ -33,7 +33,7 @@ from service.store.models import Job, Metric
 from service.store.workers import register_worker
 from tests.rank_api import live_api, prepare_attempt
 from worker import attempt as contract
-from worker.runtime.checkpointing import file_sha256
+from worker.runtime.checkpoint_files import file_sha256
 from worker.tasks.digits import build_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -204,7 +204,8 @@ def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: 
     listed = api.get(f"{API}/jobs/{job_id}/checkpoints").json()["checkpoints"]
     assert [c["step"] for c in listed] == [20, 10]
     assert set(listed[0]) == {
-        "step", "epoch", "epoch_number", "attempt", "size_bytes", "sha256", "created_at", "path"
+        "step", "epoch", "epoch_number", "attempt", "size_bytes", "sha256", "created_at", "path",
+        "store",
     }  # fmt: skip
     assert [c["path"] for c in listed] == [
         f"jobs/{job_id}/checkpoints/step-20.pt",

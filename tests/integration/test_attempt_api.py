@@ -146,10 +146,14 @@ def test_a_rank_writes_its_own_job_and_opens_no_user_route(
     token = mint(db, a)
     rank = bearer(token)
 
-    assert api.get(API + wire.SELF_PATH, headers=rank).json() == {
+    me = api.get(API + wire.SELF_PATH, headers=rank).json()
+    store_id = (auth_settings.resolved_artifact_dir / wire.STORE_ID_FILE).read_text().strip()
+    assert me == {
         "job_id": a,
         "attempt": 1,
         "state": "starting",
+        "store_id": store_id,
+        "init_from": None,
     }
     batch = {
         "points": [

@@ -17,6 +17,7 @@ from torch import nn
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.core.spec import JobSpec
 from service.core.states import JobState
 from service.store.checkpoints import list_checkpoints
 from service.store.db import Database
@@ -24,15 +25,9 @@ from service.store.jobs import Transition, apply_transition, list_events
 from service.store.models import Checkpoint
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpointing import (
-    Checkpointer,
-    CheckpointWriteError,
-    NullCheckpointer,
-    file_sha256,
-    find_resume_checkpoint,
-    load_checkpoint_file,
-    make_checkpointer,
-)
+from worker.runtime.checkpoint_fetch import find_resume_checkpoint
+from worker.runtime.checkpoint_files import CheckpointWriteError, file_sha256, load_checkpoint_file
+from worker.runtime.checkpointing import Checkpointer, NullCheckpointer, make_checkpointer
 from worker.runtime.topology import RankEnv
 
 
@@ -61,6 +56,15 @@ def job(db: Database) -> tuple[int, int]:
 
 
 @pytest.fixture
+def job_keep1(db: Database) -> tuple[int, int]:
+    """A running job whose spec keeps one checkpoint (the service rotates at each record)."""
+    spec = JobSpec.model_validate(
+        {"name": "t", "task": "regression", "training": {"keep_checkpoints": 1}}
+    )
+    return running_job(db, spec)
+
+
+@pytest.fixture
 def artifact_dir(settings: Settings) -> Path:
     return settings.resolved_artifact_dir
 
@@ -86,8 +90,13 @@ def test_make_checkpointer_picks_by_rank(
 
 
 def test_write_is_atomic_recorded_rotated_and_loads_strictly(
-    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
+    db: Database, api: LiveApi, artifact_dir: Path
 ) -> None:
+    """Rotation is the service's (``training.keep_checkpoints``, here 2), at each record."""
+    spec = JobSpec.model_validate(
+        {"name": "t", "task": "regression", "training": {"keep_checkpoints": 2}}
+    )
+    job = running_job(db, spec)
     job_id, attempt = job
     model = tiny_model()
     ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=2)
@@ -255,8 +264,9 @@ def disk_state(model: nn.Module, step: int) -> dict[str, object]:
 
 
 def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
-    db: Database, job: tuple[int, int], small_disk: Path, disk_api: LiveApi
+    db: Database, job_keep1: tuple[int, int], small_disk: Path, disk_api: LiveApi
 ) -> None:
+    job = job_keep1
     job_id, attempt = job
     torch.manual_seed(0)
     model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
@@ -297,8 +307,9 @@ def test_full_disk_fails_the_write_keeps_the_previous_and_training_goes_on(
 
 
 def test_a_final_checkpoint_on_a_full_disk_is_reported_by_close(
-    db: Database, job: tuple[int, int], small_disk: Path, disk_api: LiveApi
+    db: Database, job_keep1: tuple[int, int], small_disk: Path, disk_api: LiveApi
 ) -> None:
+    job = job_keep1
     job_id, attempt = job
     model = nn.Linear(DISK_MODEL_WIDTH, DISK_MODEL_WIDTH)
     fill_disk(small_disk, leave_bytes=64 << 10)

@@ -16,7 +16,8 @@ from service.core.config import Settings
 from service.store.db import Database
 from tests.rank_api import LiveApi, attempt_client, live_api
 from tests.rank_api import running_job as start_running_job
-from worker.runtime.checkpointing import Checkpointer, load_checkpoint_file
+from worker.runtime.checkpoint_files import load_checkpoint_file
+from worker.runtime.checkpointing import Checkpointer
 from worker.runtime.snapshot import SnapshotPool, state_layout
 
 

@@ -42,9 +42,11 @@ from worker.attempt import (
     ALLOWED_ENTRYPOINTS,
     API_URL,
     ARTIFACT_DIR,
+    STOP_UPLOAD_S,
     FailureReason,
     attempt_tags,
     rank_env,
+    stop_upload_marker,
 )
 from worker.errors import LaunchError
 from worker.launchers.attempt_dir import prepare_attempt_dir
@@ -53,7 +55,7 @@ from worker.launchers.failure_text import attempt_failure
 from worker.launchers.preflight import entrypoint_setup_failure
 from worker.launchers.process_groups import kill_attempt, term_and_wait
 from worker.launchers.rank_user import RankUser, popen_identity, process_env, resolve_rank_user
-from worker.processes import parent_death_preexec
+from worker.processes import find_tagged_processes, parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -354,8 +356,16 @@ class LocalLauncher:
         return now - run.error_seen_mono >= self.failure_grace_s
 
     def _terminate(self, run: _LocalRun, *, grace_s: float) -> None:
-        """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds."""
+        """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds, or up to
+        ``STOP_UPLOAD_S`` later while rank 0 still uploads its stop checkpoint (its marker
+        file, ``stop_upload_marker``: the checkpoint must reach the API before it exits)."""
         term_and_wait(run.popen, run.tags, grace_s)
+        marker = stop_upload_marker(self.artifact_dir, run.plan.job_id, run.plan.attempt)
+        deadline = time.monotonic() + STOP_UPLOAD_S
+        while marker.exists() and time.monotonic() < deadline:
+            if run.popen.poll() is not None and not find_tagged_processes(run.tags):
+                break
+            time.sleep(0.1)
         self._kill_leftovers(run)
 
     def _kill_leftovers(self, run: _LocalRun) -> None:

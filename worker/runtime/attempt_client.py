@@ -17,10 +17,11 @@ Error protocol (``raise_for_answer``):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -63,6 +64,27 @@ class AttemptRequestError(DdpqError):
 
     status_code = 422
     code = "attempt_request_refused"
+
+
+class UploadOffsetError(DdpqError):
+    """A chunk was sent at another offset than the server's ``received_bytes`` (409 with an
+    UploadStatus as its detail): seek to ``status.received_bytes`` and go on."""
+
+    status_code = 409
+    code = "upload_offset"
+
+    def __init__(self, status: wire.UploadStatus) -> None:
+        self.status = status
+        super().__init__(f"upload {status.upload_id} is at byte {status.received_bytes}")
+
+
+def _upload_status_of(response: httpx.Response) -> wire.UploadStatus | None:
+    """The UploadStatus in a 409's ``detail`` (an offset mismatch), else None (the fence)."""
+    try:
+        detail = response.json().get("detail")
+        return wire.UploadStatus.model_validate(detail) if isinstance(detail, dict) else None
+    except (ValueError, AttributeError, ValidationError):
+        return None
 
 
 def _detail(response: httpx.Response) -> str:
@@ -201,18 +223,96 @@ class AttemptClient:
         resend: the first resume step told is kept)."""
         self._call("POST", wire.TIMELINE_PATH, None, timeline)
 
-    # -- plumbing ------------------------------------------------------------------------------
-    def _call(
-        self,
-        method: str,
-        path: str,
-        answer: type[_Answer] | None,
-        body: BaseModel | None = None,
-    ) -> Any:
-        content = body.model_dump_json().encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
+    # -- uploads and downloads (hosts without a shared filesystem) -------------------------------
+    def begin_upload(self, start: wire.UploadStart) -> wire.UploadStatus:
+        """``POST /attempts/self/uploads``: begin (or find again) the upload of one checkpoint
+        file; ``received_bytes`` says where to go on."""
+        return self._call("POST", wire.UPLOADS_PATH, wire.UploadStatus, start)
+
+    def upload_status(self, upload_id: int) -> wire.UploadStatus:
+        """``GET /attempts/self/uploads/{id}``: where an upload stands (resume point)."""
+        return self._call("GET", wire.UPLOAD_PATH.format(upload_id=upload_id), wire.UploadStatus)
+
+    def send_chunk(self, upload_id: int, offset: int, data: bytes) -> wire.UploadStatus:
+        """``PUT /attempts/self/uploads/{id}/chunks?offset=N``: ``data`` (at most the upload's
+        ``chunk_bytes``) with its sha256 in ``CHUNK_SHA256_HEADER``.
+
+        Raises:
+            UploadOffsetError: the server holds another offset (its status is attached).
+            ApiUnavailableError, StaleAttemptError, AttemptRequestError: as ``_call``; a 422
+                means the chunk arrived damaged or too big and nothing was kept.
+        """
+        path = wire.UPLOAD_CHUNK_PATH.format(upload_id=upload_id)
+        headers = {
+            "Content-Type": "application/octet-stream",
+            wire.CHUNK_SHA256_HEADER: hashlib.sha256(data).hexdigest(),
+        }
+        response = self._send("PUT", path, content=data, headers=headers, offset=offset)
+        if response.status_code == 409:
+            status = _upload_status_of(response)
+            if status is not None:
+                raise UploadOffsetError(status)
+        raise_for_answer(response)
+        return self._parse("PUT", path, response, wire.UploadStatus)
+
+    def commit_upload(self, upload_id: int) -> wire.CheckpointEntry:
+        """``POST /attempts/self/uploads/{id}/commit``: every byte arrived; the service checks
+        the whole file's sha256 and writes the checkpoint row (the only "latest" pointer).
+
+        Raises:
+            UploadOffsetError: bytes are missing (the server lost some: resend from its
+                ``received_bytes``).
+            AttemptRequestError: 422, the whole file's sha256 did not match (discarded).
+        """
+        path = wire.UPLOAD_COMMIT_PATH.format(upload_id=upload_id)
+        response = self._send("POST", path, content=None, headers=None)
+        if response.status_code == 409:
+            status = _upload_status_of(response)
+            if status is not None:
+                raise UploadOffsetError(status)
+        raise_for_answer(response)
+        return self._parse("POST", path, response, wire.CheckpointEntry)
+
+    def download(self, path: str, out: BinaryIO, offset: int = 0) -> str | None:
+        """Stream ``GET path`` (``CHECKPOINT_FILE_PATH`` or ``INIT_FILE_PATH``) into ``out``
+        from byte ``offset`` (``Range: bytes=offset-``), as the bytes arrive: never the whole
+        file in memory. ``out`` must be positioned at ``offset``.
+
+        Returns:
+            The file's sha256 from ``SHA256_HEADER`` (None when the server sent none).
+        Raises:
+            ApiUnavailableError: no answer, 5xx, a cut stream (resume from ``out.tell()``),
+                or a server that ignored the Range (answered 200 to ``offset > 0``).
+            StaleAttemptError, AttemptRequestError: as ``raise_for_answer``.
+        """
+        headers = {"Range": f"bytes={offset}-"} if offset > 0 else None
         try:
-            response = self._http.request(method, path, content=content, headers=headers)
+            with self._http.stream("GET", path, headers=headers) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise_for_answer(response)
+                if offset > 0 and response.status_code != 206:
+                    raise ApiUnavailableError(
+                        f"GET {path}: answered {response.status_code} to a Range request"
+                    )
+                for block in response.iter_bytes():  # as it arrives: a cut loses nothing read
+                    out.write(block)
+                return response.headers.get(wire.SHA256_HEADER)
+        except httpx.TimeoutException as exc:
+            raise ApiUnavailableError(f"GET {path}: timed out ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise ApiUnavailableError(
+                f"GET {path}: cut off from {self.api_url} ({exc or type(exc).__name__})"
+            ) from None
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _send(
+        self, method: str, path: str, *, content: bytes | None, headers: dict[str, str] | None,
+        offset: int | None = None,
+    ) -> httpx.Response:  # fmt: skip
+        params = {"offset": str(offset)} if offset is not None else None
+        try:
+            return self._http.request(method, path, content=content, headers=headers, params=params)
         except httpx.TimeoutException as exc:
             raise ApiUnavailableError(
                 f"{method} {path}: the attempt API at {self.api_url} timed out "
@@ -223,9 +323,10 @@ class AttemptClient:
                 f"{method} {path}: cannot reach the attempt API at {self.api_url} "
                 f"({exc or type(exc).__name__})"
             ) from None
-        raise_for_answer(response)
-        if answer is None:
-            return None
+
+    def _parse(
+        self, method: str, path: str, response: httpx.Response, answer: type[_Answer]
+    ) -> _Answer:
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as exc:
@@ -234,3 +335,18 @@ class AttemptClient:
                 f"{method} {path}: {self.api_url} answered {response.status_code} with a body "
                 f"that does not parse as {answer.__name__}: {exc.error_count()} error(s)"
             ) from None
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        answer: type[_Answer] | None,
+        body: BaseModel | None = None,
+    ) -> Any:
+        content = body.model_dump_json().encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        response = self._send(method, path, content=content, headers=headers)
+        raise_for_answer(response)
+        if answer is None:
+            return None
+        return self._parse(method, path, response, answer)

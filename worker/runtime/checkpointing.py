@@ -1,12 +1,22 @@
-"""Checkpoints inside the ranks: snapshot, atomic write, sha256, record, rotation; and resume.
+"""Checkpoints inside the ranks: snapshot, atomic write, then record or upload.
 
 Only rank 0 writes (``make_checkpointer``). The training thread copies the state's tensors
 into reused host buffers (``worker.runtime.snapshot``); one background thread writes a temp
-file in the checkpoint directory, fsyncs it, records it through the attempt API
-(``POST /attempts/self/checkpoints``, fenced by the attempt token) and only then renames it
-into place, so a fenced-off attempt never replaces a file; then it rotates old checkpoints
-away (recording their deletion). Resume reads the job's checkpoint list from the API and
-verifies each file (size and sha256) in the shared artifact directory.
+file in the checkpoint directory and fsyncs it (``worker.runtime.checkpoint_files``). Then, by
+the transport (``worker.runtime.checkpoint_transport``):
+
+- ``shared`` (the API sees this directory): it records the file through the attempt API
+  (``POST /attempts/self/checkpoints``, fenced by the attempt token) and only then renames it
+  into place, so a fenced-off attempt never replaces a file;
+- ``upload``: it renames the file into place (this host's copy) and hands it to the uploader
+  thread (``worker.runtime.uploader``), which streams it to the API; the service records it at
+  the commit; the rank prunes the local copies the service no longer lists.
+
+Retention is the service's either way: at every record or commit it keeps the newest
+``training.keep_checkpoints`` (and the checkpoint the current attempt resumed from), marks the
+rest deleted and removes their bytes from its store.
+
+Resume: ``worker.runtime.checkpoint_fetch``.
 
 A write that fails (full disk, I/O error) publishes nothing and leaves the previous checkpoint
 as it was: the temp file is removed, the failure is logged and recorded as a job event, and
@@ -19,32 +29,31 @@ checkpoint.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from service.core import artifacts
-from service.core.attempt_api import CheckpointEntry, CheckpointFailure, CheckpointRecord
-from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
+from service.core.attempt_api import AttemptSelf, CheckpointFailure, CheckpointRecord
+from service.core.errors import StaleAttemptError
+from worker.attempt import STOP_UPLOAD_S, stop_upload_marker
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
-from worker.runtime.distributed import DistContext, broadcast_int
+from worker.runtime.checkpoint_files import (
+    CheckpointWriteError,
+    describe_write_error,
+    publish_checkpoint,
+    write_temp_checkpoint,
+)
+from worker.runtime.checkpoint_transport import Transport, resolve_transport
 from worker.runtime.snapshot import Snapshot, SnapshotPool
 from worker.runtime.topology import RankEnv
+from worker.runtime.uploader import CheckpointUploader, UploadItem
 
 log = logging.getLogger(__name__)
-_READ_CHUNK_BYTES = 1 << 20
-# How long rank 0 keeps asking for the checkpoint list at resume while the API is down
-# (seconds); the other ranks wait in the broadcast meanwhile (well under the pg timeout).
-RESUME_LIST_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -56,72 +65,6 @@ class SavedCheckpoint:
     path: Path
     size_bytes: int
     sha256: str
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_READ_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class CheckpointWriteError(DdpqError):
-    """A checkpoint file could not be written (full disk, I/O error, unpicklable state)."""
-
-    status_code = 500
-    code = "checkpoint_write_failed"
-
-
-def describe_write_error(exc: BaseException) -> str:
-    """A one-line reason for a failed write, naming the OS error when there is one.
-
-    ``torch.save`` reports a failed ``write`` as a bare RuntimeError ("unexpected pos …") with
-    the real ``OSError`` (e.g. ENOSPC) only as its ``__context__``; this digs it out.
-    """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return f"{type(seen).__name__}: {seen}"
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(exc).__name__}: {exc}"
-
-
-def write_temp_checkpoint(state: dict[str, Any], final_path: Path) -> tuple[Path, int, str]:
-    """``torch.save`` ``state`` to a temp file next to ``final_path`` and fsync it.
-
-    Returns:
-        ``(temp_path, size_bytes, sha256)``; rename it to ``final_path`` to publish it.
-    Raises:
-        CheckpointWriteError: the write failed (e.g. ``ENOSPC``); no temp file is left.
-    """
-    tmp = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        final_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return tmp, tmp.stat().st_size, file_sha256(tmp)
-    except Exception as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise CheckpointWriteError(describe_write_error(exc)) from exc
-
-
-def publish_checkpoint(tmp: Path, final_path: Path) -> None:
-    """Atomically rename the temp file into place and make the rename durable."""
-    os.replace(tmp, final_path)
-    _fsync_dir(final_path.parent)
 
 
 class CheckpointSaver(Protocol):
@@ -171,17 +114,36 @@ class NullCheckpointer:
 
 
 class Checkpointer(NullCheckpointer):
-    """Rank 0's ``CheckpointSaver``: one background write at a time, newest ``keep`` kept.
+    """Rank 0's ``CheckpointSaver``: one background write at a time.
 
     Host memory: one copy of the state's tensors (the snapshot buffers), kept until ``close``.
 
     Args:
         client: the attempt API client (the checkpointer closes it in ``close``).
-        keep: the newest checkpoints kept; older ones are deleted after each save.
+        keep: ``training.keep_checkpoints`` (the service applies it; kept for callers).
+        transport: ``DDPQ_CHECKPOINT_TRANSPORT`` (``shared`` | ``upload`` | ``auto``, see
+            ``worker.runtime.checkpoint_transport``). With ``upload`` the file is written and
+            published locally, then a ``CheckpointUploader`` thread sends it; the service
+            records it at the commit and owns retention (the rank prunes only its local copies).
+        attempt_self: ``GET /attempts/self`` as the rank read it at start (``auto`` reads it
+            at the first save when None).
+        stop_upload_s: when ``stopping()`` is true at ``close`` (a signal), the longest wait
+            for the stop checkpoint's upload (seconds), so the rank exits before its
+            launcher's SIGKILL; otherwise the upload's own deadline bounds the wait.
     """
 
     def __init__(
-        self, client: AttemptClient, artifact_dir: Path, job_id: int, attempt: int, *, keep: int
+        self,
+        client: AttemptClient,
+        artifact_dir: Path,
+        job_id: int,
+        attempt: int,
+        *,
+        keep: int,
+        transport: str = "shared",
+        attempt_self: AttemptSelf | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+        stop_upload_s: float = STOP_UPLOAD_S,
     ) -> None:
         self._client, self._artifact_dir = client, artifact_dir
         self.job_id, self.attempt, self.keep = job_id, attempt, keep
@@ -191,8 +153,15 @@ class Checkpointer(NullCheckpointer):
         self._pool = SnapshotPool()
         self.last_step: int | None = None
         self.last_saved = None
-        # Steps whose file could not be written, with the reason (newest last).
+        # Steps whose file could not be written (or uploaded), with the reason (newest last).
         self.failed: list[tuple[int, str]] = []
+        self._transport_setting = transport
+        self.transport: Transport | None = None
+        if transport != "auto" or attempt_self is not None:
+            store_id = attempt_self.store_id if attempt_self is not None else None
+            self.transport = resolve_transport(transport, artifact_dir, store_id)
+        self._uploader: CheckpointUploader | None = None
+        self._stopping, self._stop_upload_s = stopping, stop_upload_s
 
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
         """Copy the state into the snapshot buffers now (training thread), write it in the
@@ -209,14 +178,17 @@ class Checkpointer(NullCheckpointer):
         return self._stale.is_set()
 
     def close(self) -> None:
-        """Wait for the write in flight and free the snapshot buffers.
+        """Wait for the write in flight and, with the upload transport, for its upload (bounded
+        by the upload's deadline, or ``stop_upload_s`` when stopping); free the buffers.
 
         Raises:
             CheckpointWriteError: the newest checkpoint asked for (normally the final one)
-                could not be written; earlier failures were only warnings.
+                could not be written or uploaded; earlier failures were only warnings.
         """
         try:
             self.wait()
+            if self._uploader is not None:
+                self._close_uploader(self._uploader)
         finally:
             self._executor.shutdown(wait=True)
             self._pool.release()
@@ -224,6 +196,36 @@ class Checkpointer(NullCheckpointer):
         if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
             step, reason = self.failed[-1]
             raise CheckpointWriteError(f"checkpoint at step {step} could not be written: {reason}")
+
+    def wait_uploaded(self, timeout_s: float | None = None) -> bool:
+        """Block until the write in flight and every upload are done (or ``timeout_s``
+        seconds); True when nothing is left. Not for the training loop: it never waits."""
+        self.wait()
+        return self._uploader is None or self._uploader.wait_idle(timeout_s)
+
+    def _close_uploader(self, uploader: CheckpointUploader) -> None:
+        """Wait for the uploads; after a stop signal at most ``stop_upload_s``, with the
+        marker file that tells the local launcher to hold its SIGKILL meanwhile."""
+        if self._stopping() and uploader.busy:
+            marker = stop_upload_marker(self._artifact_dir, self.job_id, self.attempt)
+            with contextlib.suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            try:
+                if not uploader.wait_idle(self._stop_upload_s):
+                    step = self.last_step if self.last_step is not None else 0
+                    uploader.abandon()
+                    self._report_failure(
+                        step,
+                        f"upload of the stop checkpoint did not finish within "
+                        f"{self._stop_upload_s:g} s of the stop signal",
+                    )
+                    uploader.close(timeout_s=1.0)
+                    return
+            finally:
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+        uploader.close()
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is durable and recorded, or has failed."""
@@ -238,6 +240,9 @@ class Checkpointer(NullCheckpointer):
             tmp, size_bytes, sha256 = write_temp_checkpoint(snapshot.state, path)
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
+            return
+        if self._resolved_transport() == "upload":
+            self._publish_and_upload(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
             return
         record = CheckpointRecord(
             step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256
@@ -263,7 +268,70 @@ class Checkpointer(NullCheckpointer):
                 tmp.unlink()
         self.last_saved = SavedCheckpoint(step, epoch, path, size_bytes, sha256)
         log.info("checkpoint step=%d written (%d bytes) to %s", step, size_bytes, path)
-        self._rotate()
+
+    # -- the upload transport ------------------------------------------------------------------
+    def _resolved_transport(self) -> Transport:
+        """The transport, asking ``GET /attempts/self`` for the store id once (``auto``). While
+        the API cannot say, this save uploads (correct on any host) and the next one asks
+        again."""
+        if self.transport is not None:
+            return self.transport
+        try:
+            me = self._client.self_check()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("checkpoint transport unknown (uploading this one): %s", exc)
+            return "upload"
+        except StaleAttemptError:
+            return "upload"  # the upload's first call meets the fence and stops the rank
+        self.transport = resolve_transport(self._transport_setting, self._artifact_dir,
+                                           me.store_id)  # fmt: skip
+        return self.transport
+
+    def _publish_and_upload(self, item: UploadItem, tmp: Path) -> None:
+        """Publish the file locally (this host's copy, for a resume here), then hand it to the
+        uploader thread; this writer thread is free again at once."""
+        try:
+            publish_checkpoint(tmp, item.path)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            self._report_failure(item.step, describe_write_error(exc))
+            return
+        if self._uploader is None:
+            self._uploader = CheckpointUploader(
+                self._client,
+                on_committed=self._uploaded,
+                on_failed=self._report_failure,
+                on_stale=self._fenced,
+            )
+        log.info("checkpoint step=%d written (%d bytes) to %s; uploading", item.step,
+                 item.size_bytes, item.path)  # fmt: skip
+        self._uploader.submit(item)
+
+    def _uploaded(self, item: UploadItem) -> None:
+        self.last_saved = SavedCheckpoint(
+            item.step, item.epoch, item.path, item.size_bytes, item.sha256
+        )
+        self._prune_local()
+
+    def _fenced(self, reason: str) -> None:
+        log.warning("checkpoint upload fenced off, stopping: %s", reason)
+        self._stale.set()
+
+    def _prune_local(self) -> None:
+        """Delete this host's checkpoint files the service no longer lists (its retention
+        decides), except those waiting to upload. Best effort."""
+        try:
+            live = {entry.step for entry in self._client.list_checkpoints()}
+        except (ApiUnavailableError, AttemptRequestError, StaleAttemptError) as exc:
+            log.warning("local checkpoint copies not pruned: %s", exc)
+            return
+        keep = live | ({self.last_step} if self.last_step is not None else set())
+        for path in artifacts.checkpoint_dir(self._artifact_dir, self.job_id).glob("step-*.pt"):
+            step = path.stem.removeprefix("step-")
+            if step.isdigit() and int(step) not in keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def _report_failure(self, step: int, reason: str) -> None:
         """Log it, note it as a job event, keep training (the next save tries again)."""
@@ -292,115 +360,23 @@ class Checkpointer(NullCheckpointer):
         except (ApiUnavailableError, AttemptRequestError) as exc:
             log.warning("checkpoint deletion of steps %s not recorded: %s", steps, exc)
 
-    def _rotate(self) -> None:
-        """Delete the checkpoints past the newest ``keep``: the record first (so resume never
-        picks a file about to vanish), then the file."""
-        try:
-            old = self._client.list_checkpoints()[self.keep :]
-            if old:
-                self._client.record_deletions([c.step for c in old])
-        except StaleAttemptError as exc:
-            log.warning("checkpoint rotation fenced off, stopping: %s", exc)
-            self._stale.set()
-            return
-        except (ApiUnavailableError, AttemptRequestError) as exc:
-            log.warning("checkpoint rotation skipped: %s", exc)
-            return
-        for entry in old:
-            with contextlib.suppress(NotFoundError, FileNotFoundError):
-                artifacts.confine(self._artifact_dir, entry.path).unlink()
 
-
-def make_checkpointer(env: RankEnv, artifact_dir: Path, *, keep: int) -> CheckpointSaver:
+def make_checkpointer(
+    env: RankEnv,
+    artifact_dir: Path,
+    *,
+    keep: int,
+    transport: str = "auto",
+    attempt_self: AttemptSelf | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> CheckpointSaver:
     """The one place that decides who writes checkpoints: a Checkpointer on rank 0 (with its
-    own ``AttemptClient`` for ``env``), else the null object NullCheckpointer."""
+    own ``AttemptClient`` for ``env``), else the null object NullCheckpointer. ``transport``,
+    ``attempt_self`` and ``stopping``: see ``Checkpointer``."""
     if env.rank == 0:
         client = AttemptClient(env.api_url, env.attempt_token)
-        return Checkpointer(client, artifact_dir, env.job_id, env.attempt, keep=keep)
+        return Checkpointer(
+            client, artifact_dir, env.job_id, env.attempt, keep=keep, transport=transport,
+            attempt_self=attempt_self, stopping=stopping,
+        )  # fmt: skip
     return NullCheckpointer()
-
-
-def _list_checkpoints(client: AttemptClient) -> list[CheckpointEntry]:
-    """The job's checkpoint list, retried with backoff (and ``Retry-After``) for up to
-    ``RESUME_LIST_WAIT_S`` while the API is unavailable: a rank may start during an outage."""
-    deadline_s = time.monotonic() + RESUME_LIST_WAIT_S
-    delay_s = 0.25
-    while True:
-        try:
-            return client.list_checkpoints()
-        except ApiUnavailableError as exc:
-            wait_s = max(delay_s, exc.retry_after_s or 0.0)
-            if time.monotonic() + wait_s > deadline_s:
-                raise
-            log.warning("checkpoint list unavailable, retrying in %.1f s: %s", wait_s, exc)
-            time.sleep(wait_s)
-            delay_s = min(delay_s * 2, 5.0)
-
-
-def find_resume_checkpoint(client: AttemptClient, artifact_dir: Path, job_id: int) -> int | None:
-    """The step of the newest recorded checkpoint whose file exists with the recorded size and
-    sha256 (the list from ``GET /attempts/self/checkpoints``). Corrupt or missing ones are
-    logged and recorded deleted so rotation ignores them (best effort).
-
-    Returns:
-        The step, or None when there is nothing to resume from.
-    Raises:
-        StaleAttemptError: the attempt is fenced off.
-        ApiUnavailableError: the list could not be read within ``RESUME_LIST_WAIT_S``
-            (starting from nothing instead would redo finished steps: the rank fails).
-    """
-    candidates = [(c.step, c.size_bytes, c.sha256) for c in _list_checkpoints(client)]
-    bad: list[int] = []
-    chosen: int | None = None
-    for step, size_bytes, sha256 in candidates:
-        path = artifacts.checkpoint_path(artifact_dir, job_id, step)
-        if not path.is_file():
-            log.warning("checkpoint step=%d missing at %s; skipped", step, path)
-        elif path.stat().st_size != size_bytes or file_sha256(path) != sha256:
-            log.warning("checkpoint step=%d at %s fails its sha256; skipped", step, path)
-        else:
-            chosen = step
-            break
-        bad.append(step)
-    if bad:
-        try:
-            client.record_deletions(bad)
-        except (ApiUnavailableError, AttemptRequestError) as exc:
-            log.warning("damaged checkpoints %s not recorded deleted: %s", bad, exc)
-    return chosen
-
-
-def agree_on_resume_step(
-    ctx: DistContext, client: AttemptClient | None, artifact_dir: Path, job_id: int
-) -> int:
-    """Rank 0 picks the checkpoint to resume from and broadcasts its step; every rank returns
-    the same step (0: start from scratch). A collective: all ranks must call it.
-
-    Args:
-        client: rank 0's attempt API client (other ranks may pass None).
-    Raises:
-        ValueError: rank 0 without a client.
-    """
-    step = 0
-    if ctx.rank == 0:
-        if client is None:
-            raise ValueError("rank 0 needs an AttemptClient to find its resume checkpoint")
-        step = find_resume_checkpoint(client, artifact_dir, job_id) or 0
-    return broadcast_int(step, ctx)
-
-
-def agree_on_resume(
-    ctx: DistContext, client: AttemptClient | None, artifact_dir: Path, job_id: int
-) -> Path | None:
-    """``agree_on_resume_step`` as the checkpoint's path (None: start from scratch)."""
-    step = agree_on_resume_step(ctx, client, artifact_dir, job_id)
-    return artifacts.checkpoint_path(artifact_dir, job_id, step) if step > 0 else None
-
-
-def load_checkpoint_file(path: Path, device: torch.device) -> dict[str, Any]:
-    """Load one of our own checkpoint files onto ``device`` (weights_only=False: it holds RNG
-    states and optimizer state written by ddpq itself)."""
-    state = torch.load(path, map_location=device, weights_only=False)
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} does not hold a checkpoint dict")
-    return state

@@ -14,17 +14,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from service.core.artifacts import checkpoint_path
+from service.core.attempt_api import AttemptSelf, InitFrom
 from service.core.config import Settings
 from service.core.metric_points import checked_report
 from service.core.spec import JobSpec
 from worker.entrypoints import EntrypointError, import_failed, no_function
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpointing import (
-    CheckpointSaver,
-    agree_on_resume_step,
-    load_checkpoint_file,
-)
+from worker.runtime.checkpoint_fetch import StartPoint, agree_on_start
+from worker.runtime.checkpoint_files import load_checkpoint_file
+from worker.runtime.checkpointing import CheckpointSaver
 from worker.runtime.distributed import (
     DistContext,
     ResumableDistributedSampler,
@@ -116,8 +114,13 @@ class TrainContext:
         job_id: int,
         attempt: int,
         watchdog: StallWatchdog | None = None,
+        attempt_self: AttemptSelf | None = None,
     ) -> None:
         self.spec, self.config = spec, dict(spec.config)
+        # GET /attempts/self at start (None: the API could not be asked): its init_from.
+        self._attempt_self = attempt_self
+        self._start: StartPoint | None = None
+        self._start_agreed = False
         self.rank, self.local_rank, self.world_size = dist.rank, dist.local_rank, dist.world_size
         self.device, self.job_id, self.attempt = dist.device, job_id, attempt
         self.dist, self.sink, self.checkpointer, self.stop_flag = dist, sink, checkpointer, stop
@@ -206,14 +209,36 @@ class TrainContext:
         signalled = self.stop_flag.seen_at_step_boundary()  # called at every step boundary
         return signalled or self.sink.should_stop() or self.checkpointer.should_stop()
 
+    @property
+    def init_from(self) -> InitFrom | None:
+        """The spec's ``init_from`` as the API resolved it (source job, step, ``mode``), when
+        known; it applies only while the job has no checkpoint of its own."""
+        return self._attempt_self.init_from if self._attempt_self is not None else None
+
+    def agree_on_start(self) -> StartPoint | None:
+        """Where this rank starts, the same on every rank: this job's newest intact checkpoint
+        (``kind`` ``resume``), else its ``init_from`` checkpoint (``kind`` ``init``), fetched
+        onto this host if need be; None on a fresh start. A collective, decided once (later
+        calls return the same answer without one)."""
+        if not self._start_agreed:
+            with self.facts.restoring():
+                self._start = agree_on_start(
+                    self.dist, self._api, self._artifact_dir, self.job_id, self.attempt,
+                    self._attempt_self,
+                )  # fmt: skip
+            self._start_agreed = True
+            # The attempt's resume step (told to the API when training begins: ``facts``):
+            # an init_from start resumes nothing of this job's own, so earlier attempts'
+            # points are all superseded.
+            start = self._start
+            self.facts.resume_step = start.step if start is not None else 0
+        return self._start
+
     def agree_on_resume(self) -> Path | None:
         """The newest intact checkpoint of this job (any attempt), the same on every rank;
-        None on a fresh start. A collective. Its step is the attempt's resume step (told to
-        the API when training begins: ``facts``)."""
-        with self.facts.restoring():
-            step = agree_on_resume_step(self.dist, self._api, self._artifact_dir, self.job_id)
-        self.facts.resume_step = step
-        return checkpoint_path(self._artifact_dir, self.job_id, step) if step > 0 else None
+        None on a fresh start or an ``init_from`` start. A collective."""
+        start = self.agree_on_start()
+        return start.path if start is not None and start.kind == "resume" else None
 
     def _warn_skip_not_applied(self) -> None:
         self._warned_skip = True
@@ -234,13 +259,19 @@ class TrainContext:
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
         None on a fresh start. A collective: every rank loads the same one. Training counts
-        as begun from here (the resume step is told to the API)."""
-        path = self.agree_on_resume()
-        if path is None:
+        as begun from here (the resume step is told to the API).
+
+        A job without a checkpoint of its own but with ``init_from`` gets the source job's
+        checkpoint: whole with mode ``full``; with ``weights_only`` only its ``"model"``
+        entry (``{"model": ...}``: no optimizer, no step, so the loop starts at step 1)."""
+        start = self.agree_on_start()
+        if start is None:
             self.facts.begin(0)
             return None
         with self.facts.restoring():
-            state = load_checkpoint_file(path, self.device)
+            state = load_checkpoint_file(start.path, self.device)
+        if start.kind == "init" and start.mode == "weights_only":
+            state = {"model": state["model"]} if "model" in state else {}
         self.clock.restart(int(state.get("step", 0) or 0))
         self.facts.begin(self.facts.resume_step or 0)
         return state

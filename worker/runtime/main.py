@@ -27,6 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from service.core.artifacts import rank_log_path, spec_path
+from service.core.attempt_api import AttemptSelf
 from service.core.config import Settings
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.metric_points import json_safe
@@ -160,9 +161,9 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
     api = AttemptClient(env.api_url, env.attempt_token)
     try:
         spec = load_spec(artifact_dir, env)
-        check_attempt(api, env)
+        me = check_attempt(api, env)
         ctx = init_distributed(spec, env)
-        code = _train(spec, ctx, env, settings, api, artifact_dir, stop)
+        code = _train(spec, ctx, env, settings, api, artifact_dir, stop, me)
         if code == ExitCode.OK:
             shutdown_distributed(ctx)
         return code
@@ -210,12 +211,16 @@ def load_spec(artifact_dir: Path, env: RankEnv) -> JobSpec:
         ) from None
 
 
-def check_attempt(api: AttemptClient, env: RankEnv) -> None:
+def check_attempt(api: AttemptClient, env: RankEnv) -> AttemptSelf | None:
     """Ask the attempt API once whether this attempt is still the job's current one, so a rank
     of a superseded attempt stops before it joins the process group.
 
     An unreachable API is no reason not to start (the sink retries; the fence still holds on
     every write): logged, and the rank goes on.
+
+    Returns:
+        The answer (its ``store_id`` decides the checkpoint transport, its ``init_from`` where
+        a job without checkpoints starts); None when the API could not be asked.
 
     Raises:
         StaleAttemptError: the API refused the token (409 superseded, 401 invalid).
@@ -225,12 +230,13 @@ def check_attempt(api: AttemptClient, env: RankEnv) -> None:
         me = api.self_check()
     except (ApiUnavailableError, AttemptRequestError) as exc:
         log.warning("attempt API not reachable at start, going on: %s", exc)
-        return
+        return None
     if (me.job_id, me.attempt) != (env.job_id, env.attempt):
         raise RankEnvironmentError(
             f"{contract.ATTEMPT_TOKEN} is the token of job {me.job_id} attempt {me.attempt}, "
             f"not of job {env.job_id} attempt {env.attempt}"
         )
+    return me
 
 
 def seed_everything(seed: int) -> None:
@@ -259,12 +265,16 @@ def _train(
     api: AttemptClient,
     artifact_dir: Path,
     stop: StopFlag,
+    me: AttemptSelf | None = None,
 ) -> int:
     """The one training path: resolve the entrypoint, build its TrainContext, call it, close,
     then rank 0 records the result."""
     seed_everything(spec.training.seed)
     sink = make_sink(env, dist, artifact_dir=artifact_dir)
-    checkpointer = make_checkpointer(env, artifact_dir, keep=spec.training.keep_checkpoints)
+    checkpointer = make_checkpointer(
+        env, artifact_dir, keep=spec.training.keep_checkpoints,
+        transport=settings.checkpoint_transport, attempt_self=me, stopping=stop.is_set,
+    )  # fmt: skip
     on_stall = functools.partial(
         exit_on_stall,
         artifact_dir=artifact_dir,
@@ -288,6 +298,7 @@ def _train(
             job_id=env.job_id,
             attempt=env.attempt,
             watchdog=watchdog,
+            attempt_self=me,
         )
         returned = entrypoint(ctx)
         ctx.close()

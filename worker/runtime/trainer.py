@@ -15,7 +15,6 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from service.core.spec import Training
-from worker.runtime.checkpointing import load_checkpoint_file
+from worker.runtime.checkpoint_fetch import StartPoint
+from worker.runtime.checkpoint_files import load_checkpoint_file
 from worker.runtime.context import TrainContext
 from worker.runtime.distributed import (
     StopVote,
@@ -97,16 +97,17 @@ class Trainer:
     Args:
         parts: the task's model and data.
         ctx: the rank's context (its services and the spec).
-        resume_path: the checkpoint to resume from (``ctx.agree_on_resume()``), or None.
+        start: where to start (``ctx.agree_on_start()``): this job's checkpoint to resume
+            from, another job's (``init_from``), or None for a fresh start.
     """
 
     def __init__(
-        self, parts: TaskParts, ctx: TrainContext, resume_path: Path | None = None
+        self, parts: TaskParts, ctx: TrainContext, start: StartPoint | None = None
     ) -> None:
         dist = ctx.dist
         self.parts, self.spec, self.ctx, self.dist = parts, ctx.spec, ctx, dist
         self.sink, self.checkpointer, self.stop = ctx.sink, ctx.checkpointer, ctx.stop_flag
-        self.resume_path = resume_path
+        self.start = start
         t = self.spec.training
         # Stall detection (started with the first step, petted per step) and the NaN policy.
         self.watchdog, self.nonfinite = ctx.watchdog, ctx.nonfinite
@@ -129,7 +130,7 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train until ``total_steps``, the last epoch, or a collective stop decision."""
         t = self.spec.training
-        resumed_step = self._resume() if self.resume_path is not None else None
+        resumed_step = self._resume(self.start) if self.start is not None else None
         self.ctx.facts.begin(resumed_step or 0)  # before the first point (see timeline.py)
         vote = StopVote(self.dist)
         stopped = False
@@ -271,10 +272,14 @@ class Trainer:
         with self.watchdog.pause(), timed:  # a slow disk is not a stall of the watchdog
             self.checkpointer.save(step, epoch, build_state)
 
-    def _resume(self) -> int:
-        assert self.resume_path is not None
+    def _resume(self, start: StartPoint) -> int | None:
+        """Load ``start``; returns the step resumed at (None for an ``init_from`` start: its
+        step is another job's, the final checkpoint is this job's own)."""
         with self.ctx.facts.restoring():
-            state = load_checkpoint_file(self.resume_path, self.dist.device)
+            state = load_checkpoint_file(start.path, self.dist.device)
+            if start.kind == "init":
+                self._init_from(state, start.mode)
+                return None
             self.bare.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
@@ -292,9 +297,27 @@ class Trainer:
         self.clock.restart(self.step)
         log.info(
             "resumed from %s: step %d, epoch %d, batch_idx %d",
-            self.resume_path,
+            start.path,
             self.step,
             self.epoch,
             self.batch_idx,
         )
         return int(state["step"])
+
+    def _init_from(self, state: dict[str, Any], mode: str) -> None:
+        """Start from another job's checkpoint: its unwrapped model (any world size); with
+        ``full`` also its optimizer state and step count (the position in the epoch follows
+        from the step at this job's world size; RNG and sampler state stay this job's)."""
+        if "model" not in state:
+            raise ValueError(
+                "init_from: the source checkpoint holds no 'model' entry (it was not written "
+                "by a built-in task); load it in a custom loop with ctx.load_checkpoint()"
+            )
+        self.bare.load_state_dict(state["model"])
+        if mode == "full":
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state.get("step", 0) or 0)
+            self.epoch, self.batch_idx = divmod(self.step, self.steps_per_epoch)
+        self.clock.restart(self.step)
+        log.info("initialised from another job's checkpoint (%s): step %d", mode, self.step)

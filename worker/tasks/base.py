@@ -60,6 +60,6 @@ TaskBuilder = Callable[[TaskSetup], TaskParts]
 def run_task(build: TaskBuilder, ctx: TrainContext) -> TrainResult:
     """Train the task ``build`` makes over ``ctx``: agree on the checkpoint to resume from,
     build the task for this rank, run the built-in ``Trainer``. A collective (every rank)."""
-    resume_path = ctx.agree_on_resume()
+    start = ctx.agree_on_start()
     setup = TaskSetup(ctx.config, ctx.spec.training.seed, ctx.rank, ctx.world_size, ctx.stop_flag)
-    return Trainer(build(setup), ctx, resume_path).run()
+    return Trainer(build(setup), ctx, start).run()

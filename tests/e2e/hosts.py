@@ -1,0 +1,335 @@
+"""Hosts that share no filesystem, for end-to-end tests: an API and workers, each with an
+artifact directory of its own, optionally each in a network namespace of its own (``ip netns``
++ veth pairs, as root) so that a worker host reaches nothing but the API's port.
+
+Topology with namespaces: the API's namespace is the hub; every worker namespace and the test
+process (the root namespace) get a veth pair to it, a /30 each, no forwarding. A worker's only
+route leads to the API's namespace, where only the API listens. The database is a SQLite file
+(a file, not a port: the workers and the API open it through the one kernel) or, on loopback,
+PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select
+
+from service.core.config import Settings
+from service.store import migrate
+from service.store.db import Database
+from service.store.models import Metric
+from worker.processes import find_tagged_processes
+from worker.up import settings_env
+
+REPO = Path(__file__).resolve().parents[2]
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
+    """Poll ``cond`` until it returns something truthy (which is returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+class Namespaces:
+    """Network namespaces wired as a star around the API's (see the module docstring).
+
+    Raises (``create``):
+        OSError / subprocess.CalledProcessError: namespaces cannot be made here (not root,
+            no ``ip``, a sandbox without CAP_SYS_ADMIN): the caller skips.
+    """
+
+    def __init__(self) -> None:
+        self.tag = secrets.token_hex(2)
+        self.subnet = 100 + secrets.randbelow(100)  # 10.<subnet>.<link>.0/30
+        self.names: list[str] = []
+        self.links = 0
+
+    def _ns(self, role: str) -> str:
+        name = f"ddpq15-{self.tag}-{role}"
+        _ip("netns", "add", name)
+        self.names.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def create_hub(self) -> str:
+        """The API's namespace (made once); returns its name."""
+        if not getattr(self, "hub", None):
+            self.hub = self._ns("api")
+        return self.hub
+
+    def _link(self, other: str | None) -> tuple[str, str]:
+        """A veth pair hub ↔ ``other`` (None: the root namespace); returns (hub IP, other IP)."""
+        self.links += 1
+        n = self.links
+        hub_end, other_end = f"d15{self.tag}h{n}", f"d15{self.tag}o{n}"
+        _ip("link", "add", hub_end, "type", "veth", "peer", "name", other_end)
+        _ip("link", "set", hub_end, "netns", self.hub)
+        hub_ip, other_ip = f"10.{self.subnet}.{n}.1", f"10.{self.subnet}.{n}.2"
+        _ip("-n", self.hub, "addr", "add", f"{hub_ip}/30", "dev", hub_end)
+        _ip("-n", self.hub, "link", "set", hub_end, "up")
+        if other is not None:
+            _ip("link", "set", other_end, "netns", other)
+            _ip("-n", other, "addr", "add", f"{other_ip}/30", "dev", other_end)
+            _ip("-n", other, "link", "set", other_end, "up")
+        else:
+            _ip("addr", "add", f"{other_ip}/30", "dev", other_end)
+            _ip("link", "set", other_end, "up")
+        return hub_ip, other_ip
+
+    def root_link(self) -> str:
+        """Link the root namespace (the test) to the hub; returns the hub's IP on it (the
+        root's end is ``root_ip``)."""
+        hub_ip, self.root_ip = self._link(None)
+        return hub_ip
+
+    def worker_ns(self, role: str) -> tuple[str, str]:
+        """A worker host's namespace linked to the hub; returns (name, the API's IP from it)."""
+        name = self._ns(role)
+        return name, self._link(name)[0]
+
+    def destroy(self) -> None:
+        """Delete every namespace (their veth ends, and so the pairs, go with them)."""
+        for name in reversed(self.names):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def reachable(netns: str, host: str, port: int) -> bool:
+    """Whether a TCP connect from ``netns`` to ``host:port`` succeeds (within 3 s)."""
+    code = (
+        "import socket,sys\n"
+        f"s=socket.socket(); s.settimeout(3)\n"
+        f"sys.exit(0 if s.connect_ex(({host!r},{port}))==0 else 1)\n"
+    )
+    argv = ["ip", "netns", "exec", netns, sys.executable, "-c", code]
+    return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+
+
+class Proc:
+    """A child process (optionally inside a network namespace), output to a file."""
+
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+        netns: str | None = None,
+    ) -> None:  # fmt: skip
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.popen = subprocess.Popen(
+            [*prefix, *argv], env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 90) -> int:
+        """SIGTERM, wait up to ``timeout_s`` seconds, SIGKILL the group; the exit code."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+        rc = self.popen.wait()
+        self._log.close()
+        return rc
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+@dataclass
+class Host:
+    """A worker host: its artifact directory, and its namespace (None: loopback)."""
+
+    name: str
+    artifact_dir: Path
+    netns: str | None = None
+    api_url: str = ""
+
+
+class Cluster:
+    """One API (its own artifact directory) and worker hosts, on one database.
+
+    Args:
+        tmp_path: where directories and logs go.
+        database_url: the database (SQLite file or PostgreSQL on loopback).
+        store: ``DDPQ_CHECKPOINT_STORE`` of the API.
+        netns: a ``Namespaces`` to put the API and hosts in (None: all on loopback).
+    """
+
+    def __init__(
+        self, tmp_path: Path, database_url: str, *, store: str = "filesystem",
+        netns: Namespaces | None = None,
+    ) -> None:  # fmt: skip
+        self.tmp_path, self.netns = tmp_path, netns
+        self.procs: list[Proc] = []
+        self.hosts: list[Host] = []
+        port = 8000 if netns is not None else _free_port()
+        self.base = Settings(
+            home=tmp_path / "api" / ".ddpq", database_url=database_url,
+            artifact_dir=tmp_path / "api" / "artifacts", port=port, auth="off",
+            heartbeat_interval_s=0.3, lease_s=15, allowed_entrypoints=["examples.*:*"],
+            checkpoint_store=store,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.db = Database.from_url(self.base.resolved_database_url)
+        migrate.upgrade(self.db.engine)
+        api_ns = netns.create_hub() if netns is not None else None
+        host = netns.root_link() if netns is not None else "127.0.0.1"
+        bind = "0.0.0.0" if netns is not None else "127.0.0.1"
+        env = self._env(self.base)
+        argv = [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app",
+                "--host", bind, "--port", str(port), "--no-access-log"]  # fmt: skip
+        self.api = self._spawn("api", argv, env, api_ns)
+        self.url = f"http://{host}:{port}"
+        self.port = port
+        self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=30, trust_env=False)
+        wait_for(self._ready, 90, "the API to answer /readyz")
+
+    @staticmethod
+    def _env(settings: Settings) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+        return {**env, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], netns: str | None) -> Proc:
+        proc = Proc(name, argv, env, self.tmp_path / f"{name}-{len(self.procs)}.log", netns)
+        self.procs.append(proc)
+        return proc
+
+    def _ready(self) -> bool:
+        if self.api.popen.poll() is not None:
+            raise AssertionError(f"the API exited:\n{self.api.output()}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def add_host(self, name: str) -> Host:
+        """A worker host with an empty artifact directory of its own (and namespace)."""
+        host = Host(name, self.tmp_path / name / "artifacts")
+        if self.netns is not None:
+            host.netns, api_ip = self.netns.worker_ns(name)
+            host.api_url = f"http://{api_ip}:{self.port}"
+        else:
+            host.api_url = self.url
+        self.hosts.append(host)
+        return host
+
+    def start_worker(self, host: Host, **extra: str) -> Proc:
+        """``python -m worker.main`` on ``host``: its own artifact dir, the API by its URL."""
+        settings = self.base.model_copy(
+            update={"artifact_dir": host.artifact_dir, "api_url": host.api_url}
+        )
+        env = {**self._env(settings), **extra}
+        argv = [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
+        return self._spawn(f"worker-{host.name}", argv, env, host.netns)
+
+    # -- the API, as a user sees it --------------------------------------------------------------
+    def submit(self, spec: dict[str, Any]) -> int:
+        r = self.http.post("/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        r = self.http.get(f"/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
+        r = self.http.get(f"/jobs/{job_id}/checkpoints")
+        assert r.status_code == 200, r.text
+        entries: list[dict[str, Any]] = r.json()["checkpoints"]
+        return entries
+
+    def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+        """Poll the job until its state is one of ``states``; fail early on another end."""
+
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in TERMINAL:
+                raise AssertionError(
+                    f"job {job_id} ended {job['state']} (expected {states}): {job['error']}"
+                    f"\n{self.diagnostics(job_id)}"
+                )
+            return None
+
+        try:
+            job: dict[str, Any] = wait_for(reached, timeout_s, f"job {job_id} to be {states}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics(job_id)}") from None
+        return job
+
+    def loss_steps(self, job_id: int) -> tuple[list[int], int | None]:
+        """Every stored ``loss`` step of the job, sorted, and the first step attempt 2 wrote."""
+        with self.db.session(write=False) as s:
+            steps = s.scalars(
+                select(Metric.step).where(Metric.job_id == job_id, Metric.name == "loss")
+            ).all()
+            first_of_2 = s.scalar(
+                select(func.min(Metric.step)).where(
+                    Metric.job_id == job_id, Metric.name == "loss", Metric.attempt == 2
+                )
+            )
+        return sorted(steps), first_of_2
+
+    def rank_log(self, host: Host, job_id: int, attempt: int, rank: int = 0) -> str:
+        path = host.artifact_dir / "jobs" / str(job_id) / f"attempt-{attempt}" / f"rank-{rank}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def processes(self, job_id: int) -> list[int]:
+        """Live processes of ``job_id`` on any host of this cluster."""
+        found: list[int] = []
+        for host in self.hosts:
+            needles = {f"DDPQ_ARTIFACT_DIR={host.artifact_dir}".encode(),
+                       f"DDPQ_JOB_ID={job_id}".encode()}  # fmt: skip
+            found += find_tagged_processes(frozenset(needles))
+        return found
+
+    def diagnostics(self, job_id: int) -> str:
+        parts = [f"--- {p.name} ({p.log_path.name})\n{p.output()}" for p in self.procs]
+        for host in self.hosts:
+            for log in sorted((host.artifact_dir / "jobs" / str(job_id)).glob("attempt-*/*.log")):
+                parts.append(f"--- {log}\n{log.read_text(errors='replace')[-3000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.http.close()
+        self.db.dispose()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
