@@ -87,7 +87,8 @@ def resume_on_another_host(cluster: Cluster) -> None:
         root_ip = cluster.netns.root_ip if cluster.netns is not None else "127.0.0.1"
         assert not reachable(host_b.netns, root_ip, 5432), "B must reach no other port"
     worker_b = cluster.start_worker(host_b)
-    job_id = cluster.submit(regression())
+    # Every checkpoint kept: the downloads below must not race the job's retention.
+    job_id = cluster.submit(regression(keep_checkpoints=20))
     cluster.wait_state(job_id, ("running",), 180)
     entries = wait_for(lambda: cluster.checkpoints(job_id), 180, "a first uploaded checkpoint")
     log_b = cluster.rank_log(host_b, job_id, 1)
