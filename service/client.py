@@ -195,15 +195,20 @@ class DdpqClient:
 
     # ---- sweeps ---------------------------------------------------------------------
 
-    def submit_sweep(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Submit a sweep (SweepSpec); returns the Sweep.
+    def submit_sweep(
+        self, spec: dict[str, Any], idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """Submit a sweep (SweepSpec); returns the Sweep (the earlier one on an
+        Idempotency-Key replay).
 
         Raises:
             ApiError: 422 naming the bad field, or ``[body, trials, i, dotted.field]`` of
-                a bad trial (nothing is stored then).
+                a bad trial (nothing is stored then), or the key used for another sweep.
         """
         body = json.dumps(spec, ensure_ascii=True, allow_nan=True)
         headers = {"Content-Type": "application/json"}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
         result: dict[str, Any] = self._json("POST", "/sweeps", content=body, headers=headers)
         return result
 

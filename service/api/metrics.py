@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.jobs import ERRORS, MAX_INT64, JobIdPath
-from service.api.schemas import (
+from service.api.metric_schemas import (
     HistoryOut,
     MetricNamesOut,
     MetricsOut,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
 
 from service.api.bodies import body_doc, json_body
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
@@ -21,6 +21,8 @@ from service.api.sweep_schemas import (
     trial_out,
     trials_csv,
 )
+from service.core.errors import SpecValidationError
+from service.core.spec_text import display_text
 from service.core.sweep_spec import (
     SweepExtension,
     SweepSpec,
@@ -29,7 +31,9 @@ from service.core.sweep_spec import (
     resolve_objective,
 )
 from service.store import sweeps as store
+from service.store.models import Sweep
 from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.sweep_init_from import resolve_sweep_init_from
 from service.store.sweep_view import list_trials
 
 router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -51,29 +55,81 @@ ERRORS: dict[int | str, dict[str, str]] = {
     status_code=201,
     response_model=SweepOut,
     summary="Submit a sweep",
-    responses={422: ERRORS[422], 429: {"description": "Over the submission limit"}},
+    responses={
+        200: {"model": SweepOut, "description": "Replay of an earlier Idempotency-Key"},
+        422: ERRORS[422],
+        429: {"description": "Over the submission limit"},
+    },
     openapi_extra=body_doc(SweepSpec),
 )
 def submit_sweep_route(
-    spec: Annotated[SweepSpec, json_body(SweepSpec)], ctx: ContextDep
+    spec: Annotated[SweepSpec, json_body(SweepSpec)],
+    ctx: ContextDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=200,
+            description="A retried POST with the same key and sweep returns the same sweep "
+            "(200); the key with another sweep is refused (422).",
+        ),
+    ] = None,
 ) -> SweepOut:
     """Expand the sweep and validate every trial before anything is stored (422 naming the
     trial and the field, nothing stored); then store the sweep and all its trials as queued
-    jobs in one transaction. The sweep counts as one submission against the owner's rate
-    limit (when auth is on)."""
-    planned = plan_trials(spec, ctx.settings)
-    objective = resolve_objective(spec)
+    jobs in one transaction. Every trial's ``init_from`` is resolved as ``POST /jobs``
+    resolves a job's (a job of the caller's, a committed checkpoint; ``"latest"`` made a
+    concrete step). The sweep counts as one submission against the owner's rate limit (when
+    auth is on); a replayed ``Idempotency-Key`` does not, and answers 200 with the sweep it
+    made (422 when it came with another sweep)."""
+    owner = ctx.caller.owner
     with ctx.db.session() as session:
-        if ctx.settings.auth_enabled:
-            try:
-                check_submission_rate(
-                    session, ctx.caller.owner, per_minute=ctx.settings.submissions_per_minute
-                )
-            except RateLimitedError as exc:
-                headers = {"Retry-After": str(exc.retry_after_s)}
-                raise HTTPException(429, exc.detail, headers=headers) from None
-        sweep = store.submit_sweep(session, spec, objective, planned, owner=ctx.caller.owner)
+        replay = (
+            store.find_sweep_by_idempotency_key(session, owner, idempotency_key)
+            if idempotency_key is not None
+            else None
+        )
+        if replay is None:
+            planned = plan_trials(spec, ctx.settings)
+            objective = resolve_objective(spec)
+            if ctx.settings.auth_enabled:
+                try:
+                    check_submission_rate(
+                        session, owner, per_minute=ctx.settings.submissions_per_minute
+                    )
+                except RateLimitedError as exc:
+                    headers = {"Retry-After": str(exc.retry_after_s)}
+                    raise HTTPException(429, exc.detail, headers=headers) from None
+            resolved, planned = resolve_sweep_init_from(
+                session, spec, planned, owner=ctx.caller.owner_filter
+            )
+            sweep, created = store.submit_sweep_once(
+                session, resolved, objective, planned, owner=owner, idempotency_key=idempotency_key
+            )
+        else:
+            sweep, created = replay, False
+        if not created:
+            _check_replay(sweep, spec, idempotency_key or "")
+            response.status_code = 200
         return sweep_out(sweep, list_trials(session, sweep))
+
+
+def _check_replay(sweep: Sweep, spec: SweepSpec, key: str) -> None:
+    """Raise 422 unless a replayed Idempotency-Key came with the sweep it made."""
+    if store.same_sweep(sweep.spec, spec):
+        return
+    raise SpecValidationError(
+        [
+            {
+                "loc": ["header", "Idempotency-Key"],
+                "msg": f"Idempotency-Key {display_text(key)!r} was used for a different "
+                f"sweep (sweep {sweep.id}): send a new key for a new sweep, or the same "
+                f"sweep to get sweep {sweep.id} again",
+                "type": "idempotency_key_reused",
+            }
+        ]
+    )
 
 
 @router.get("/sweeps", response_model=SweepListOut, summary="List sweeps, newest first")
@@ -155,7 +211,8 @@ def cancel_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
 )
 def retry_failed_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     """A new job for every trial whose newest job failed (same spec and trial key; the
-    failed job is kept). ``added`` says how many."""
+    failed job is kept), continuing from the failed job's own newest checkpoint where it
+    has one (``init_from`` it, mode ``full``). ``added`` says how many."""
     with ctx.db.session() as session:
         added = store.retry_failed(session, sweep_id, owner=ctx.owner)
         sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
@@ -181,5 +238,8 @@ def extend_route(
         spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
         keys, next_position = store.trial_keys(session, sweep_id)
         planned = plan_trials(spec, ctx.settings, skip_keys=keys, first_position=next_position)
+        spec, planned = resolve_sweep_init_from(
+            session, spec, planned, owner=ctx.caller.owner_filter
+        )
         added = store.extend_sweep(session, sweep, spec, planned)
         return sweep_out(sweep, list_trials(session, sweep), added=added)

@@ -1,5 +1,5 @@
 """The `ddpq sweep` commands: submit (with --wait: live counts by outcome), ls, show (the
-trials table, best first), retry, cancel."""
+trials table, best first), retry, extend, cancel."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from service.cli.common import (
     JSON_OPTION,
     app,
     err,
+    fail,
     friendly_errors,
     make_client,
     out,
@@ -25,6 +26,7 @@ from service.cli.common import (
 from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
 from service.client import ApiUnreachableError, DdpqClient
+from service.core.overrides import OverridePathError, parse_assignment
 
 sweep_app = typer.Typer(
     help="Sweeps: many trials of one job spec over a grid or random draws.",
@@ -111,12 +113,15 @@ def submit_command(
     spec_file: Annotated[Path, typer.Argument(metavar="FILE", help="Sweep spec (.yaml/.json).")],
     wait: Annotated[bool, typer.Option("--wait", help="Follow the sweep until it ends.")] = False,
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 2.0,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe key: resubmitting returns the same sweep.")
+    ] = None,
 ) -> None:
     """Submit a sweep; with --wait, show live counts by outcome and exit 0 if it succeeds."""
     spec = load_spec_file(spec_file)
     with friendly_errors():
         client = make_client()
-        sweep = client.submit_sweep(spec)
+        sweep = client.submit_sweep(spec, idempotency_key=idempotency_key)
         out.print(
             cell(f"sweep {sweep['id']} {sweep['name']!r} {sweep['state']}: {counts_line(sweep)}")
         )
@@ -207,6 +212,83 @@ def retry_command(sweep_id: Annotated[int, typer.Argument(help="Sweep id.")]) ->
             f"sweep {sweep_id}: {sweep['added']} failed trial(s) queued again; {counts_line(sweep)}"
         )
     )
+
+
+def axis_values(assignment: str) -> tuple[str, list[Any]]:
+    """``"training.lr=0.03,0.1"`` → ``("training.lr", [0.03, 0.1])``: the values are one
+    YAML flow list without its brackets (``[1, 2],[3]`` is two lists; ``1e-3`` a number).
+
+    Raises:
+        OverridePathError: no ``=``, a bad path, or values YAML cannot read.
+    """
+    path, sep, raw = assignment.partition("=")
+    if not sep or not raw.strip():
+        raise OverridePathError(assignment, "write PATH=V1,V2, e.g. --axis training.lr=0.03,0.1")
+    path, values = parse_assignment(f"{path}=[{raw}]")
+    if not isinstance(values, list):  # e.g. "a]" closes the list early
+        raise OverridePathError(path, f"values {raw!r} are not a comma-separated list")
+    return path, [parse_assignment(f"{path}={v}")[1] if isinstance(v, str) else v for v in values]
+
+
+def extension_body(
+    file: Path | None, axes: list[str], samples: int | None, seeds: int | None
+) -> dict[str, Any]:
+    """The ``POST /sweeps/{id}/extend`` body: ``file``'s extension (``{axes, samples,
+    seeds}``) with ``--axis`` grid values added and ``--samples``/``--seeds`` set; exits 2
+    with the fix when it is malformed or empty."""
+    body = load_spec_file(file) if file is not None else {}
+    grids = dict(body.get("axes") or {})
+    for assignment in axes:
+        try:
+            path, values = axis_values(assignment)
+        except OverridePathError as exc:
+            fail(
+                f"--axis {exc.detail}",
+                "write --axis PATH=V1,V2 with PATH an existing grid axis of the sweep, e.g. "
+                "--axis training.lr=0.03,0.1",
+            )
+        old = grids.get(path, {}).get("grid", []) if isinstance(grids.get(path), dict) else []
+        grids[path] = {"grid": [*old, *values]}
+    if grids:
+        body["axes"] = grids
+    if samples is not None:
+        body["samples"] = samples
+    if seeds is not None:
+        body["seeds"] = seeds
+    if not body:
+        fail(
+            "nothing to extend the sweep by",
+            "give --axis PATH=V1,V2, --samples N (new total), --seeds K (new total), or "
+            "--file FILE with {axes, samples, seeds}",
+        )
+    return body
+
+
+@sweep_app.command("extend")
+def extend_command(
+    sweep_id: Annotated[int, typer.Argument(help="Sweep id.")],
+    axis: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--axis",
+            metavar="PATH=V1,V2",
+            help="More grid values for an existing grid axis (repeatable).",
+        ),
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", metavar="FILE", help="The extension as .yaml/.json."),
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option(min=1, help="New total of draws of the random axes.")
+    ] = None,
+    seeds: Annotated[int | None, typer.Option(min=1, help="New total of seed replicas.")] = None,
+) -> None:
+    """Add trials to a sweep: only those whose overrides it does not hold yet are added."""
+    body = extension_body(file, axis or [], samples, seeds)
+    with friendly_errors():
+        sweep = make_client().extend_sweep(sweep_id, body)
+    out.print(cell(f"sweep {sweep_id}: {sweep['added']} trial(s) added; {counts_line(sweep)}"))
 
 
 @sweep_app.command("cancel")

@@ -171,12 +171,14 @@ def resolve_objective(spec: SweepSpec) -> ResolvedObjective:
 
 @dataclass(frozen=True)
 class PlannedTrial:
-    """One trial of an expansion: its position, key, overrides and validated job spec."""
+    """One trial of an expansion: its position, key, overrides and validated job spec;
+    ``index`` is its place in the expansion (what a 422 names: ``body.trials.<index>``)."""
 
     position: int
     key: str
     overrides: dict[str, Any]
     spec: JobSpec
+    index: int = 0
 
 
 def canonical_json(value: Any) -> str:
@@ -289,13 +291,13 @@ def plan_trials(
         try:
             job_spec = validate_spec(apply_overrides(data, overrides), settings)
         except OverridePathError as exc:
-            errors.append(_trial_error(i, overrides, exc.path, exc.message))
+            errors.append(trial_error(i, overrides, exc.path, exc.message))
         except SpecValidationError as exc:
             for e in exc.errors:
                 field = ".".join(str(p) for p in e["loc"][1:]) or "spec"
-                errors.append(_trial_error(i, overrides, field, e["msg"], e["type"]))
+                errors.append(trial_error(i, overrides, field, e["msg"], e["type"]))
         else:
-            planned.append(PlannedTrial(position, key, overrides, job_spec))
+            planned.append(PlannedTrial(position, key, overrides, job_spec, index=i))
         position += 1
         if len(errors) >= MAX_REPORTED_TRIAL_ERRORS:
             break
@@ -304,9 +306,11 @@ def plan_trials(
     return planned
 
 
-def _trial_error(
+def trial_error(
     index: int, overrides: dict[str, Any], field: str, msg: str, kind: str = "value_error"
 ) -> dict[str, Any]:
+    """A 422 error item for trial ``index``: ``loc = [body, trials, index, field]``, the
+    message naming the trial's overrides and the dotted ``field``."""
     return {
         "loc": ["body", "trials", index, field],
         "msg": f"trial {index} ({canonical_json(overrides)}): {field}: {msg}",

@@ -367,10 +367,13 @@ class Sweep(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # POST /sweeps's Idempotency-Key: a retried POST returns this sweep (per owner).
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
     __table_args__ = (
         Index("ix_sweeps_owner_id", "owner", "id"),
         Index("ix_sweeps_state", "state"),
+        UniqueConstraint("owner", "idempotency_key"),
     )
 
 

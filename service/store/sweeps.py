@@ -11,7 +11,9 @@ job and counts them in ``attempts``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
@@ -19,6 +21,7 @@ from service.core.errors import ConflictError, NotFoundError
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
 from service.core.sweep_spec import PlannedTrial, ResolvedObjective, SweepSpec
 from service.store.models import Job, JobEvent, Sweep, SweepTrial, utcnow
+from service.store.sweep_init_from import init_from_columns, retry_start
 
 SWEEP_RUNNING = "running"
 SWEEP_STATES = ("running", "succeeded", "failed", "cancelled")
@@ -33,7 +36,26 @@ def submit_sweep(
     owner: str,
 ) -> Sweep:
     """Store a sweep and its validated trials as queued jobs: one transaction, three bulk
-    INSERTs (jobs with their ids returned, their ``queued`` events, the trial rows)."""
+    INSERTs (jobs with their ids returned, their ``queued`` events, the trial rows). Trials'
+    ``init_from`` must be resolved already (``sweep_init_from.resolve_sweep_init_from``)."""
+    return submit_sweep_once(session, spec, objective, planned, owner=owner)[0]
+
+
+def submit_sweep_once(
+    session: Session,
+    spec: SweepSpec,
+    objective: ResolvedObjective,
+    planned: Sequence[PlannedTrial],
+    *,
+    owner: str,
+    idempotency_key: str | None = None,
+) -> tuple[Sweep, bool]:
+    """``submit_sweep`` under an Idempotency-Key (None: none).
+
+    Returns:
+        ``(sweep, created)``; ``created`` is False when another request with the same
+        ``idempotency_key`` (same owner) stored its sweep first: that one is returned.
+    """
     sweep = Sweep(
         name=spec.name,
         owner=owner,
@@ -42,11 +64,42 @@ def submit_sweep(
         objective=objective.as_dict(),
         max_concurrent=spec.max_concurrent,
         max_failed=spec.max_failed,
+        idempotency_key=idempotency_key,
     )
-    session.add(sweep)
-    session.flush()
+    try:
+        with session.begin_nested():
+            session.add(sweep)
+            session.flush()
+    except sa_exc.IntegrityError:
+        existing = find_sweep_by_idempotency_key(session, owner, idempotency_key or "")
+        if existing is None:
+            raise
+        return existing, False
     insert_trials(session, sweep, planned)
-    return sweep
+    return sweep, True
+
+
+def find_sweep_by_idempotency_key(session: Session, owner: str, key: str) -> Sweep | None:
+    """The sweep ``owner`` submitted with Idempotency-Key ``key``, if any."""
+    return session.scalars(
+        select(Sweep).where(Sweep.owner == owner, Sweep.idempotency_key == key)
+    ).one_or_none()
+
+
+def same_sweep(stored: dict[str, Any], spec: SweepSpec) -> bool:
+    """Whether a replayed submit (same Idempotency-Key) sent the sweep stored as ``stored``:
+    a base ``init_from`` of step ``"latest"`` (or without a sha256) matches the checkpoint
+    it was resolved to then."""
+    sent = spec.model_dump(mode="json")
+    init, was = sent["base"].get("init_from"), stored.get("base", {}).get("init_from")
+    if isinstance(init, dict) and isinstance(was, dict):
+        init = {"step": "latest", "mode": "weights_only", "sha256": None} | init
+        if init["step"] == "latest":
+            init["step"] = was.get("step")
+        if init["sha256"] is None:
+            init["sha256"] = was.get("sha256")
+        sent["base"] = sent["base"] | {"init_from": init}
+    return bool(sent == stored)
 
 
 def insert_trials(session: Session, sweep: Sweep, planned: Sequence[PlannedTrial]) -> int:
@@ -70,6 +123,7 @@ def insert_trials(session: Session, sweep: Sweep, planned: Sequence[PlannedTrial
             "trial_key": t.key,
             "created_at": now,
             "updated_at": now,
+            **init_from_columns(t.spec),
         }
         for t in planned
     ]
@@ -209,8 +263,11 @@ def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str)
 
 
 def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
-    """Queue a new job for every trial whose newest job failed (same spec, same trial key;
-    the failed job stays as it was). The sweep runs again (``stop_reason`` cleared).
+    """Queue a new job for every trial whose newest job failed (same trial key; the failed
+    job stays as it was). The new job continues from the failed job's own newest committed
+    checkpoint (``init_from`` it, mode ``full``; pinned against retention while it runs)
+    when there is one, else it starts over with the same spec. The sweep runs again
+    (``stop_reason`` cleared).
 
     Returns:
         How many trials were re-queued.
@@ -230,12 +287,13 @@ def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
     if not failed:
         return 0
     now = utcnow()
+    specs = [retry_start(session, j) for _, j in failed]
     rows = [
         {
             "name": j.name,
             "owner": j.owner,
             "state": JobState.QUEUED.value,
-            "spec": j.spec,
+            "spec": spec,
             "launcher": j.launcher,
             "gpus_per_node": j.gpus_per_node,
             "priority": j.priority,
@@ -246,8 +304,9 @@ def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
             "trial_key": t.trial_key,
             "created_at": now,
             "updated_at": now,
+            **init_from_columns(spec),
         }
-        for t, j in failed
+        for (t, j), spec in zip(failed, specs, strict=True)
     ]
     ids = session.scalars(insert(Job).returning(Job.id, sort_by_parameter_order=True), rows).all()
     session.execute(
@@ -258,10 +317,11 @@ def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
                 "attempt": 1,
                 "from_state": None,
                 "to_state": JobState.QUEUED.value,
-                "reason": f"retry of failed job {j.id} (trial {t.position} of sweep {sweep_id})",
+                "reason": f"retry of failed job {j.id} (trial {t.position} of sweep {sweep_id})"
+                + _continuing(spec, j.id),
                 "created_at": now,
             }
-            for new, (t, j) in zip(ids, failed, strict=True)
+            for new, (t, j), spec in zip(ids, failed, specs, strict=True)
         ],
     )
     for new, (t, _) in zip(ids, failed, strict=True):
@@ -269,6 +329,13 @@ def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
     sweep.state, sweep.stop_reason, sweep.finished_at = SWEEP_RUNNING, None, None
     session.flush()
     return len(ids)
+
+
+def _continuing(spec: dict[str, object], failed_id: int) -> str:
+    init = spec.get("init_from")
+    if isinstance(init, dict) and init.get("job") == failed_id:
+        return f", continuing from its checkpoint at step {init.get('step')}"
+    return ""
 
 
 def trial_keys(session: Session, sweep_id: int) -> tuple[frozenset[str], int]:

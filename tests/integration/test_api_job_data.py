@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, update
 
-from service.api.schemas import MetricsOut
+from service.api.metric_schemas import MetricsOut
 from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings

@@ -129,3 +129,41 @@ def test_submit_set_overrides_fields_and_explains_bad_ones(
     assert r.exit_code == 2 and "not an object" in r.output, r.output
     r = ddpq(live_url, "submit", str(path), "--set", "training.lrr=0.1")
     assert r.exit_code == 2 and "training.lrr" in r.output and "did you mean 'lr'" in r.output
+
+
+def test_sweep_extend_adds_only_new_trials(live_url: str, db: Database, tmp_path: Path) -> None:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**SWEEP, "seeds": 1}))
+    assert ddpq(live_url, "sweep", "submit", str(path)).exit_code == 0
+    r = ddpq(live_url, "sweep", "extend", "1", "--axis", "training.lr=0.01,3e-2")
+    assert r.exit_code == 0, r.output
+    assert "sweep 1: 1 trial(s) added; 4 trials: 4 queued" in r.output, "0.01 ran already"
+    ext = tmp_path / "ext.json"
+    ext.write_text(json.dumps({"axes": {"training.lr": {"grid": [0.5]}}}))
+    r = ddpq(live_url, "sweep", "extend", "1", "--file", str(ext), "--seeds", "2")
+    assert r.exit_code == 0 and "6 trial(s) added; 10 trials" in r.output, r.output
+    trials = json.loads(ddpq(live_url, "sweep", "show", "1", "--json").output)["trials"]
+    assert sorted({t["overrides"]["training.lr"] for t in trials}) == [0.001, 0.01, 0.03, 0.1, 0.5]
+    assert len({t["key"] for t in trials}) == len(trials) == 10, "5 lr values × 2 seeds"
+    with db.session(write=False) as s:
+        job = s.get(Job, trials[-1]["job_id"])
+        assert job is not None
+        assert job.spec["training"]["lr"] == trials[-1]["overrides"]["training.lr"]
+
+    r = ddpq(live_url, "sweep", "submit", str(path), "--idempotency-key", "k")
+    assert r.exit_code == 0 and "sweep 2 " in r.output, r.output
+    r = ddpq(live_url, "sweep", "submit", str(path), "--idempotency-key", "k")
+    assert r.exit_code == 0 and "sweep 2 " in r.output, "a resubmit returns the same sweep"
+    page = json.loads(ddpq(live_url, "sweep", "ls", "--json").output)
+    assert [s["id"] for s in page["sweeps"]] == [2, 1], "no third sweep"
+
+    r = ddpq(live_url, "sweep", "extend", "1")
+    assert r.exit_code == 2 and "nothing to extend" in r.output and "fix:" in r.output
+    r = ddpq(live_url, "sweep", "extend", "1", "--axis", "training.lr")
+    assert r.exit_code == 2 and "--axis PATH=V1,V2" in r.output, r.output
+    r = ddpq(live_url, "sweep", "extend", "1", "--axis", "config.hidden=8")
+    assert r.exit_code == 2 and "not an axis of this sweep" in r.output, r.output
+    r = ddpq(live_url, "sweep", "extend", "1", "--seeds", "1")
+    assert r.exit_code == 2 and "trials are never removed" in r.output, r.output
+    r = ddpq(live_url, "sweep", "extend", "99", "--seeds", "3")
+    assert r.exit_code == 2 and "sweep 99 not found" in r.output

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, text
 
-from service.api.schemas import MetricsOut
+from service.api.metric_schemas import MetricsOut
 from service.app import create_app
 from service.core.artifacts import rank_log_path
 from service.core.config import Settings

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
-from service.api.schemas import HistoryOut
+from service.api.metric_schemas import HistoryOut
 from service.app import create_app
 from service.core import attempt_api as wire
 from service.core.config import Settings
