@@ -28,6 +28,10 @@ class PhasesOut(_Out):
     productive_s: float = Field(description="Training time of the steps that count.")
     checkpoint_stall_s: float = Field(description="The training loop waiting on saves.")
     lost_s: float = Field(description="Training time of steps a later resume threw away.")
+    in_progress_s: float = Field(
+        description="Last step → now, while the attempt still runs (not yet productive or "
+        "teardown)."
+    )
     teardown_s: float = Field(description="Last step → the attempt ended.")
 
 

@@ -218,6 +218,20 @@ async def submit(
 
     Caller: any API token (auth on) or anyone (auth off), as for every user route; a dry
     run's ``job_id`` must name one of the caller's jobs (404 otherwise)."""
+    # A repeated parameter would be read by its last value: ``?dry_run=true&dry_run=false``
+    # would store the job its caller meant to plan.
+    repeated = [k for k in ("dry_run", "job_id") if len(request.query_params.getlist(k)) > 1]
+    if repeated:
+        raise SpecValidationError(
+            [
+                {
+                    "loc": ["query", k],
+                    "msg": f"{k} given more than once: give it once",
+                    "type": "value_error",
+                }
+                for k in repeated
+            ]
+        )
     if job_id is not None and not dry_run:
         raise SpecValidationError(
             [

@@ -16,7 +16,7 @@ from service.api.metric_schemas import (
     metrics_json,
 )
 from service.store.jobs import get_job
-from service.store.metric_history import query_superseded
+from service.store.metric_history import downsample_superseded, history_page
 from service.store.metrics import downsample_points, metric_names, query_points
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -54,8 +54,8 @@ def metrics_route(
         bool,
         Query(
             description="Also the points of earlier attempts that a resumed attempt trained "
-            "again (marked superseded), for the steps of this page (with max_points: of the "
-            "whole history)."
+            "again (marked superseded): both kinds share the page's limit and cursor "
+            "(with max_points: both downsampled, each to at most max_points)."
         ),
     ] = False,
 ) -> Response:
@@ -63,7 +63,9 @@ def metrics_route(
     with ``max_points``, the whole history min/max-decimated so spikes and extremes survive.
     Each point names its ``attempt`` and how it was made (``agg``: ``mean`` over ``ranks``
     ranks, or ``rank0``). A step has one current point: after a resume, the resumed attempt's
-    (``include_superseded=true`` adds the earlier attempts' points of those steps).
+    (``include_superseded=true`` adds the earlier attempts' points: at most ``limit`` points
+    of both kinds per page, ``next_after_step`` continuing through both, so poll new current
+    points without it).
 
     Who may call it: the job's owner or an admin (another owner: 404); an attempt token: 401.
     """
@@ -73,19 +75,21 @@ def metrics_route(
         if max_points is not None:
             rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
             next_after = rows[-1].step if rows else after_step
-            full = False  # the whole history: no upper bound
-        else:
+            if not include_superseded:
+                body = metrics_json(name, rows, next_after)
+            else:
+                old = downsample_superseded(session, job_id, name, max_points=min(max_points, cap))
+                body = history_json(name, rows, old, next_after)
+        elif not include_superseded:
             rows, next_after = query_points(
                 session, job_id, name, after_step=after_step, limit=min(limit, cap)
             )
-            full = len(rows) == min(limit, cap)
-        if not include_superseded:
             body = metrics_json(name, rows, next_after)
         else:
-            # The page's step range; an incomplete page (nothing newer) has no upper bound.
-            lo = after_step if max_points is None else 0
-            hi = next_after if full and rows else None
-            old = query_superseded(session, job_id, name, after_step=lo, to_step=hi)
+            # Both kinds share the page's limit; the cursor continues through both.
+            rows, old, next_after = history_page(
+                session, job_id, name, after_step=after_step, limit=min(limit, cap)
+            )
             body = history_json(name, rows, old, next_after)
     # Serialised once, here: returning a MetricsOut made FastAPI validate every point again.
     return Response(body, media_type="application/json")

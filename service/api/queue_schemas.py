@@ -34,7 +34,10 @@ class WorkerFitOut(_Out):
     host: str
     launcher: str
     live: bool = Field(description="Heartbeat fresh and not stopped.")
-    heartbeat_at: datetime
+    heartbeat_at: datetime | None = Field(
+        description="The last heartbeat of a worker that is not live (silent or stopped); null "
+        "for a live one, so the job's ETag does not change with every heartbeat."
+    )
     slots: int
     busy_slots: int
     gpus: int

@@ -15,6 +15,7 @@ _PHASES = (
     ("productive_s", "productive"),
     ("checkpoint_stall_s", "checkpoint stall"),
     ("lost_s", "lost"),
+    ("in_progress_s", "in progress"),
     ("teardown_s", "teardown"),
 )
 
@@ -42,7 +43,7 @@ def goodput_rows(ledger: dict[str, Any] | None) -> list[tuple[str, str]]:
             f"{head} of {_secs(ledger['wall_s'])} since submission was productive training",
         )
     )
-    spent = [f"{label} {_secs(ledger[key])}" for key, label in _PHASES if ledger[key]]
+    spent = [f"{label} {_secs(ledger[key])}" for key, label in _PHASES if ledger.get(key)]
     rows.append(("time", " · ".join(spent)))
     for a in ledger["attempts"]:
         lost = a.get("lost_steps_range")

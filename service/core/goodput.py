@@ -3,9 +3,9 @@ of every phase, the steps thrown away by a later resume, and the checkpoint inte
 would minimise expected lost work. Pure functions over plain values; ``service.store.goodput``
 gathers the moments from the database.
 
-Each attempt's time from the moment it was queued to the moment it ended is cut into seven
-phases that add up to it exactly (every moment is clamped into order first, so clocks of
-different hosts cannot make a phase negative):
+Each attempt's time from the moment it was queued to the moment it ended (or now, while it
+lasts) is cut into eight phases that add up to it exactly (every moment is clamped into
+order first, so clocks of different hosts cannot make a phase negative):
 
 ``queued``   queued → claimed by a worker
 ``starting`` claimed → first step, less ``restore`` (launch, process group, task build)
@@ -14,6 +14,8 @@ different hosts cannot make a phase negative):
 ``checkpoint_stall`` the training loop waiting on checkpoint saves (rank 0 measures)
 ``lost``     training time of steps a later attempt threw away by resuming from an earlier
              checkpoint
+``in_progress`` last step → now, while the attempt still runs: not yet known to be training
+             (its next step makes it productive) or teardown, so neither is claimed
 ``teardown`` last step → the attempt ended (final flush and checkpoint, exit, and for a
              lost worker the time until its lease expired)
 
@@ -33,6 +35,7 @@ PHASES = (
     "productive",
     "checkpoint_stall",
     "lost",
+    "in_progress",
     "teardown",
 )
 
@@ -45,6 +48,8 @@ class AttemptMoments:
         enqueued_s: when it was queued (the job's submission, or the requeue that made it).
         claimed_s: when a worker claimed it (None: never claimed).
         ended_s: when it ended (requeued, finished) or now while it lasts.
+        running: it has not ended (``ended_s`` is now): the time after its last step is
+            ``in_progress``, not ``teardown``.
         training_started_s: when its first step began (rank 0 tells it).
         last_step_s: when its newest step was reported.
         resume_step: the checkpoint step it resumed from (0: from scratch).
@@ -66,6 +71,7 @@ class AttemptMoments:
     checkpoint_stall_s: float = 0.0
     lost_from_step: int | None = None
     lost_from_s: float | None = None
+    running: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class AttemptPhases:
     productive: float
     checkpoint_stall: float
     lost: float
+    in_progress: float
     teardown: float
     lost_steps: int
     lost_steps_range: tuple[int, int] | None
@@ -97,10 +104,10 @@ def attempt_phases(m: AttemptMoments) -> AttemptPhases:
     """Cut one attempt's life into ``PHASES`` (seconds; they add up to ``ended - enqueued``)."""
     start, end = m.enqueued_s, max(m.enqueued_s, m.ended_s)
     if m.claimed_s is None:
-        return AttemptPhases(end - start, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None)
+        return AttemptPhases(end - start, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None)
     claimed = _clamp(m.claimed_s, start, end)
     if m.training_started_s is None and m.last_step_s is None:  # never stepped
-        return AttemptPhases(claimed - start, end - claimed, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None)
+        return AttemptPhases(claimed - start, end - claimed, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None)
     first = _clamp(m.training_started_s if m.training_started_s is not None else m.last_step_s,
                    claimed, end)  # fmt: skip
     last = _clamp(m.last_step_s, first, end)
@@ -120,7 +127,8 @@ def attempt_phases(m: AttemptMoments) -> AttemptPhases:
         productive=(last - first) - lost_s - stall,
         checkpoint_stall=stall,
         lost=lost_s,
-        teardown=end - last,
+        in_progress=end - last if m.running else 0.0,
+        teardown=0.0 if m.running else end - last,
         lost_steps=lost_steps,
         lost_steps_range=lost_range,
     )

@@ -116,15 +116,33 @@ class Training(_Part):
         return self
 
 
-class SlurmOptions(_Part):
-    """Slurm placement; ``extra`` is passed to sbatch as ``--key=value``."""
+# Control characters (newline, carriage return, NUL, ...): each Slurm option becomes one
+# ``#SBATCH`` line of a script, so a newline in a value would add lines of its own.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
-    partition: str | None = Field(default=None, max_length=200)
-    account: str | None = Field(default=None, max_length=200)
-    qos: str | None = Field(default=None, max_length=200)
-    constraint: str | None = Field(default=None, max_length=500)
+
+def _no_control_characters(value: str) -> str:
+    if match := _CONTROL_RE.search(value):
+        raise ValueError(
+            f"must not contain control characters (found {match.group()!r}): each Slurm "
+            "option is one #SBATCH line"
+        )
+    return value
+
+
+SlurmText = Annotated[str, AfterValidator(_no_control_characters)]
+
+
+class SlurmOptions(_Part):
+    """Slurm placement; ``extra`` is passed to sbatch as ``--key=value``. No string of it
+    (keys of ``extra`` included) may hold a control character."""
+
+    partition: SlurmText | None = Field(default=None, max_length=200)
+    account: SlurmText | None = Field(default=None, max_length=200)
+    qos: SlurmText | None = Field(default=None, max_length=200)
+    constraint: SlurmText | None = Field(default=None, max_length=500)
     time_limit_min: int | None = Field(default=None, ge=1)
-    extra: dict[str, str] = Field(default_factory=dict)
+    extra: dict[SlurmText, SlurmText] = Field(default_factory=dict)
 
 
 def _step_or_latest(value: Any) -> Any:

@@ -184,6 +184,7 @@ def job_ledger(session: Session, job_id: int, *, owner: str | None = None) -> Jo
             checkpoint_stall_s=(t.checkpoint_stall_s or 0.0) if t is not None else 0.0,
             lost_from_step=lost_from,
             lost_from_s=lost_at,
+            running=m.ended == as_of,
         )
         superseded_by = next(
             (k for k, r in zip(numbers, resume, strict=True) if k > n and r == lost_from), None

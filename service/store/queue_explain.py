@@ -56,8 +56,10 @@ class WorkerFit:
     now; ``can_now``: also live with a free slot and enough free GPUs. ``why_not`` says why
     not (ever or now); ``notes`` what would go wrong if it ran it (more ranks than cores).
     Counts: slots and GPUs as the worker registered them, ``busy_*`` what its active jobs
-    hold; ``cpus`` None when the worker did not say. Nothing here depends on the time of the
-    read (no ages), so a polled job's ETag changes only when something did.
+    hold; ``cpus`` None when the worker did not say. ``heartbeat_at`` only for a worker that
+    is not live (silent or stopped: its last heartbeat, which no longer moves); None for a
+    live one. Nothing here depends on the time of the read or of the latest heartbeat (no
+    ages), so a polled job's ETag changes only when something did.
     """
 
     id: str
@@ -65,7 +67,7 @@ class WorkerFit:
     launcher: str
     live: bool
     stopped: bool
-    heartbeat_at: datetime
+    heartbeat_at: datetime | None
     slots: int
     busy_slots: int
     gpus: int
@@ -162,7 +164,7 @@ def _fit(row: Any, job: JobShape, live_after: datetime) -> WorkerFit:
         )
     return WorkerFit(
         id=str(wid), host=str(host), launcher=str(launcher), live=live,
-        stopped=stopped_at is not None, heartbeat_at=heartbeat_at,
+        stopped=stopped_at is not None, heartbeat_at=None if live else heartbeat_at,
         slots=slots, busy_slots=int(held), gpus=gpus, busy_gpus=int(gpus_held), cpus=cpus,
         can_ever=not ever, can_now=not ever and not now_why,
         why_not=tuple(ever + now_why), notes=tuple(notes),
@@ -187,9 +189,10 @@ def _workers(session: Session, job: JobShape, heartbeat_interval_s: float) -> li
             select(func.coalesce(func.sum(Job.gpus_per_node), 0))
             .where(*held_by_worker)
             .scalar_subquery(),
-        ).order_by(Worker.heartbeat_at.desc(), Worker.id)
+        ).order_by(Worker.id)
     )
-    return [_fit(row, job, live_after) for row in rows]
+    # Live ones first, each group by id: an order by heartbeat would move with every beat.
+    return sorted((_fit(row, job, live_after) for row in rows), key=lambda w: (not w.live, w.id))
 
 
 def _summary(job: JobShape, fits: list[WorkerFit], ahead: int) -> str:

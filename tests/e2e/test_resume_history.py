@@ -89,7 +89,8 @@ def test_a_resumed_attempt_replaces_the_steps_it_trains_again(dep: Any) -> None:
     assert one["outcome"] == "requeued: worker lost: lease expired", one
     assert (two["resume_step"], two["lost_steps"], two["outcome"]) == (4, 0, "succeeded")
     assert two["training_started_at"] is not None and two["restore_s"] > 0, two
-    phases = ("queued", "starting", "restore", "productive", "checkpoint_stall", "lost", "teardown")
+    phases = ("queued", "starting", "restore", "productive", "checkpoint_stall", "lost",
+              "in_progress", "teardown")  # fmt: skip
     for line in (one, two, ledger):
         assert sum(line[f"{p}_s"] for p in phases) == pytest.approx(line["wall_s"], abs=1e-3)
     wall_s = _seconds(job["finished_at"]) - _seconds(job["created_at"])

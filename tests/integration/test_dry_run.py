@@ -171,3 +171,41 @@ def test_a_bad_spec_is_refused_as_at_submit(api: TestClient, tokens: dict[str, s
     r = dry_run(api, tokens["alice"], {**SPEC, "resources": {"nproc_per_node": 0}})
     assert r.status_code == 422 and "nproc_per_node" in r.text
     assert dry_run(api, "ddpq_not-a-token", SPEC).status_code == 401
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_a_password_in_the_api_url_never_shows_in_a_plan(
+    settings: Settings, db: Database, tokens: dict[str, str], launcher: str
+) -> None:
+    # A password holding "@" and ":" is masked up to the last "@" before the host.
+    url = "http://apiuser:Pl@inPw:123@10.0.0.5:8765"
+    configured = settings.model_copy(update={"auth": "on", "slurm_enabled": True, "api_url": url})
+    spec = {**SPEC, "launcher": launcher, "resources": {"nproc_per_node": 2, "timeout_min": 5}}
+    with TestClient(create_app(configured)) as client:
+        r = dry_run(client, tokens["alice"], spec)
+    assert r.status_code == 200, r.text
+    (plan,) = r.json()["plans"]
+    assert plan["error"] is None
+    for secret in ("Pl@inPw", "inPw:123", "Pw:123", PLACEHOLDER_TOKEN):
+        assert secret not in r.text, f"{secret!r} leaked into the dry run's answer"
+    assert "http://apiuser:***@10.0.0.5:8765" in plan["text"], "the host is still shown"
+    if launcher == "slurm":
+        assert "export DDPQ_API_URL=http://apiuser:***@10.0.0.5:8765" in plan["script"]
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("dry_run=true&dry_run=false", "dry_run"),
+        ("dry_run=false&dry_run=true", "dry_run"),
+        ("dry_run=true&job_id=1&job_id=2", "job_id"),
+    ],
+)
+def test_a_repeated_dry_run_or_job_id_is_refused_and_stores_nothing(
+    api: TestClient, db: Database, tokens: dict[str, str], query: str, field: str
+) -> None:
+    before = rows(db)
+    r = api.post(f"{API}/jobs?{query}", json=SPEC, headers=bearer(tokens["alice"]))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["query", field]
+    assert rows(db) == before, "neither planned nor stored"

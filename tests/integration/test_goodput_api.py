@@ -4,6 +4,7 @@ add up to the wall time, and only the owner may read it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +21,10 @@ from service.store.models import Metric, MetricSuperseded
 from service.store.tokens import create_token
 from tests.resume_api import API, SPEC, bearer, claim, post_points, resumed_job, timeline
 
-PHASES = ("queued", "starting", "restore", "productive", "checkpoint_stall", "lost", "teardown")
+PHASES = (
+    "queued", "starting", "restore", "productive", "checkpoint_stall", "lost", "in_progress",
+    "teardown",
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -100,6 +104,29 @@ def test_a_queued_job_is_all_queued_time_and_has_no_estimate(
     ledger = api.get(f"{API}/jobs/{r.json()['id']}/goodput", headers=users["alice"]).json()
     assert ledger["wall_s"] == pytest.approx(ledger["queued_s"]) and ledger["lost_steps"] == 0
     assert ledger["attempts"][0]["ended_at"] is None and ledger["checkpoint_interval"] is None
+
+
+def test_a_running_attempt_after_its_last_step_is_in_progress_not_teardown(
+    api: TestClient, db: Database, users: dict[str, dict[str, str]]
+) -> None:
+    r = api.post(f"{API}/jobs", json=SPEC, headers=users["alice"])
+    job_id = int(r.json()["id"])
+    token = claim(db, job_id)
+    assert timeline(api, token, resume_step=0, restore_s=0.0) == 204
+    post_points(api, token, range(1, 4), 1.0)
+    time.sleep(0.05)  # then nothing: the attempt still runs (or hangs) after step 3
+    ledger = api.get(f"{API}/jobs/{job_id}/goodput", headers=users["alice"]).json()
+    (line,) = ledger["attempts"]
+    assert line["ended_at"] is None and line["last_step"] == 3
+    assert line["teardown_s"] == 0.0 and ledger["teardown_s"] == 0.0, "nothing tore down yet"
+    assert line["in_progress_s"] >= 0.05
+    for part in (line, ledger):
+        assert sum(part[f"{p}_s"] for p in PHASES) == pytest.approx(part["wall_s"], abs=1e-4)
+    finish(db, job_id)
+    done = api.get(f"{API}/jobs/{job_id}/goodput", headers=users["alice"]).json()
+    (line,) = done["attempts"]
+    assert line["in_progress_s"] == 0.0 and line["teardown_s"] >= 0.05, "ended: teardown"
+    assert sum(done[f"{p}_s"] for p in PHASES) == pytest.approx(done["wall_s"], abs=1e-4)
 
 
 def test_only_the_owner_reads_the_ledger(

@@ -113,6 +113,44 @@ def test_the_api_answer_names_attempt_and_aggregation_and_keeps_superseded_point
     assert r.status_code == 401, r.text
 
 
+def test_superseded_points_are_capped_paged_and_downsampled(
+    settings: Settings, db: Database, users: dict[str, dict[str, str]]
+) -> None:
+    capped = settings.model_copy(update={"auth": "on", "max_metric_points": 50})
+    with TestClient(create_app(capped)) as api:
+        job_id = resumed_job(api, db, users)
+        # A long attempt 1 that attempt 2 (resumed from step 4) superseded: steps 8-307.
+        with db.session() as s:
+            s.add_all(
+                MetricSuperseded(job_id=job_id, name="loss", step=step, attempt=1,
+                                 value=float(step % 17), ranks=2, superseded_by=2)
+                for step in range(8, 308)
+            )  # fmt: skip
+        url, alice = f"{API}/jobs/{job_id}/metrics", users["alice"]
+        seen: list[tuple[int, int, bool]] = []
+        after, pages = 0, 0
+        while True:
+            body = api.get(url, params={"name": "loss", "include_superseded": "true",
+                                        "after_step": after, "limit": 10_000},
+                           headers=alice).json()  # fmt: skip
+            assert len(body["points"]) <= 50, "capped by DDPQ_MAX_METRIC_POINTS"
+            seen += [(p["step"], p["attempt"], p["superseded"]) for p in body["points"]]
+            if body["next_after_step"] == after:
+                break
+            after, pages = body["next_after_step"], pages + 1
+        assert pages > 1
+        assert len(seen) == len(set(seen)) == 12 + 3 + 300, "every point exactly once"
+        history = {"name": "loss", "include_superseded": "true"}
+        small = api.get(url, params={**history, "limit": 7}, headers=alice).json()
+        assert len(small["points"]) <= 7 and small["next_after_step"] < 12
+        sampled = api.get(url, params={**history, "max_points": 20}, headers=alice).json()
+        sampled = sampled["points"]
+        old = [p for p in sampled if p["superseded"]]
+        assert 2 <= len(old) <= 20, "superseded points downsampled too"
+        assert old[0]["step"] == 5 and old[-1]["step"] == 307, "each end survives"
+        assert [p["step"] for p in sampled if not p["superseded"]] == list(range(1, 13))
+
+
 def test_within_one_attempt_a_repeated_step_keeps_its_first_value(
     api: TestClient, db: Database, users: dict[str, dict[str, str]]
 ) -> None:

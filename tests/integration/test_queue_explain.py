@@ -184,3 +184,38 @@ def test_a_slurm_job_pending_in_slurm_says_why(
         "scheduler pending: Priority — words",
         "scheduler pending: Resources — words",
     ]
+
+
+def test_a_queued_jobs_etag_stays_through_worker_heartbeats(
+    api: TestClient, db: Database, tokens: dict[str, str]
+) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from service.store.leases import heartbeat
+    from service.store.models import Worker, utcnow
+
+    register(db, "b-worker", slots=1, gpus=[])
+    register(db, "a-worker", slots=1, gpus=[])
+    register(db, "gone", slots=1, gpus=[])
+    with db.session() as s:
+        old = utcnow() - timedelta(hours=1)
+        s.execute(update(Worker).where(Worker.id == "gone").values(heartbeat_at=old))
+    job = submit(api, tokens["alice"])
+    url, alice = f"{API}/jobs/{job['id']}", bearer(tokens["alice"])
+    first = api.get(url, headers=alice)
+    etag = first.headers["etag"]
+    fits = {w["id"]: w for w in first.json()["queue"]["workers"]}
+    assert fits["a-worker"]["live"] and fits["a-worker"]["heartbeat_at"] is None
+    assert not fits["gone"]["live"] and fits["gone"]["heartbeat_at"] is not None
+    assert fits["gone"]["why_not"][0].startswith("silent: no heartbeat since")
+    assert [w["id"] for w in first.json()["queue"]["workers"]] == ["a-worker", "b-worker", "gone"]
+    for worker_id in ("b-worker", "a-worker", "b-worker"):  # beats in turn: nothing changed
+        with db.session() as s:
+            heartbeat(s, worker_id, lease_s=30.0)
+        again = api.get(url, headers={**alice, "If-None-Match": etag})
+        assert again.status_code == 304, again.text
+    with db.session() as s:
+        workers.stop_worker(s, "b-worker")  # something did change: a new ETag
+    assert api.get(url, headers={**alice, "If-None-Match": etag}).status_code == 200

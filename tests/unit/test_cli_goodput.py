@@ -81,3 +81,13 @@ def test_a_job_never_claimed_shows_no_goodput_lines() -> None:
     text = render(format_job_summary(JOB, None, None, "http://h/jobs/3", goodput=queued))
     assert "goodput" not in text and "lost" not in text, text
     assert "goodput" not in render(format_job_summary(JOB, None, None, "http://h/jobs/3"))
+
+
+def test_a_running_job_shows_its_time_since_the_last_step_as_in_progress() -> None:
+    running = {**LEDGER, "teardown_s": 0.0, "in_progress_s": 20.4}
+    text = render(format_job_summary(JOB, None, None, "http://h/jobs/3", goodput=running))
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    assert (
+        "time queued 1.0s · starting 6.2s · restore 0.30s · productive 40.0s · checkpoint stall "
+        "0.50s · lost 7.6s · in progress 20.4s"
+    ) in lines, text

@@ -51,12 +51,34 @@ def test_a_lost_attempt_splits_into_phases_that_add_up() -> None:
         ),
         AttemptMoments(0.0, None, 20.0),  # never claimed (still queued, or cancelled)
         AttemptMoments(0.0, 5.0, 20.0),  # claimed, never stepped (failed at start)
+        AttemptMoments(
+            0.0,
+            5.0,
+            20.0,
+            training_started_s=30.0,
+            last_step_s=9.0,
+            last_step=3,
+            checkpoint_stall_s=4.0,
+            running=True,
+        ),
     ],
 )
 def test_phases_never_go_negative_and_always_add_up(moments: AttemptMoments) -> None:
     p = attempt_phases(moments)
     assert all(getattr(p, phase) >= 0 for phase in PHASES), p
     assert p.total == pytest.approx(moments.ended_s - moments.enqueued_s)
+
+
+def test_a_running_attempts_time_since_its_last_step_is_in_progress_not_teardown() -> None:
+    # Claimed at 5, steps over 10 → 30, still running (or hung) at 100: nothing has ended.
+    running = AttemptMoments(0.0, 5.0, 100.0, training_started_s=10.0, last_step_s=30.0,
+                             last_step=20, running=True)  # fmt: skip
+    p = attempt_phases(running)
+    assert (p.productive, p.in_progress, p.teardown) == (20.0, 70.0, 0.0)
+    assert p.total == 100.0
+    ended = attempt_phases(AttemptMoments(0.0, 5.0, 100.0, training_started_s=10.0,
+                                          last_step_s=30.0, last_step=20))  # fmt: skip
+    assert (ended.in_progress, ended.teardown) == (0.0, 70.0), "once it ended: teardown"
 
 
 def test_a_resume_before_the_attempts_own_start_loses_all_its_training() -> None:

@@ -6,6 +6,7 @@ and points say how their values were made."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from service.core.config import Settings
 from service.core.spec import JobSpec
 from service.core.states import JobState
 from service.store.db import Database
+from service.store.goodput import job_ledger
 from service.store.jobs import Transition, apply_transition
 from service.store.metrics import query_points
 from service.store.models import JobAttempt, MetricSuperseded
@@ -64,9 +66,13 @@ def test_the_resume_step_goes_before_the_first_points_of_a_resumed_attempt(
     facts.begin(4)  # then points at once: the writer must send the resume step first
     for step in range(5, 13):
         second.report(step, 0, torch.tensor(100.0 + step))
+        if step == 8:
+            with facts.checkpoint_stall():  # inside the training window: told
+                pass
     second.flush()
-    with facts.checkpoint_stall():
+    with facts.checkpoint_stall():  # after the last step: teardown, never told as a stall
         pass
+    second.flush()
     second.close()
     rows = loss(db, job_id)
     assert [r[0] for r in rows] == list(range(1, 13))
@@ -98,10 +104,37 @@ def test_a_custom_loop_tells_the_step_before_its_first_report(
     )
     ctx.report(21, 0, loss=0.5)  # a loop that restored itself from step 20
     ctx.save_checkpoint({"w": torch.zeros(2)}, 21)
+    ctx.report(22, 0, loss=0.4)
+    ctx.save_checkpoint({"w": torch.zeros(2)}, 22)  # the final save: teardown
     ctx.close()
     sink.close()
     with db.session(write=False) as s:
         told = s.get(JobAttempt, (job_id, attempt))
         assert told is not None and told.resume_step == 20, told
         assert told.checkpoint_saves == 1 and told.checkpoint_stall_s is not None
-    assert loss(db, job_id) == [(21, 1, 1)]
+    assert loss(db, job_id) == [(21, 1, 1), (22, 1, 1)]
+
+
+def test_the_final_saves_stall_is_teardown_not_lost_training(
+    db: Database, api: LiveApi, settings: Settings, tmp_path: Path
+) -> None:
+    # A short job: three quick steps, then a slow final checkpoint after the last one.
+    job_id, attempt = running_job(db)
+    sink = ApiSink(CPU, attempt_client(db, api.url, job_id, attempt))
+    facts = AttemptFacts(sink)
+    facts.begin(0)
+    for step in range(1, 4):
+        sink.report(step, 0, torch.tensor(1.0))
+        time.sleep(0.01)
+    sink.flush()
+    with facts.checkpoint_stall():
+        time.sleep(0.2)  # far longer than the training window
+    sink.flush()
+    sink.close()
+    with db.session(write=False) as s:
+        told = s.get(JobAttempt, (job_id, attempt))
+        assert told is not None and told.checkpoint_saves is None, "the final save: not a stall"
+        (line,) = job_ledger(s, job_id).attempts
+    p = line.phases
+    assert p.checkpoint_stall == 0.0 and p.productive > 0, p
+    assert p.in_progress >= 0.2, "the attempt still runs: its time after step 3 is in progress"

@@ -8,6 +8,7 @@ Regenerate the golden file after an intended change:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import stat
@@ -119,6 +120,22 @@ def test_an_array_plan_of_three_trials_matches_golden(tmp_path: Path) -> None:
         f"plan differs from {path}; if the change is intended, rerun with DDPQ_UPDATE_GOLDEN=1"
         f"\n--- expected\n{expected}\n--- got\n{text}"
     )
+
+
+def test_an_array_plan_masks_the_api_urls_password_and_every_token(tmp_path: Path) -> None:
+    (tmp_path / "cwd").mkdir()
+    settings = _settings(tmp_path).model_copy(
+        update={"api_url": "http://apiuser:p@ss:w0rd@10.0.0.5:8765"}
+    )
+    launcher = SlurmLauncher(settings, cwd=tmp_path / "cwd",
+                             scontrol=str(_fake_scontrol(tmp_path, 1001)))  # fmt: skip
+    plans = _plans(launcher, [7, 8])
+    # Should a token ever reach the shared script, it is masked there too.
+    (array,) = launcher.plan_array(plans, parallelism=None)
+    leaky = dataclasses.replace(array, script=f"{array.script}\n# ddpqa_token-of-8\n")
+    text = leaky.render()
+    assert "p@ss" not in text and "w0rd" not in text and "ddpqa_token" not in text
+    assert "export DDPQ_API_URL=http://apiuser:***@10.0.0.5:8765" in text
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from worker.errors import LaunchError
-from worker.launchers.base import with_attempt_token
+from worker.launchers.base import mask_text, with_attempt_token
 from worker.launchers.slurm import SlurmLauncher
 from worker.launchers.slurm_rank import (
     MASTER_PORT_BASE,
@@ -130,6 +130,35 @@ def test_database_url_never_appears_in_the_script(tmp_path: Path) -> None:
     assert "s3cret" not in plan.render()
     assert plan.request is not None
     assert "s3cret" not in json.dumps(dataclasses.asdict(plan.request))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://apiuser:PlainPw123@10.0.0.5:8765", "http://apiuser:***@10.0.0.5:8765"),
+        ("http://apiuser:p@ss:w0rd@10.0.0.5:8765/x", "http://apiuser:***@10.0.0.5:8765/x"),
+        ("https://me@corp:s3@cret@api.example", "https://me@corp:***@api.example"),
+    ],
+)
+def test_the_api_urls_password_is_masked_in_the_script_and_the_log(
+    tmp_path: Path, url: str, shown: str
+) -> None:
+    settings = _settings(tmp_path).model_copy(update={"api_url": url})
+    (tmp_path / "cwd").mkdir()
+    plan = with_attempt_token(
+        SlurmLauncher(settings, cwd=tmp_path / "cwd").plan(_spec(), 1, 1), "ddpqa_s3cret-token"
+    )
+    # The worker logs exactly ``render()``; the script submitit submits keeps the real URL.
+    text = plan.render()
+    password = url.split("://")[1].split(":", 1)[1].rsplit("@", 1)[0]
+    assert password not in text and "s3cret" not in text
+    assert f"export DDPQ_API_URL={shown}" in text.split("#!/bin/bash", 1)[1], "in the script"
+    assert f"export DDPQ_API_URL={shown}" in text.split("#!/bin/bash", 1)[0], "in the env"
+    assert url in (plan.script or "")
+    # The attempt token is masked wherever it appears, the script included.
+    leaky = dataclasses.replace(plan, script=f"{plan.script}\necho ddpqa_s3cret-token\n")
+    assert "ddpqa_s3cret-token" not in leaky.render()
+    assert mask_text("see http://u:a@b@h and tok", ["tok"]) == "see http://u:***@h and ***"
 
 
 def test_default_partition_applies_only_when_the_spec_names_none(tmp_path: Path) -> None:

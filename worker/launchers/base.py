@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -16,13 +16,32 @@ from worker.attempt import ATTEMPT_TOKEN, FailureReason
 # Plan entries whose value is a secret: rendered as MASKED, never printed or logged.
 SECRET_ENV_NAMES = frozenset({ATTEMPT_TOKEN})
 MASKED = "***"
-# The password of a URL (``scheme://user:password@host``), should any plan value hold one.
-URL_PASSWORD_RE = re.compile(r"(://[^:/@\s]+:)[^@\s]+@")
+# The password of a URL (``scheme://user:password@host``) wherever a plan's text holds one.
+# Greedy up to the last ``@`` of the word: a password may itself hold ``@`` (or ``:``), the
+# host never does; masking too much is safe, masking too little is a leak.
+URL_PASSWORD_RE = re.compile(r"(://[^:/\s]+:)\S*@")
+
+
+def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (an env value, a script, a log line) as a plan shows it: every occurrence of
+    each of ``secrets`` (values, e.g. the attempt token) and every URL's password replaced
+    by ``***``. The one masking rule for a plan's environment, script and log."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, MASKED)
+    return URL_PASSWORD_RE.sub(rf"\1{MASKED}@", text)
 
 
 def masked(name: str, value: str) -> str:
-    """``value`` as a plan shows it: ``***`` for a secret entry, a URL's password masked."""
-    return MASKED if name in SECRET_ENV_NAMES else URL_PASSWORD_RE.sub(rf"\1{MASKED}@", value)
+    """``value`` of plan entry ``name`` as a plan shows it: ``***`` for a secret entry, else
+    ``mask_text(value)``."""
+    return MASKED if name in SECRET_ENV_NAMES else mask_text(value)
+
+
+def secret_values(env: Mapping[str, str]) -> list[str]:
+    """The values of ``env``'s secret entries (``SECRET_ENV_NAMES``), to mask wherever else
+    they appear (a script, argv)."""
+    return [v for k, v in env.items() if k in SECRET_ENV_NAMES and v]
 
 
 class RunPhase(StrEnum):
@@ -85,13 +104,14 @@ class LaunchPlan(Generic[RequestT]):
         """The plan as text: environment (secrets masked), the files it writes (their
         names: a spec's text is the job's, shown elsewhere), command line, and the script if
         any."""
+        secrets = secret_values(self.env)
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
         lines += [f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())]
         lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
-        lines.append(" ".join(self.argv))
+        lines.append(mask_text(" ".join(self.argv), secrets))
         if self.script:
-            lines += ["", self.script]
+            lines += ["", mask_text(self.script, secrets)]
         return "\n".join(lines)
 
 
@@ -180,6 +200,7 @@ class ArrayPlan(Generic[RequestT]):
         """The array as text: each element's environment (secrets masked) and files, then
         the command line and the shared script."""
         n = len(self.elements)
+        secrets = [v for plan in self.elements for v in secret_values(plan.env)]
         lines = [f"# ddpq array of {n} attempt(s) via {self.launcher}, "
                  f"at most {self.parallelism} at once"]  # fmt: skip
         for i, plan in enumerate(self.elements):
@@ -188,9 +209,9 @@ class ArrayPlan(Generic[RequestT]):
             lines += [f"#   writes {plan.log_dir}/{name}" for name in sorted(plan.files)]
         if self.elements:
             first = self.elements[0]
-            lines += [f"cd {first.cwd}", " ".join(first.argv)]
+            lines += [f"cd {first.cwd}", mask_text(" ".join(first.argv), secrets)]
         if self.script:
-            lines += ["", self.script]
+            lines += ["", mask_text(self.script, secrets)]
         return "\n".join(lines)
 
 

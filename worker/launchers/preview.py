@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from service.core.config import Settings
 from service.core.spec import JobSpec
 from worker.errors import LaunchError
-from worker.launchers.base import masked, with_attempt_token
+from worker.launchers.base import mask_text, secret_values, with_attempt_token
 from worker.launchers.registry import make_launcher
 
 # Stands in for the attempt token the worker mints at launch; every render masks it.
@@ -49,13 +49,14 @@ def preview_plans(
         plan = with_attempt_token(launcher.plan(spec, job_id, attempt), PLACEHOLDER_TOKEN)
     except (LaunchError, ValueError, OSError) as exc:
         return [PlanPreview(launcher=spec.launcher, error=f"{type(exc).__name__}: {exc}")]
+    secrets = secret_values(plan.env)
     return [
         PlanPreview(
             launcher=plan.launcher,
             text=plan.render(),
-            argv=[masked("", a) for a in plan.argv],
+            argv=[mask_text(a, secrets) for a in plan.argv],
             env_names=sorted(plan.env),
-            script=masked("", plan.script) if plan.script is not None else None,
+            script=mask_text(plan.script, secrets) if plan.script is not None else None,
             files=sorted(plan.files),
         )
     ]

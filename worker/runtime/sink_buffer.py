@@ -10,6 +10,7 @@ points for the attempt API.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -74,6 +75,10 @@ class Sink(Protocol):
         """Hand rank 0's attempt facts (resume step, restore time, checkpoint stall) to the
         writer, which sends them before any later metric batch."""
 
+    def hold_timeline(self, timeline: AttemptTimeline) -> None:
+        """``report_timeline(timeline)`` once a point reported after now is flushed; never if
+        none is (what happens after the last step is the attempt's teardown)."""
+
     def buffered(self, name: str) -> list[tuple[int, torch.Tensor]]:
         """The ``(step, tensor)`` pairs buffered under ``name`` since the last flush."""
         ...
@@ -117,6 +122,8 @@ class MetricsSink:
         self._last_flush_s = time.monotonic()
         self._flushed_once = False
         self.latest: dict[str, float] = {}
+        # ``hold_timeline``'s facts, oldest first, each with when it became true (epoch s).
+        self._held: list[tuple[float, AttemptTimeline]] = []
 
     # -- called on the training thread, every step -------------------------------------------
     def report(self, step: int, epoch: int | None, value: torch.Tensor, name: str = "loss") -> None:
@@ -138,6 +145,24 @@ class MetricsSink:
 
     def report_timeline(self, timeline: AttemptTimeline) -> None:
         """Hand rank 0's attempt facts to the writer (only rank 0's ``ApiSink`` sends them)."""
+
+    def hold_timeline(self, timeline: AttemptTimeline) -> None:
+        """Keep ``timeline`` (cumulative facts, e.g. the checkpoint stall so far) until a
+        flush hands over a point reported after now; then ``report_timeline`` it (the newest
+        such one: each holds the ones before it). A checkpoint save after the attempt's last
+        point is never told: it is teardown, not a stall inside the training window."""
+        self._held.append((time.time(), timeline))
+
+    def _release_held(self, keys: list[Key], host: list[MetricPoint]) -> None:
+        """Report the newest held fact older than the newest point of a flushed batch."""
+        newest = max((k[3] for k in keys), default=-math.inf)
+        for p in host:
+            if p.time is not None:
+                newest = max(newest, p.time.timestamp())
+        released = [t for at, t in self._held if at < newest]
+        if released:
+            self._held = [(at, t) for at, t in self._held if at >= newest]
+            self.report_timeline(released[-1])
 
     def _ranks(self, *, averaged: bool) -> int:
         """``MetricPoint.ranks`` of a value: the world size when averaged (or on one rank),
@@ -182,6 +207,8 @@ class MetricsSink:
         """
         keys, tensors, host = self._keys, self._tensors, self._host
         self._keys, self._tensors, self._host = [], [], []
+        if self._held:
+            self._release_held(keys, host)
         self._flushed_once = self._flushed_once or bool(keys)
         self._last_flush_s = time.monotonic()
         stacked = _stacked(tensors) if tensors else None

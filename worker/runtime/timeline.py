@@ -27,7 +27,8 @@ class AttemptFacts:
             loop never asked, see ``begin_at_report``).
         restore_s: seconds spent finding, verifying and loading the checkpoint.
         checkpoint_stall_s, checkpoint_saves: seconds the loop waited in checkpoint saves,
-            and how many saves.
+            and how many saves (all of them; the API is told only those a later point
+            follows, see ``checkpoint_stall``).
         began: whether the attempt's start was told.
     """
 
@@ -73,14 +74,16 @@ class AttemptFacts:
     @contextmanager
     def checkpoint_stall(self) -> Iterator[None]:
         """Time one checkpoint save on the training thread (the snapshot, and the wait for the
-        previous write) and tell the running total."""
+        previous write) and tell the running total once a later point is flushed
+        (``Sink.hold_timeline``): only saves inside the first-to-last step window stall
+        training; the final save after the last step is the attempt's teardown."""
         start = time.monotonic()
         try:
             yield
         finally:
             self.checkpoint_stall_s += time.monotonic() - start
             self.checkpoint_saves += 1
-            self._sink.report_timeline(
+            self._sink.hold_timeline(
                 AttemptTimeline(
                     checkpoint_stall_s=round(self.checkpoint_stall_s, 6),
                     checkpoint_saves=self.checkpoint_saves,

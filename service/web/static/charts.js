@@ -323,15 +323,19 @@
       let changed = false;
       if (!s.loaded || s.steps.length > MAX_KEPT_POINTS) {
         q.set("max_points", String(FIRST_LOAD_MAX_POINTS));
+        // Earlier attempts' points come downsampled with the current ones: one request.
+        if (state.history.lost.length) q.set("include_superseded", "true");
         const res = await d.api(base + "/metrics?" + q.toString());
-        const points = res.body.points || [];
+        q.delete("include_superseded");
+        const all = res.body.points || [];
+        const points = all.filter((p) => !p.superseded);
         s.steps = points.map((p) => p.step);
         s.epochs = points.map((p) => p.epoch);
         s.times = points.map((p) => p.time);
         s.raw = points.map((p) => p.value);
         s.aggs = points.map((p) => p.agg);
         s.after = points.length ? points[points.length - 1].step : Number(res.body.next_after_step) || 0;
-        s.old = await supersededPoints(name);
+        s.old = all.filter(isLostPoint);
         s.loaded = true;
         changed = true;
       }
@@ -358,29 +362,10 @@
       return changed;
     }
 
-    /* Earlier attempts' points of the step ranges a resume superseded (from the ledger). */
-    async function supersededPoints(name) {
-      const old = [];
-      for (const range of state.history.lost) {
-        let after = range.from - 1;
-        for (let page = 0; page < 5 && after < range.to; page += 1) {
-          const q = new URLSearchParams({
-            name: name,
-            include_superseded: "true",
-            after_step: String(after),
-            limit: String(PAGE_LIMIT),
-          });
-          const res = await d.api(base + "/metrics?" + q.toString());
-          const points = res.body.points || [];
-          for (const p of points) {
-            if (p.superseded && p.attempt === range.attempt && p.step <= range.to) old.push(p);
-          }
-          const next = Number(res.body.next_after_step) || after;
-          if (!points.length || next <= after) break;
-          after = next;
-        }
-      }
-      return old;
+    /* A superseded point of a step range a resume lost (from the ledger). */
+    function isLostPoint(p) {
+      return Boolean(p.superseded) && state.history.lost.some(
+        (r) => p.attempt === r.attempt && p.step >= r.from && p.step <= r.to);
     }
 
     /* ``history``: {resumes: [{attempt, step}], lost: [{attempt, from, to}]} from the goodput

@@ -1,6 +1,6 @@
 /* ddpq dashboard: a job's goodput panel (GET /jobs/{id}/goodput) — one stacked bar per attempt
  * with its phases to scale (queued, starting, restore, productive, checkpoint stall, lost work,
- * teardown), a legend with the job's totals, the steps lost to restarts and the Young/Daly
+ * in progress, teardown), a legend with the job's totals, the steps lost to restarts and the Young/Daly
  * checkpoint-interval estimate — and the curves' history marks taken from the same ledger
  * (where attempts resumed, which step ranges they superseded). job.js fetches the ledger. */
 "use strict";
@@ -16,6 +16,7 @@
     ["productive", "productive"],
     ["checkpoint_stall", "checkpoint stall"],
     ["lost", "lost work"],
+    ["in_progress", "in progress"],
     ["teardown", "teardown"],
   ];
 
@@ -84,6 +85,7 @@
     const legend = $("goodput-legend");
     d.clear(legend);
     for (const [key, label] of PHASES) {
+      if (key === "in_progress" && !ledger[key + "_s"]) continue; // only while an attempt runs
       legend.append(d.el("li", null, d.el("span", { class: "swatch gp-" + key }), label + " " + fmtSecs(ledger[key + "_s"])));
     }
     const lost = historyOf(ledger).lost;
