@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
 from service.api import (
+    attempt_checkpoints,
     attempt_downloads,
     attempt_uploads,
     attempts,
@@ -131,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         logs,
         workers,
         attempts,
+        attempt_checkpoints,
         goodput,
         sweeps,
         sweep_metrics,

@@ -23,6 +23,7 @@ from service.api.checkpoint_files import (
     upload_store,
 )
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
+from service.api.upload_hashes import upload_hashes
 from service.core import attempt_api as wire
 from service.store.attempt_tokens import current_state
 from service.store.checkpoint_retention import delete_files
@@ -234,6 +235,7 @@ async def upload_chunk_route(
     if declared is not None and declared.isdigit() and int(declared) > chunk_bytes:
         raise AttemptInputError(f"chunk of {declared} bytes exceeds chunk_bytes={chunk_bytes}")
     stores = checkpoint_stores(app)
+    hashes = upload_hashes(app)
 
     def load() -> tuple[CheckpointUpload, CheckpointStore]:
         with _db(request).session(write=False) as session:
@@ -251,9 +253,12 @@ async def upload_chunk_route(
         limit = min(chunk_bytes, upload.size_bytes - offset)
         writer: ChunkWriter = await _in_thread(store.open_chunk, upload_key(upload), offset)
         digest = hashlib.sha256()
+        running = hashes.resume(upload_id, offset)  # the whole file's, so far
 
         def put(data: bytes) -> None:
             digest.update(data)
+            if running is not None:
+                running.update(data)
             writer.write(data)
 
         received = 0
@@ -295,6 +300,10 @@ async def upload_chunk_route(
                 return _status(moved, chunk_bytes)
 
         status: wire.UploadStatus = await _in_thread(advance)
+        if running is not None:
+            hashes.keep(upload_id, offset + received, running)
+        else:  # bytes this process did not follow: the commit reads the file back
+            hashes.forget(upload_id)
     return _json(status)
 
 
@@ -323,6 +332,7 @@ async def commit_upload_route(
     """
     app: FastAPI = request.app
     stores = checkpoint_stores(app)
+    hashes = upload_hashes(app)
     chunk_bytes = _chunk_bytes(request)
 
     def commit() -> tuple[wire.CheckpointEntry, bool]:
@@ -335,10 +345,16 @@ async def commit_upload_route(
             check_chunk_offset(upload, ref.attempt, upload.size_bytes, chunk_bytes)
         store = stores[upload.store]
         key = upload_key(upload)
-        try:
-            sha256 = store.partial_sha256(key)
-        except OSError as exc:
-            raise CheckpointStoreError(f"cannot read upload {upload_id} back: {exc}") from None
+        # Hashed as the chunks arrived when this process took them all; else read back.
+        sha256 = hashes.whole(upload_id, upload.size_bytes)
+        if sha256 is not None and store.received_size(key) != upload.size_bytes:
+            sha256 = None  # the store lost bytes since: check what it holds now
+        if sha256 is None:
+            try:
+                sha256 = store.partial_sha256(key)
+            except OSError as exc:
+                raise CheckpointStoreError(f"cannot read upload {upload_id} back: {exc}") from None
+        hashes.forget(upload_id)
         if sha256 != upload.sha256:
             with _fenced(ref), _db(request).session() as session:
                 abandon_upload(

@@ -1,6 +1,7 @@
 """The attempt API: what a job's rank 0 writes while its attempt runs (metric batches and
-progress, checkpoint records, failed saves, rotations) and reads back (its own identity, the
-job's checkpoints for resume).
+progress, its timeline) and reads back (its own identity), and the helpers every attempt
+router shares (the fence, body parsing). Checkpoint records and the list for resume are
+``attempt_checkpoints``; uploads ``attempt_uploads``; downloads ``attempt_downloads``.
 
 Who may call it: only a holder of an attempt token (``Authorization: Bearer ddpqa_…``,
 minted by the worker at launch; ``deps.get_attempt``), whether the server's auth is on or
@@ -21,36 +22,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from service.api.checkpoint_files import checkpoint_stores, filesystem_store_id
+from service.api.checkpoint_files import filesystem_store_id
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.core import attempt_api as wire
-from service.core.artifacts import artifact_relative_path
 from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
 from service.store.attempt_timeline import TimelineUpdate, record_attempt_timeline
 from service.store.attempt_tokens import AttemptRef, current_state
-from service.store.checkpoint_retention import (
-    DoomedFile,
-    apply_retention,
-    delete_files,
-    pinned_steps,
-)
-from service.store.checkpoints import (
-    list_checkpoints,
-    mark_checkpoints_deleted,
-    record_checkpoint,
-    record_checkpoint_failure,
-)
 from service.store.db import Database
 from service.store.init_from import describe_init_from
-from service.store.leases import check_attempt
 from service.store.metrics import record_metrics
 
 log = logging.getLogger(__name__)
@@ -192,24 +178,6 @@ def _storable_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\0")
 
 
-def _own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
-    """``path`` as given, once it is known to resolve inside the job's own artifact directory
-    (``jobs/<job_id>/``; symlinks followed), so a record can name no other job's file.
-
-    Raises:
-        AttemptInputError: it lies elsewhere, or cannot be stored (NUL, lone surrogates).
-    """
-    if _storable_text(path) != path:
-        raise AttemptInputError("checkpoint path holds NUL or a lone surrogate")
-    relative = artifact_relative_path(root, path)
-    if relative is None or PurePosixPath(relative).parts[:2] != ("jobs", str(job_id)):
-        raise AttemptInputError(
-            f"checkpoint path must lie inside this job's artifact directory (jobs/{job_id}/ "
-            "under the server's artifact root)"
-        )
-    return path
-
-
 # -- routes -----------------------------------------------------------------------------------
 
 
@@ -293,130 +261,6 @@ def _write_batch(db: Database, ref: AttemptRef, body: bytes) -> wire.MetricBatch
             session, ref.job_id, ref.attempt, points, progress=_progress(batch.progress)
         )
     return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
-
-
-@router.get(wire.CHECKPOINTS_PATH, response_model=wire.CheckpointList, summary="Checkpoints")
-def checkpoints_route(request: Request, ref: AttemptDep) -> wire.CheckpointList:
-    """The job's committed, not deleted checkpoints of every attempt, newest step first,
-    paths as stored (for resume).
-
-    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` once
-    the attempt is not current.
-    """
-    with _fenced(ref), _db(request).session(write=False) as session:
-        current_state(session, ref)
-        rows = list_checkpoints(session, ref.job_id)
-        entries = [
-            wire.CheckpointEntry(
-                step=c.step,
-                epoch=c.epoch,
-                attempt=c.attempt,
-                path=c.path,
-                size_bytes=c.size_bytes,
-                sha256=c.sha256,
-            )
-            for c in rows
-        ]
-    return wire.CheckpointList(checkpoints=entries)
-
-
-@router.post(
-    wire.CHECKPOINTS_PATH,
-    status_code=201,
-    response_model=wire.CheckpointEntry,
-    summary="Record a checkpoint",
-    openapi_extra=_body_doc(wire.CheckpointRecord),
-)
-def record_checkpoint_route(
-    request: Request,
-    ref: AttemptDep,
-    record: Annotated[wire.CheckpointRecord, _json_body(wire.CheckpointRecord)],
-) -> wire.CheckpointEntry:
-    """Record a checkpoint file rank 0 wrote and verified into the API's own artifact
-    directory (a rank that shares the API's filesystem; others upload), then apply
-    retention (the server deletes what it lets go). A re-record of a step replaces it.
-    ``path`` must resolve inside this job's artifact directory.
-
-    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
-    superseded`` when the attempt is not current (nothing recorded), 422 for a path
-    elsewhere.
-    """
-    root = request.app.state.settings.resolved_artifact_dir
-    path = _own_checkpoint_path(root, ref.job_id, record.path)
-    with _fenced(ref), _db(request).session() as session:
-        record_checkpoint(
-            session,
-            ref.job_id,
-            ref.attempt,
-            step=record.step,
-            epoch=record.epoch,
-            path=path,
-            size_bytes=record.size_bytes,
-            sha256=record.sha256,
-            store="filesystem",
-            location=artifact_relative_path(root, path) or path,
-        )
-        doomed = apply_retention(session, ref.job_id)
-    delete_files(checkpoint_stores(request.app), doomed)
-    return wire.CheckpointEntry(attempt=ref.attempt, **record.model_dump() | {"path": path})
-
-
-@router.post(
-    wire.CHECKPOINT_FAILURES_PATH,
-    status_code=204,
-    response_class=Response,
-    summary="Note a failed checkpoint save",
-    openapi_extra=_body_doc(wire.CheckpointFailure),
-)
-def checkpoint_failure_route(
-    request: Request,
-    ref: AttemptDep,
-    failure: Annotated[wire.CheckpointFailure, _json_body(wire.CheckpointFailure)],
-) -> Response:
-    """Note a checkpoint that could not be written, as a job event ("checkpoint at step N
-    not written: …").
-
-    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
-    the attempt is not current (nothing noted).
-    """
-    reason = _storable_text(failure.reason)
-    with _fenced(ref), _db(request).session() as session:
-        record_checkpoint_failure(
-            session, ref.job_id, ref.attempt, step=failure.step, reason=reason
-        )
-    return Response(status_code=204)
-
-
-@router.post(
-    wire.CHECKPOINT_DELETIONS_PATH,
-    status_code=204,
-    response_class=Response,
-    summary="Mark checkpoints deleted",
-    openapi_extra=_body_doc(wire.CheckpointDeletion),
-)
-def checkpoint_deletions_route(
-    request: Request,
-    ref: AttemptDep,
-    deletion: Annotated[wire.CheckpointDeletion, _json_body(wire.CheckpointDeletion)],
-) -> Response:
-    """Mark this job's checkpoints at ``steps`` deleted (rotated away or found damaged);
-    steps it has no checkpoint at are ignored.
-
-    Their bytes are removed from the server's store too. A step another job's ``init_from``
-    pins is kept. Retention is the server's (``checkpoint_retention``): a rank need not
-    rotate through this route any more.
-
-    Caller: a rank holding the attempt token (nobody else), for its own job only; 409
-    ``attempt superseded`` when the attempt is not current (nothing marked): a superseded
-    attempt must not rotate away what the current one relies on.
-    """
-    with _fenced(ref), _db(request).session() as session:
-        check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
-        steps = set(deletion.steps) - pinned_steps(session, ref.job_id)
-        marked = mark_checkpoints_deleted(session, ref.job_id, sorted(steps))
-    doomed = [DoomedFile(ref.job_id, step, store, location) for step, store, location in marked]
-    delete_files(checkpoint_stores(request.app), doomed)
-    return Response(status_code=204)
 
 
 @router.post(

@@ -13,7 +13,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
 from service.core.attempt_api import SHA256_HEADER
-from service.core.errors import NotFoundError
+from service.core.errors import DdpqError, NotFoundError
 from service.store.checkpoint_fs import FilesystemStore
 from service.store.checkpoint_store import CheckpointStore, CheckpointStoreError, make_stores
 from service.store.models import Checkpoint
@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 RANGE_RE = re.compile(r"^\s*bytes=(\d{1,19})-\s*$")
 # The header the user download has always carried (kept beside SHA256_HEADER).
 LEGACY_SHA256_HEADER = "X-Checkpoint-Sha256"
+
+
+class StoredFileDamagedError(DdpqError):
+    """The store holds another number of bytes than the checkpoint's row recorded (the file
+    was truncated or replaced behind the service's back): no byte of it is served."""
+
+    status_code = 410
+    code = "checkpoint_damaged"
 
 
 @dataclass(frozen=True)
@@ -101,11 +109,22 @@ def stream_file(
 
     Raises:
         NotFoundError: the store has no such file any more (404).
+        StoredFileDamagedError: the store's file is not of the recorded size (410, before
+            any byte: a body cut short of its ``Content-Length`` would look like a network
+            fault, and the receiver would retry it).
         HTTPException: 416 for a range beyond the file.
     """
     store = stores.get(stored.store)
     if store is None:
         raise NotFoundError(f"checkpoint store {stored.store!r} is not available here")
+    held = store.size(stored.location)
+    if held is None:
+        raise NotFoundError("checkpoint file not found")
+    if held != stored.size_bytes:
+        raise StoredFileDamagedError(
+            f"stored file is {held} bytes, recorded {stored.size_bytes}: the checkpoint is "
+            "damaged, use an earlier one"
+        )
     start = range_start(range_header, stored.size_bytes)
     blocks = store.open_read(stored.location, start)
     headers = {

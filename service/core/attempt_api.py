@@ -233,7 +233,8 @@ class UploadStart(_Wire):
 
     step: Step
     epoch: int = Field(ge=0, le=MAX_EPOCH)
-    size_bytes: int = Field(ge=0, le=MAX_SIZE_BYTES)
+    # A checkpoint file is never empty (and an empty one would hold no chunk to store).
+    size_bytes: int = Field(ge=1, le=MAX_SIZE_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 

@@ -135,7 +135,8 @@ class DatabaseStore:
         return self._rows(upload_id, start)
 
     def size(self, location: str) -> int | None:
-        # No rows reads as missing (an empty file has none either: it needs no size check).
+        # No rows reads as missing: an empty file would have none either, which is why
+        # an upload of zero bytes is refused at begin (``UploadStart.size_bytes`` ≥ 1).
         try:
             upload_id = self._upload_id(location)
         except NotFoundError:

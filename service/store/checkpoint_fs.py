@@ -2,8 +2,11 @@
 
 Layout (``service.core.artifacts``): a partial upload is
 ``jobs/<id>/checkpoints/.upload-<upload_id>.part``; ``finalize`` fsyncs it and renames it to
-``jobs/<id>/checkpoints/step-<step>.pt`` (the name a rank sharing this filesystem writes
-itself), whose path relative to the root is the ``location``. The root holds
+``jobs/<id>/checkpoints/step-<step>.upload-<upload_id>.pt``, whose path relative to the root
+is the ``location``. That name is the upload's own, never ``step-<step>.pt`` (the name a rank
+sharing this filesystem writes, or another upload of the same step finalized): a finalize
+whose commit is then refused (the attempt superseded) overwrites no committed file, and its
+file is dropped with the abandoned upload (``discard``). The root holds
 ``STORE_ID_FILE`` with a random id, so a rank can tell whether its artifact directory is
 this one (the same id) or another host's (it must upload).
 """
@@ -18,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from service.core.artifacts import checkpoint_dir, checkpoint_path, confine
+from service.core.artifacts import checkpoint_dir, confine
 from service.core.attempt_api import STORE_ID_FILE
 from service.core.errors import NotFoundError
 from service.store.checkpoint_store import READ_BLOCK_BYTES, CheckpointStoreError, UploadKey
@@ -93,6 +96,17 @@ class FilesystemStore:
     def _partial(self, key: UploadKey) -> Path:
         return checkpoint_dir(self.root, key.job_id) / f".upload-{int(key.upload_id)}.part"
 
+    def _final(self, key: UploadKey) -> Path:
+        name = f"step-{int(key.step)}.upload-{int(key.upload_id)}.pt"
+        return checkpoint_dir(self.root, key.job_id) / name
+
+    def _held(self, key: UploadKey) -> Path:
+        """The upload's bytes: the partial, or its finalized file once renamed (the API may
+        stop between the rename and the commit: a retried commit finds the bytes there)."""
+        partial = self._partial(key)
+        final = self._final(key)
+        return final if not partial.exists() and final.exists() else partial
+
     def max_size_bytes(self) -> int | None:
         return None
 
@@ -124,28 +138,32 @@ class FilesystemStore:
 
     def received_size(self, key: UploadKey) -> int:
         try:
-            return self._partial(key).stat().st_size
+            return self._held(key).stat().st_size
         except OSError:
             return 0
 
     def partial_sha256(self, key: UploadKey) -> str:
-        with self._partial(key).open("rb") as f:
+        with self._held(key).open("rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
 
     def finalize(self, key: UploadKey) -> str:
-        partial, final = self._partial(key), checkpoint_path(self.root, key.job_id, key.step)
+        partial, final = self._partial(key), self._final(key)
         try:
-            with partial.open("rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(partial, final)
+            if partial.exists() or not final.exists():  # else finalized before (idempotent)
+                with partial.open("rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(partial, final)
             _fsync_dir(final.parent)
         except OSError as exc:
             raise CheckpointStoreError(f"cannot finalize upload {key.upload_id}: {exc}") from None
         return final.relative_to(self.root).as_posix()
 
     def discard(self, key: UploadKey) -> None:
-        with contextlib.suppress(OSError):
-            self._partial(key).unlink(missing_ok=True)
+        # Only for an upload that never committed (abandoned): its finalized file, if the
+        # API got that far, is no row's location.
+        for path in (self._partial(key), self._final(key)):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
     # -- committed files ------------------------------------------------------------------
 
@@ -174,4 +192,12 @@ class FilesystemStore:
 
     def delete(self, location: str) -> None:
         with contextlib.suppress(NotFoundError, OSError):
-            self._resolve(location, must_exist=False).unlink(missing_ok=True)
+            path = self._resolve(location, must_exist=False)
+            path.unlink(missing_ok=True)
+            # A rank sharing this directory may have linked ``step-<n>.pt`` to an uploaded
+            # file (``worker.runtime.checkpoint_fetch``): that link goes with its target.
+            step = path.name.split(".", 1)[0]
+            canonical = path.with_name(f"{step}.pt")
+            linked = canonical != path and canonical.is_symlink()
+            if linked and os.readlink(canonical) == path.name:
+                canonical.unlink()

@@ -76,6 +76,21 @@ def keep_count(job: Job) -> int:
     return keep if isinstance(keep, int) and keep >= 1 else DEFAULT_KEEP
 
 
+def replaced_files(
+    session: Session, job_id: int, step: int, *, store: str, location: str
+) -> list[DoomedFile]:
+    """The bytes of the live checkpoint at ``step`` that a new row at ``(store, location)``
+    is about to replace (none when it is the same file): remove them after commit."""
+    old = session.scalars(
+        select(Checkpoint).where(
+            Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.deleted_at.is_(None)
+        )
+    ).one_or_none()
+    if old is None or (old.store, old.location) == (store, location):
+        return []
+    return [DoomedFile(job_id, step, old.store, old.location)]
+
+
 def apply_retention(session: Session, job_id: int) -> list[DoomedFile]:
     """Mark deleted the live checkpoints of ``job_id`` that retention lets go (see the module
     docstring), with one event each; what to remove from the stores after commit.

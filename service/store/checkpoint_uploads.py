@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from service.core.artifacts import checkpoint_path
 from service.core.errors import ConflictError, DdpqError
 from service.core.states import ACTIVE_STATES
-from service.store.checkpoint_retention import DoomedFile, apply_retention
+from service.store.checkpoint_retention import DoomedFile, apply_retention, replaced_files
 from service.store.checkpoint_store import UploadKey
 from service.store.checkpoints import record_checkpoint, record_checkpoint_failure
 from service.store.leases import check_attempt
@@ -246,19 +246,24 @@ def commit_upload(
     check_attempt(session, job_id, attempt)
     upload = get_upload(session, job_id, upload_id)
     check_chunk_offset(upload, attempt, upload.size_bytes, 0)
-    replaced = session.scalars(
-        select(Checkpoint).where(
-            Checkpoint.job_id == job_id,
-            Checkpoint.step == upload.step,
-            Checkpoint.deleted_at.is_(None),
-        )
-    ).one_or_none()
-    doomed: list[DoomedFile] = []
-    if replaced is not None and (replaced.store, replaced.location) != (upload.store, location):
-        doomed.append(DoomedFile(job_id, replaced.step, replaced.store, replaced.location))
-    upload.state, upload.updated_at = COMMITTED, utcnow()
-    # The name a rank gives the file under its own artifact root (where it looks first).
-    root_relative = checkpoint_path_name(job_id, upload.step)
+    doomed = replaced_files(session, job_id, upload.step, store=upload.store, location=location)
+    # A compare-and-set: the reaper abandons only receiving uploads the same way, so an
+    # upload is committed or abandoned (its bytes discarded), never both.
+    moved = session.execute(
+        update(CheckpointUpload)
+        .where(CheckpointUpload.id == upload.id, CheckpointUpload.state == RECEIVING)
+        .values(state=COMMITTED, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if cast(CursorResult[Any], moved).rowcount != 1:
+        session.refresh(upload)
+        raise UploadStateError(upload_status(upload, 0))
+    session.refresh(upload)
+    # The file's name under an artifact root: where the filesystem store keeps it (a rank
+    # sharing that directory finds it there), else the name a rank gives its own copy.
+    root_relative = (
+        location if upload.store == "filesystem" else checkpoint_path_name(job_id, upload.step)
+    )
     ckpt = record_checkpoint(
         session,
         job_id,
@@ -304,7 +309,15 @@ def orphaned_uploads(session: Session, *, stale_s: float, limit: int = 100) -> l
     )
     now = utcnow()
     for upload in stale:
-        upload.state, upload.updated_at = ABANDONED, now
+        # Compare-and-set: a commit that won meanwhile keeps its upload (and its bytes).
+        session.execute(
+            update(CheckpointUpload)
+            .where(CheckpointUpload.id == upload.id, CheckpointUpload.state == RECEIVING)
+            .values(state=ABANDONED, updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    session.flush()
+    session.expire_all()
     abandoned = list(
         session.scalars(
             select(CheckpointUpload).where(CheckpointUpload.state == ABANDONED).limit(limit)

@@ -89,7 +89,9 @@ def test_keep_one_keeps_the_resumed_from_checkpoint_until_a_newer_one_is_committ
     assert api.get(f"{API}/jobs/{job_id}/checkpoints/10/file").status_code == 404
     if store_settings.checkpoint_store == "filesystem":
         root = store_settings.resolved_artifact_dir
-        assert not artifacts.checkpoint_path(root, job_id, 10).exists(), "its file is deleted"
+        ckpt_dir = artifacts.checkpoint_dir(root, job_id)
+        assert not list(ckpt_dir.glob("step-10.*")), "its file is deleted"
+        assert len(list(ckpt_dir.glob("step-20.*"))) == 1, "B's file is there"
 
 
 def test_a_checkpoint_named_by_a_running_jobs_init_from_is_pinned(

@@ -107,7 +107,13 @@ def test_chunks_resume_by_offset_and_only_a_commit_lists_the_checkpoint(
     assert r.status_code == 201, r.text
     entry = r.json()
     assert (entry["step"], entry["sha256"], entry["size_bytes"]) == (40, sha(data), len(data))
-    assert entry["path"] == f"jobs/{job_id}/checkpoints/step-40.pt"
+    # The filesystem store keeps it under the upload's own name (never step-40.pt, which a
+    # rank sharing the directory or another upload of step 40 may hold).
+    own_name = f"step-40.upload-{uid}.pt"
+    if store_settings.checkpoint_store == "filesystem":
+        assert entry["path"] == f"jobs/{job_id}/checkpoints/{own_name}"
+    else:
+        assert entry["path"] == f"jobs/{job_id}/checkpoints/step-40.pt"
     again = commit(api, rank, uid)
     assert (again.status_code, again.json()) == (200, entry), "a retried commit is harmless"
 
@@ -137,8 +143,8 @@ def test_chunks_resume_by_offset_and_only_a_commit_lists_the_checkpoint(
     root = store_settings.resolved_artifact_dir
     ckpt_dir = artifacts.checkpoint_dir(root, job_id)
     if store_settings.checkpoint_store == "filesystem":
-        assert artifacts.checkpoint_path(root, job_id, 40).read_bytes() == data
-        assert [p.name for p in ckpt_dir.iterdir()] == ["step-40.pt"], "no partial left"
+        assert (ckpt_dir / own_name).read_bytes() == data
+        assert [p.name for p in ckpt_dir.iterdir()] == [own_name], "no partial left"
     else:
         with db.session(write=False) as s:
             assert s.scalar(select(func.count()).select_from(CheckpointChunk)) == 4

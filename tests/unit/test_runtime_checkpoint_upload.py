@@ -105,6 +105,52 @@ def test_upload_commits_whole_files_and_a_resume_elsewhere_downloads_them(
     assert file_sha256(fetched) == rows[3]
 
 
+def test_a_host_sharing_the_api_store_resumes_from_an_uploaded_file(
+    db: Database, settings: Settings, api: LiveApi, job: tuple[int, int], tmp_path: Path
+) -> None:
+    """Host A uploads steps 1..3; the next attempt runs where the API's directory is its own
+    (transport shared): it finds the uploaded file under the upload's own name, links
+    ``step-3.pt`` to it, and loads it; the link goes when retention lets the file go."""
+    job_id, attempt = job
+    ckpt = Checkpointer(
+        attempt_client(db, api.url, *job), tmp_path / "host-a", job_id, attempt, keep=2,
+        transport="upload",
+    )  # fmt: skip
+    save_all(ckpt, [1, 2, 3])
+    api_dir = settings.resolved_artifact_dir
+    client = attempt_client(db, api.url, *job)
+    assert find_resume_checkpoint(client, api_dir, job_id, attempt) == 3, "not taken for damaged"
+    linked = artifacts.checkpoint_path(api_dir, job_id, 3)
+    assert linked.is_symlink() and load_checkpoint_file(linked, torch.device("cpu"))["step"] == 3
+    with db.session(write=False) as s:
+        assert sorted(c.step for c in list_checkpoints(s, job_id)) == [2, 3]
+
+    ckpt = Checkpointer(client, tmp_path / "host-a", job_id, attempt, keep=2, transport="upload")
+    save_all(ckpt, [4, 5])  # keep 2: step 3 goes, and with it the link to it
+    assert not linked.is_symlink() and not linked.exists()
+
+
+def test_a_truncated_stored_checkpoint_is_dropped_at_once_and_the_previous_one_used(
+    db: Database, settings: Settings, api: LiveApi, job: tuple[int, int], tmp_path: Path
+) -> None:
+    """The API's copy of step 3 shrank after its commit: a resume elsewhere is told so before
+    any byte (410), records step 3 deleted (no retries of a file that can never verify) and
+    resumes from step 2."""
+    job_id, attempt = job
+    ckpt = Checkpointer(
+        attempt_client(db, api.url, *job), tmp_path / "host-a", job_id, attempt, keep=2,
+        transport="upload",
+    )  # fmt: skip
+    save_all(ckpt, [1, 2, 3])
+    [stored] = artifacts.checkpoint_dir(settings.resolved_artifact_dir, job_id).glob("step-3.*")
+    with stored.open("r+b") as f:
+        f.truncate(1000)
+    client = attempt_client(db, api.url, *job)
+    assert find_resume_checkpoint(client, tmp_path / "host-b", job_id, attempt) == 2
+    with db.session(write=False) as s:
+        assert [c.step for c in list_checkpoints(s, job_id)] == [2], "step 3 recorded deleted"
+
+
 def test_a_cut_download_resumes_with_range_and_bad_bytes_are_refused(tmp_path: Path) -> None:
     """Over a fake server (our interface, httpx.MockTransport): the first answer is cut after
     1000 bytes, the next request asks ``Range: bytes=1000-``; a file whose bytes do not match

@@ -5,7 +5,8 @@ runs ``nproc_per_node`` rank processes of ``worker.runtime``, started by
 ``python -m worker.runtime.agent`` (torchrun's agent with the ranks forked warm from a fork
 server; see that module). Cancelling, a timeout or a known failure signals every process
 group of the attempt, found by the tags in the ranks' environment
-(``worker.launchers.process_groups``). torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the
+(``worker.launchers.process_groups``; stopping a run and reading its outcome:
+``worker.launchers.local_run``). torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the
 worker dies, torchrun stops its ranks (and each rank sets its own,
 ``worker.runtime.main.die_with_parent``, in case torchrun dies).
 
@@ -42,20 +43,24 @@ from worker.attempt import (
     ALLOWED_ENTRYPOINTS,
     API_URL,
     ARTIFACT_DIR,
-    STOP_UPLOAD_S,
     FailureReason,
     attempt_tags,
     rank_env,
-    stop_upload_marker,
 )
 from worker.errors import LaunchError
 from worker.launchers.attempt_dir import prepare_attempt_dir
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.failure_text import attempt_failure
+from worker.launchers.local_run import (
+    LocalRun,
+    failure_known,
+    finish,
+    has_result,
+    kill_leftovers,
+    terminate,
+)
 from worker.launchers.preflight import entrypoint_setup_failure
-from worker.launchers.process_groups import kill_attempt, term_and_wait
 from worker.launchers.rank_user import RankUser, popen_identity, process_env, resolve_rank_user
-from worker.processes import find_tagged_processes, parent_death_preexec
+from worker.processes import parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -85,24 +90,6 @@ class LocalRequest:
 
     timeout_s: float | None = None
     entrypoint: str | None = None
-
-
-@dataclass
-class _LocalRun:
-    """One started attempt: its plan, torchrun's process, and what we did to it."""
-
-    plan: LaunchPlan
-    popen: subprocess.Popen[bytes]
-    log_file: IO[bytes]
-    tags: frozenset[bytes]
-    started_mono: float
-    timeout_s: float | None
-    started_fs_ns: int  # launcher.log's creation mtime: the file system's clock at start
-    cancelled: bool = False
-    timed_out: bool = False
-    result_seen_mono: float | None = None
-    error_seen_mono: float | None = None
-    final: RunStatus | None = None
 
 
 class LocalLauncher:
@@ -151,7 +138,7 @@ class LocalLauncher:
         self.python = python
         self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
         self.entrypoint_allowed = settings.entrypoint_allowed
-        self._runs: dict[str, _LocalRun] = {}
+        self._runs: dict[str, LocalRun] = {}
         self._refused: dict[str, RunStatus] = {}  # attempts whose entrypoint did not resolve
 
     @classmethod
@@ -275,7 +262,7 @@ class LocalLauncher:
             raise LaunchError(f"could not start {plan.argv[0]}: {exc}") from exc
         request = plan.request if plan.request is not None else LocalRequest()
         handle = str(popen.pid)
-        self._runs[handle] = _LocalRun(
+        self._runs[handle] = LocalRun(
             plan=plan,
             popen=popen,
             log_file=log_file,
@@ -307,23 +294,23 @@ class LocalLauncher:
             return run.final
         if run.popen.poll() is None:
             now = time.monotonic()
-            if self._has_result(run):
+            if has_result(run, self.artifact_dir):
                 run.result_seen_mono = run.result_seen_mono or now
                 if now - run.result_seen_mono < self.teardown_grace_s:
                     return RunStatus(RunPhase.RUNNING)
                 log.warning("job_id=%d teardown hangs after result.json; killing", run.plan.job_id)
-                self._terminate(run, grace_s=1.0)
-            elif self._failure_known(run, now):
+                terminate(run, self.artifact_dir, grace_s=1.0)
+            elif failure_known(run, now, self.failure_grace_s):
                 log.warning("job_id=%d attempt=%d: a rank failed and the attempt still runs "
                             "after %.0f s; killing it", run.plan.job_id, run.plan.attempt,
                             self.failure_grace_s)  # fmt: skip
-                self._kill_leftovers(run)
+                kill_leftovers(run)
             elif run.timeout_s is not None and now - run.started_mono > run.timeout_s:
                 run.timed_out = True
-                self._terminate(run, grace_s=self.grace_s)
+                terminate(run, self.artifact_dir, grace_s=self.grace_s)
             else:
                 return RunStatus(RunPhase.RUNNING)
-        return self._finish(run)
+        return finish(run, self.artifact_dir)
 
     def cancel(self, handle: str) -> None:
         """SIGTERM the attempt's process groups, SIGKILL after ``grace_s``; reap torchrun.
@@ -335,73 +322,7 @@ class LocalLauncher:
             return
         if run.final is None and run.popen.poll() is None:
             run.cancelled = True
-        self._terminate(run, grace_s=self.grace_s)
-
-    def _has_result(self, run: _LocalRun) -> bool:
-        """Whether rank 0 wrote this attempt's result.json (one older than the attempt's
-        start is someone else's and does not count)."""
-        path = artifacts.result_path(self.artifact_dir, run.plan.job_id, run.plan.attempt)
-        try:
-            return path.stat().st_mtime_ns >= run.started_fs_ns
-        except OSError:
-            return False
-
-    def _failure_known(self, run: _LocalRun, now: float) -> bool:
-        """Whether a rank wrote an error file at least ``failure_grace_s`` ago (by our clock:
-        first seen by a poll). Never while the worker is cancelling the attempt."""
-        if run.error_seen_mono is None:
-            if run.cancelled or not any(Path(run.plan.log_dir).glob("error-rank-*.json")):
-                return False
-            run.error_seen_mono = now
-        return now - run.error_seen_mono >= self.failure_grace_s
-
-    def _terminate(self, run: _LocalRun, *, grace_s: float) -> None:
-        """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds, or up to
-        ``STOP_UPLOAD_S`` later while rank 0 still uploads its stop checkpoint (its marker
-        file, ``stop_upload_marker``: the checkpoint must reach the API before it exits)."""
-        term_and_wait(run.popen, run.tags, grace_s)
-        marker = stop_upload_marker(self.artifact_dir, run.plan.job_id, run.plan.attempt)
-        deadline = time.monotonic() + STOP_UPLOAD_S
-        while marker.exists() and time.monotonic() < deadline:
-            if run.popen.poll() is not None and not find_tagged_processes(run.tags):
-                break
-            time.sleep(0.1)
-        self._kill_leftovers(run)
-
-    def _kill_leftovers(self, run: _LocalRun) -> None:
-        """SIGKILL whatever is left of the attempt and reap torchrun."""
-        survivors = kill_attempt(run.popen, run.tags)
-        run.log_file.close()
-        for pid in survivors:
-            log.error("job_id=%d attempt=%d: process %d survived SIGKILL",
-                      run.plan.job_id, run.plan.attempt, pid)  # fmt: skip
-
-    def _finish(self, run: _LocalRun) -> RunStatus:
-        rc = run.popen.wait()
-        self._kill_leftovers(run)
-        if self._has_result(run):
-            status = RunStatus(RunPhase.SUCCEEDED, None, rc)
-        elif run.cancelled:
-            status = RunStatus(RunPhase.CANCELLED, "cancelled", rc)
-        elif run.timed_out:
-            minutes = (run.timeout_s or 0) / 60
-            status = RunStatus(
-                RunPhase.FAILED,
-                f"timed out after {minutes:g} min (resources.timeout_min)",
-                rc,
-                failure=FailureReason.ERROR,
-            )
-        else:
-            job_id, attempt = run.plan.job_id, run.plan.attempt
-            failure = attempt_failure(
-                Path(run.plan.log_dir),
-                artifacts.launcher_log_path(self.artifact_dir, job_id, attempt),
-                lambda rank: artifacts.rank_log_path(self.artifact_dir, job_id, attempt, rank),
-                rc,
-            )
-            status = RunStatus(RunPhase.FAILED, failure.text, rc, failure=failure.reason)
-        run.final = status
-        return status
+        terminate(run, self.artifact_dir, grace_s=self.grace_s)
 
     def _prune(self) -> None:
         finished = [h for h, r in self._runs.items() if r.final is not None]

@@ -66,6 +66,14 @@ class AttemptRequestError(DdpqError):
     code = "attempt_request_refused"
 
 
+class StoredFileDamagedError(AttemptRequestError):
+    """A checkpoint download answered 410: the service's stored copy is not the file its row
+    recorded (e.g. truncated). Not retryable: that checkpoint is unusable."""
+
+    status_code = 410
+    code = "checkpoint_damaged"
+
+
 class UploadOffsetError(DdpqError):
     """A chunk was sent at another offset than the server's ``received_bytes`` (409 with an
     UploadStatus as its detail): seek to ``status.received_bytes`` and go on."""
@@ -283,6 +291,7 @@ class AttemptClient:
         Raises:
             ApiUnavailableError: no answer, 5xx, a cut stream (resume from ``out.tell()``),
                 or a server that ignored the Range (answered 200 to ``offset > 0``).
+            StoredFileDamagedError: 410, the stored copy is damaged.
             StaleAttemptError, AttemptRequestError: as ``raise_for_answer``.
         """
         headers = {"Range": f"bytes={offset}-"} if offset > 0 else None
@@ -290,6 +299,8 @@ class AttemptClient:
             with self._http.stream("GET", path, headers=headers) as response:
                 if response.status_code >= 400:
                     response.read()
+                    if response.status_code == 410:
+                        raise StoredFileDamagedError(f"GET {path}: 410 {_detail(response)}")
                     raise_for_answer(response)
                 if offset > 0 and response.status_code != 206:
                     raise ApiUnavailableError(

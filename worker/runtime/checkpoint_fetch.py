@@ -28,7 +28,12 @@ import torch.distributed as torch_dist
 from service.core import artifacts
 from service.core import attempt_api as wire
 from service.core.errors import DdpqError, StaleAttemptError
-from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
+from worker.runtime.attempt_client import (
+    ApiUnavailableError,
+    AttemptClient,
+    AttemptRequestError,
+    StoredFileDamagedError,
+)
 from worker.runtime.checkpoint_files import file_sha256
 from worker.runtime.checkpoint_transport import local_store_id
 from worker.runtime.distributed import DistContext, broadcast_int
@@ -86,7 +91,9 @@ def fetch_file(
     then renamed into place (atomically: a reader never sees half a file).
 
     Raises:
-        CheckpointFetchError: ``DOWNLOAD_TRIES`` cuts in a row, or the bytes do not verify.
+        CheckpointFetchError: ``DOWNLOAD_TRIES`` cuts in a row.
+        CheckpointDamagedError: the bytes do not verify, or the server says its stored copy
+            is damaged (410).
         StaleAttemptError: the attempt was fenced off.
         AttemptRequestError: the server refused (e.g. 404: no such checkpoint any more).
     """
@@ -101,6 +108,8 @@ def fetch_file(
                 try:
                     client.download(url_path, fh, offset)
                     break
+                except StoredFileDamagedError as exc:  # said before any byte: give up now
+                    raise CheckpointDamagedError(str(exc.detail)) from None
                 except ApiUnavailableError as exc:
                     fails = 0 if fh.tell() > offset else fails + 1
                     if fails >= DOWNLOAD_TRIES:
@@ -162,6 +171,8 @@ def ensure_local(
         return path
     if path.is_file():
         log.warning("checkpoint step=%d at %s fails its sha256", entry.step, path)
+    if shared and _link_store_file(path, entry):
+        return path
     if shared:
         raise CheckpointDamagedError(
             f"checkpoint step={entry.step} at {path} is missing or fails its sha256"
@@ -174,6 +185,24 @@ def ensure_local(
         tmp_dir=artifacts.attempt_dir(artifact_dir, job_id, attempt),
     )  # fmt: skip
     return path
+
+
+def _link_store_file(path: Path, entry: wire.CheckpointEntry) -> bool:
+    """Where this host shares the API's store: point ``path`` (``step-<n>.pt``) at the file
+    an upload left under its own name in the same directory (``entry.path``'s name,
+    ``step-<n>.upload-<id>.pt``), once that file verifies. False when there is none."""
+    name = Path(entry.path).name
+    if name == path.name or not name.startswith(f"step-{entry.step}.") or "/" in name:
+        return False
+    stored = path.with_name(name)
+    if not verified(stored, entry.size_bytes, entry.sha256):
+        return False
+    link = path.with_name(f".{path.name}.link-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(name)  # relative: the store removes it with its target
+    os.replace(link, path)
+    return True
 
 
 def shares_api_store(
