@@ -190,6 +190,7 @@ RUNS = int(os.environ.get("DDPQ_BLAME_RUNS", "20"))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 20 launches: a loaded CI box needs more than the default 300 s
 def test_a_sigkilled_rank_is_blamed_in_every_run(harness: Harness) -> None:
     """Rank 1 is SIGKILLed as soon as the first loss row is in, at a random point of a step
     (so rank 0 is sometimes in its collective, sometimes not: either its error file or
