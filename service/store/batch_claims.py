@@ -21,19 +21,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, text, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import bindparam, func, select, text
+from sqlalchemy.orm import Session
 
-from service.core.states import JobState
 from service.store import claims
 from service.store.claims import (
     _CLAIM_EVENT,
-    _CLAIM_EVENT_VALUES,
     HOLDING_STATES,
     SWEEP_CLAIM_LOCK_CLASS,
     _claimable,
 )
-from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
+from service.store.models import Job, Sweep, utcnow
 
 
 @dataclass(frozen=True)
@@ -187,28 +185,4 @@ def _batch_statements() -> tuple[Any, Any]:
         .cte("candidates")
         .prefix_with("MATERIALIZED")
     )
-    claim = (
-        update(Job)
-        .add_cte(candidates)
-        .where(
-            Job.id.in_(select(candidates.c.id)),
-            Job.state == JobState.QUEUED.value,
-            Job.cancel_requested.is_(False),
-        )
-        .values(
-            state=JobState.STARTING.value,
-            worker_id=bindparam("claim_worker_id"),
-            lease_expires_at=bindparam("claim_lease_until", type_=UTCDateTime()),
-            updated_at=bindparam("claim_now", type_=UTCDateTime()),
-        )
-    )
-    claimed = claim.returning(*Job.__table__.c).cte("claimed")
-    add_events = (
-        insert(JobEvent)
-        .from_select(
-            ["job_id", "attempt", *_CLAIM_EVENT_VALUES],
-            select(claimed.c.id, claimed.c.attempt, *_CLAIM_EVENT_VALUES.values()),
-        )
-        .cte("claim_events")
-    )
-    return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_events)
+    return claims.claim_update_statements(Job.id.in_(select(candidates.c.id)), candidates)

@@ -195,27 +195,36 @@ def _claim_statements() -> tuple[Any, Any]:
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
-    claim = (
-        update(Job)
-        .where(
-            Job.id == candidate,
-            Job.state == JobState.QUEUED.value,
-            Job.cancel_requested.is_(False),
-        )
-        .values(
-            state=JobState.STARTING.value,
-            worker_id=bindparam("claim_worker_id"),
-            lease_expires_at=bindparam("claim_lease_until", type_=UTCDateTime()),
-            updated_at=bindparam("claim_now", type_=UTCDateTime()),
-        )
+    return claim_update_statements(Job.id == candidate)
+
+
+def claim_update_statements(picked: Any, *ctes: Any) -> tuple[Any, Any]:
+    """The claim's writes for the queued jobs ``picked`` (a WHERE clause on ``jobs``, e.g.
+    ``Job.id == <candidate subquery>``; ``ctes`` are CTEs it refers to): ``(UPDATE …
+    RETURNING the jobs, the same UPDATE plus one ``claimed`` event INSERT per job as one
+    PostgreSQL statement of data-modifying CTEs)``. Shared by the single and the batch claim,
+    so both set the same columns and write the same event. Parameters: ``claim_worker_id``,
+    ``claim_lease_until``, ``claim_now``."""
+    claim = update(Job)
+    for cte in ctes:
+        claim = claim.add_cte(cte)
+    claim = claim.where(
+        picked,
+        Job.state == JobState.QUEUED.value,
+        Job.cancel_requested.is_(False),
+    ).values(
+        state=JobState.STARTING.value,
+        worker_id=bindparam("claim_worker_id"),
+        lease_expires_at=bindparam("claim_lease_until", type_=UTCDateTime()),
+        updated_at=bindparam("claim_now", type_=UTCDateTime()),
     )
     claimed = claim.returning(*Job.__table__.c).cte("claimed")
-    add_event = (
+    add_events = (
         insert(JobEvent)
         .from_select(
             ["job_id", "attempt", *_CLAIM_EVENT_VALUES],
             select(claimed.c.id, claimed.c.attempt, *_CLAIM_EVENT_VALUES.values()),
         )
-        .cte("claim_event")
+        .cte("claim_events")
     )
-    return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_event)
+    return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_events)
