@@ -16,8 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,12 @@ import yaml
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
+from tests.e2e.jobs_http import JobsOverHttp, wait_for
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def free_port() -> int:
@@ -49,18 +48,6 @@ def tagged_processes(artifact_dir: Path, job_id: int | None = None) -> list[int]
     if job_id is not None:
         needles.add(f"DDPQ_JOB_ID={job_id}".encode())
     return find_tagged_processes(frozenset(needles))
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    """Poll ``cond`` until it returns something truthy (which is returned)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(every_s)
 
 
 def load_example(name: str, **overrides: Any) -> dict[str, Any]:
@@ -107,7 +94,7 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-8000:]
 
 
-class Deployment:
+class Deployment(JobsOverHttp):
     """One API server plus any number of workers on one database.
 
     Test modules cannot import this conftest (importlib mode), so the helpers they need are
@@ -155,43 +142,6 @@ class Deployment:
         """A worker subprocess (``python -m worker.main``), local launcher, no GPUs."""
         argv = [sys.executable, "-m", "worker.main", "--slots", str(slots), "--gpus", "none"]
         return self._spawn("worker", argv)
-
-    def submit(self, spec: dict[str, Any]) -> int:
-        r = self.http.post("/jobs", json=spec)
-        assert r.status_code == 201, r.text
-        return int(r.json()["id"])
-
-    def job(self, job_id: int) -> dict[str, Any]:
-        r = self.http.get(f"/jobs/{job_id}")
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        return body
-
-    def events(self, job_id: int) -> list[dict[str, Any]]:
-        r = self.http.get(f"/jobs/{job_id}/events")
-        assert r.status_code == 200, r.text
-        events: list[dict[str, Any]] = r.json()["events"]
-        return events
-
-    def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
-        """Poll the job until its state is one of ``states``; fail early on another end."""
-
-        def reached() -> dict[str, Any] | None:
-            job = self.job(job_id)
-            if job["state"] in states:
-                return job
-            if job["state"] in TERMINAL:
-                raise AssertionError(
-                    f"job {job_id} ended {job['state']} (expected {states}): {job['error']}"
-                    f"\n{self.diagnostics(job_id)}"
-                )
-            return None
-
-        try:
-            job: dict[str, Any] = wait_for(reached, timeout_s, f"job {job_id} to be {states}")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnostics(job_id)}") from None
-        return job
 
     def diagnostics(self, job_id: int) -> str:
         """Worker output and the job's rank logs, for failure messages."""

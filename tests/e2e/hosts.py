@@ -17,11 +17,8 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 from sqlalchemy import func, select
@@ -30,23 +27,11 @@ from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
 from service.store.models import Metric
+from tests.e2e.jobs_http import JobsOverHttp, wait_for
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
 REPO = Path(__file__).resolve().parents[2]
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    """Poll ``cond`` until it returns something truthy (which is returned)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(every_s)
 
 
 def _ip(*args: str) -> None:
@@ -173,7 +158,7 @@ class Host:
     api_url: str = ""
 
 
-class Cluster:
+class Cluster(JobsOverHttp):
     """One API (its own artifact directory) and worker hosts, on one database.
 
     Args:
@@ -250,43 +235,6 @@ class Cluster:
         return self._spawn(f"worker-{host.name}", argv, env, host.netns)
 
     # -- the API, as a user sees it --------------------------------------------------------------
-    def submit(self, spec: dict[str, Any]) -> int:
-        r = self.http.post("/jobs", json=spec)
-        assert r.status_code == 201, r.text
-        return int(r.json()["id"])
-
-    def job(self, job_id: int) -> dict[str, Any]:
-        r = self.http.get(f"/jobs/{job_id}")
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        return body
-
-    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
-        r = self.http.get(f"/jobs/{job_id}/checkpoints")
-        assert r.status_code == 200, r.text
-        entries: list[dict[str, Any]] = r.json()["checkpoints"]
-        return entries
-
-    def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
-        """Poll the job until its state is one of ``states``; fail early on another end."""
-
-        def reached() -> dict[str, Any] | None:
-            job = self.job(job_id)
-            if job["state"] in states:
-                return job
-            if job["state"] in TERMINAL:
-                raise AssertionError(
-                    f"job {job_id} ended {job['state']} (expected {states}): {job['error']}"
-                    f"\n{self.diagnostics(job_id)}"
-                )
-            return None
-
-        try:
-            job: dict[str, Any] = wait_for(reached, timeout_s, f"job {job_id} to be {states}")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnostics(job_id)}") from None
-        return job
-
     def loss_steps(self, job_id: int) -> tuple[list[int], int | None]:
         """Every stored ``loss`` step of the job, sorted, and the first step attempt 2 wrote."""
         with self.db.session(write=False) as s:

@@ -1,0 +1,85 @@
+"""What the e2e deployments share: polling, and a job as a user sees it over HTTP.
+
+``JobsOverHttp`` is mixed into ``conftest.Deployment`` (one host) and ``hosts.Cluster``
+(several network namespaces); each gives ``http`` (an httpx client at ``/api/v1``) and
+``diagnostics`` (what to print when a wait fails).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
+    """Poll ``cond`` until it returns something truthy (which is returned).
+
+    Raises:
+        AssertionError: nothing truthy within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+class JobsOverHttp:
+    """Submit and follow jobs through the REST API, asserting each answer's status."""
+
+    http: httpx.Client
+
+    def diagnostics(self, job_id: int) -> str:
+        """What to show when a wait for ``job_id`` fails (logs, processes)."""
+        raise NotImplementedError
+
+    def submit(self, spec: dict[str, Any]) -> int:
+        r = self.http.post("/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        r = self.http.get(f"/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        r = self.http.get(f"/jobs/{job_id}/events")
+        assert r.status_code == 200, r.text
+        events: list[dict[str, Any]] = r.json()["events"]
+        return events
+
+    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
+        r = self.http.get(f"/jobs/{job_id}/checkpoints")
+        assert r.status_code == 200, r.text
+        entries: list[dict[str, Any]] = r.json()["checkpoints"]
+        return entries
+
+    def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+        """Poll the job until its state is one of ``states``; fail early on another end."""
+
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in TERMINAL:
+                raise AssertionError(
+                    f"job {job_id} ended {job['state']} (expected {states}): {job['error']}"
+                    f"\n{self.diagnostics(job_id)}"
+                )
+            return None
+
+        try:
+            job: dict[str, Any] = wait_for(reached, timeout_s, f"job {job_id} to be {states}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnostics(job_id)}") from None
+        return job
