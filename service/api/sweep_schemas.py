@@ -20,13 +20,16 @@ class _Out(BaseModel):
 
 
 class BestTrialOut(_Out):
-    """The trial with the best objective value so far."""
+    """The trial with the best objective value so far, among trials that succeeded, were
+    stopped early, or are still running (``outcome`` says which); never a failed or
+    cancelled one."""
 
     job_id: int | None
     trial_key: str
     position: int
     overrides: dict[str, Any]
     value: float
+    outcome: str
 
 
 class SweepOut(_Out):
@@ -103,6 +106,7 @@ def sweep_out(sweep: Sweep, trials: Sequence[TrialView], added: int | None = Non
             position=best.position,
             overrides=best.overrides,
             value=best.objective_value,
+            outcome=best.outcome,
         ),
         max_concurrent=sweep.max_concurrent,
         max_failed=sweep.max_failed,
@@ -143,10 +147,14 @@ CSV_COLUMNS = (
 
 def trials_csv(trials: Sequence[TrialView]) -> str:
     """The trials table as CSV: the fixed columns, then one column per override path
-    (values as JSON text unless plain numbers or text)."""
+    (values as JSON text unless plain numbers or text). Text that a spreadsheet would run
+    as a formula (starting ``=``, ``+``, ``-``, ``@``, tab or CR) gets a leading ``'``
+    (OWASP's advice against CSV injection); numbers are written as they are."""
     paths = sorted({p for t in trials for p in t.overrides})
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
+    # RFC 4180's CRLF: the writer quotes a field holding any line-terminator character, so a
+    # value with a lone CR stays one field.
+    writer = csv.writer(buf, lineterminator="\r\n")
     writer.writerow([*CSV_COLUMNS, *paths])
     for t in trials:
         fixed = [
@@ -161,9 +169,21 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
             t.run_time_s,
         ]
         values = [_cell(t.overrides[p]) if p in t.overrides else "" for p in paths]
-        writer.writerow(["" if v is None else v for v in fixed] + values)
+        writer.writerow([_inert(v) for v in fixed + values])
     return buf.getvalue()
 
 
 def _cell(value: Any) -> Any:
     return value if isinstance(value, int | float | str) else canonical_json(value)
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _inert(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: None → "", formula-like text quoted."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value

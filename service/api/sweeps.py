@@ -7,12 +7,14 @@ sweeps only; an admin on every sweep. Someone else's sweep is 404, an attempt to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
 
 from service.api.bodies import body_doc, json_body
-from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep, RequestContext
 from service.api.sweep_schemas import (
     SweepListOut,
     SweepOut,
@@ -32,7 +34,7 @@ from service.core.sweep_spec import (
 )
 from service.store import sweeps as store
 from service.store.models import Sweep
-from service.store.rate_limits import RateLimitedError, check_submission_rate
+from service.store.rate_limits import RateLimitedError, check_jobs_rate
 from service.store.sweep_init_from import resolve_sweep_init_from
 from service.store.sweep_view import list_trials
 
@@ -80,8 +82,10 @@ def submit_sweep_route(
     trial and the field, nothing stored); then store the sweep and all its trials as queued
     jobs in one transaction. Every trial's ``init_from`` is resolved as ``POST /jobs``
     resolves a job's (a job of the caller's, a committed checkpoint; ``"latest"`` made a
-    concrete step). The sweep counts as one submission against the owner's rate limit (when
-    auth is on); a replayed ``Idempotency-Key`` does not, and answers 200 with the sweep it
+    concrete step). Every trial counts as one job against the owner's rate limit (when auth
+    is on: 429 with ``Retry-After`` when they do not fit in the last minute's
+    ``DDPQ_SUBMISSIONS_PER_MINUTE``, 422 when there are more trials than that, nothing
+    stored); a replayed ``Idempotency-Key`` does not count, and answers 200 with the sweep it
     made (422 when it came with another sweep)."""
     owner = ctx.caller.owner
     with ctx.db.session() as session:
@@ -93,14 +97,8 @@ def submit_sweep_route(
         if replay is None:
             planned = plan_trials(spec, ctx.settings)
             objective = resolve_objective(spec)
-            if ctx.settings.auth_enabled:
-                try:
-                    check_submission_rate(
-                        session, owner, per_minute=ctx.settings.submissions_per_minute
-                    )
-                except RateLimitedError as exc:
-                    headers = {"Retry-After": str(exc.retry_after_s)}
-                    raise HTTPException(429, exc.detail, headers=headers) from None
+            with _as_429():
+                check_jobs_rate(session, owner, per_minute=_per_minute(ctx), jobs=len(planned))
             resolved, planned = resolve_sweep_init_from(
                 session, spec, planned, owner=ctx.caller.owner_filter
             )
@@ -113,6 +111,21 @@ def submit_sweep_route(
             _check_replay(sweep, spec, idempotency_key or "")
             response.status_code = 200
         return sweep_out(sweep, list_trials(session, sweep))
+
+
+def _per_minute(ctx: RequestContext) -> int | None:
+    """The owner's jobs-per-minute limit, None with auth off (as for ``POST /jobs``)."""
+    return ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
+
+
+@contextmanager
+def _as_429() -> Iterator[None]:
+    """A ``RateLimitedError`` as HTTP 429 with ``Retry-After`` (seconds)."""
+    try:
+        yield
+    except RateLimitedError as exc:
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        raise HTTPException(429, exc.detail, headers=headers) from None
 
 
 def _check_replay(sweep: Sweep, spec: SweepSpec, key: str) -> None:
@@ -212,9 +225,13 @@ def cancel_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
 def retry_failed_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     """A new job for every trial whose newest job failed (same spec and trial key; the
     failed job is kept), continuing from the failed job's own newest checkpoint where it
-    has one (``init_from`` it, mode ``full``). ``added`` says how many."""
+    has one (``init_from`` it, mode ``full``). ``added`` says how many. The new jobs count
+    against the owner's rate limit as ``POST /sweeps``'s trials do (429/422, nothing stored)."""
     with ctx.db.session() as session:
-        added = store.retry_failed(session, sweep_id, owner=ctx.owner)
+        with _as_429():
+            added = store.retry_failed(
+                session, sweep_id, owner=ctx.owner, per_minute=_per_minute(ctx)
+            )
         sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
         return sweep_out(sweep, list_trials(session, sweep), added=added)
 
@@ -232,8 +249,11 @@ def extend_route(
     ctx: ContextDep,
 ) -> SweepOut:
     """Add grid values to existing axes, or raise samples/seeds (new totals): only trials
-    whose key the sweep does not hold yet are added (``added``), each validated first."""
+    whose key the sweep does not hold yet are added (``added``), each validated first. The
+    added trials count against the owner's rate limit as ``POST /sweeps``'s do (429/422)."""
     with ctx.db.session() as session:
+        # Concurrent extends would each plan the same new keys; the later ones would clash.
+        store.lock_sweep(session, sweep_id)
         sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
         spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
         keys, next_position = store.trial_keys(session, sweep_id)
@@ -241,5 +261,7 @@ def extend_route(
         spec, planned = resolve_sweep_init_from(
             session, spec, planned, owner=ctx.caller.owner_filter
         )
+        with _as_429():
+            check_jobs_rate(session, sweep.owner, per_minute=_per_minute(ctx), jobs=len(planned))
         added = store.extend_sweep(session, sweep, spec, planned)
         return sweep_out(sweep, list_trials(session, sweep), added=added)

@@ -52,8 +52,10 @@ def best_line(sweep: dict[str, Any]) -> str:
     if not best:
         return f"best: none yet ({metric})"
     overrides = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["overrides"].items())
+    running = ", still running" if best.get("outcome") == "running" else ""
     return (
-        f"best: job {best['job_id']} {metric} {format_metric(metric, best['value'])} ({overrides})"
+        f"best: job {best['job_id']} {metric} {format_metric(metric, best['value'])} "
+        f"({overrides}){running}"
     )
 
 

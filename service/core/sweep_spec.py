@@ -6,8 +6,9 @@ given) × ``samples`` draws of the random axes × ``seeds`` replicas. Sample ``s
 axis is drawn from ``random.Random(f"{sampler_seed}/{s}/{path}")``, so adding samples later
 keeps the earlier draws, and a trial's identity never depends on how many others exist.
 
-A trial's key is ``sha256`` of the canonical JSON of its overrides (sorted keys, no blanks):
-the same overrides are the same trial, which is what ``extend`` relies on to add only new ones.
+A trial's key is ``sha256`` of the canonical JSON of its overrides (sorted keys, no blanks)
+as its validated job spec holds them (``sweep_identity``): the same overrides are the same
+trial, which is what ``extend`` relies on to add only new ones.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from service.core.main_metric import main_metric_name
 from service.core.overrides import OverridePathError, apply_overrides, split_path
 from service.core.spec import JobSpec, validate_spec
 from service.core.spec_text import json_value_problems
+from service.core.sweep_identity import (
+    bool_problems,
+    duplicate_error,
+    held_overrides,
+    repeated_axes,
+)
 
 MAX_TRIALS = 10_000  # trials one sweep may hold (after extends too)
 MAX_AXES = 32
@@ -63,8 +70,12 @@ class UniformAxis(_Part):
 
     @model_validator(mode="after")
     def _ordered(self) -> UniformAxis:
-        if not self.uniform[0] < self.uniform[1]:
+        lo, hi = self.uniform
+        if not lo < hi:
             raise ValueError("uniform needs [lo, hi] with lo < hi")
+        if not math.isfinite(hi - lo):
+            # rng.uniform computes lo + (hi - lo) * u: an infinite width draws inf or nan.
+            raise ValueError(f"uniform [{lo}, {hi}] is too wide: hi - lo must be a finite number")
         return self
 
 
@@ -193,13 +204,24 @@ def trial_key(overrides: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(overrides).encode()).hexdigest()
 
 
-def _draw(axis: UniformAxis | LogUniformAxis, rng: random.Random) -> float:
-    if isinstance(axis, UniformAxis):
-        value = rng.uniform(*axis.uniform)
-    else:
-        lo, hi = axis.loguniform
-        value = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    return float(f"{value:.{RANDOM_DIGITS}g}")
+def _draw(path: str, axis: UniformAxis | LogUniformAxis, rng: random.Random) -> float:
+    """One draw of a random axis, rounded to ``RANDOM_DIGITS`` significant digits.
+
+    Raises:
+        SpecValidationError: the draw is not a finite number (422 naming the axis).
+    """
+    try:
+        if isinstance(axis, UniformAxis):
+            value = rng.uniform(*axis.uniform)
+        else:
+            lo, hi = axis.loguniform
+            value = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        value = float(f"{value:.{RANDOM_DIGITS}g}")
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise _bad(["axes", path], f"{path}: a draw of this range is {value}: narrow the range")
+    return value
 
 
 def _bad(loc: list[Any], msg: str) -> SpecValidationError:
@@ -233,7 +255,7 @@ def expand_overrides(spec: SweepSpec) -> list[dict[str, Any]]:
         raise _bad([], f"the sweep expands to {n} trials, more than {MAX_TRIALS}")
     base_seed = _base_seed(spec.base)
     draws = [
-        {p: _draw(a, random.Random(f"{spec.sampler_seed}/{s}/{p}")) for p, a in drawn}
+        {p: _draw(p, a, random.Random(f"{spec.sampler_seed}/{s}/{p}")) for p, a in drawn}
         for s in range(spec.samples)
     ]
     result: list[dict[str, Any]] = []
@@ -283,9 +305,11 @@ def plan_trials(
     errors: list[dict[str, Any]] = []
     planned: list[PlannedTrial] = []
     position = first_position
+    seen: dict[str, tuple[int, dict[str, Any]]] = {}  # key → (index, raw overrides)
+    repeated = repeated_axes({p: a.grid for p, a in spec.axes.items() if isinstance(a, GridAxis)})
     for i, overrides in enumerate(expand_overrides(spec)):
-        key = trial_key(overrides)
-        if key in skip_keys:
+        # Keys stored before keys were taken from validated values: skip those cheaply.
+        if trial_key(overrides) in skip_keys:
             continue
         data = spec.base | {"name": trial_name(spec.name, position)}
         try:
@@ -297,7 +321,18 @@ def plan_trials(
                 field = ".".join(str(p) for p in e["loc"][1:]) or "spec"
                 errors.append(trial_error(i, overrides, field, e["msg"], e["type"]))
         else:
-            planned.append(PlannedTrial(position, key, overrides, job_spec, index=i))
+            held = held_overrides(job_spec, overrides)
+            key = trial_key(held)
+            if key in skip_keys:
+                continue
+            for path in bool_problems(overrides, held):
+                errors.append(
+                    trial_error(i, overrides, path, "true/false where a number is expected")
+                )
+            if key in seen:
+                errors.append(duplicate_error(seen[key], (i, overrides), held, repeated))
+            seen.setdefault(key, (i, overrides))
+            planned.append(PlannedTrial(position, key, held, job_spec, index=i))
         position += 1
         if len(errors) >= MAX_REPORTED_TRIAL_ERRORS:
             break

@@ -3,7 +3,8 @@ rest of the sweep cancelled, the reason recorded), ASHA early stopping
 (``service.core.asha``), and the sweep's end state once every trial has ended.
 
 End state: ``failed`` when ``max_failed`` stopped it or no trial succeeded, else
-``succeeded`` (a cancelled sweep is ``cancelled`` from the moment it is cancelled).
+``succeeded`` (a cancelled sweep is ``cancelled`` from the moment it is cancelled; its
+``finished_at`` is set once its last trial ended).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import exists, func, insert, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.core.asha import decide_at_rung, rung_step, rungs_up_to
@@ -20,20 +21,35 @@ from service.core.states import ACTIVE_STATES, JobState
 from service.core.sweep_spec import SweepSpec
 from service.store.models import Job, JobEvent, Metric, Sweep, SweepTrial, utcnow
 from service.store.sweep_view import STOPPED_EARLY, trial_outcome
-from service.store.sweeps import SWEEP_RUNNING, cancel_sweep_jobs, is_terminal_state
+from service.store.sweeps import (
+    SWEEP_RUNNING,
+    cancel_sweep_jobs,
+    finish_cancelled,
+    is_terminal_state,
+)
 
 log = logging.getLogger(__name__)
 MAX_SWEEPS_PER_TICK = 100
 
 
+def _unfinished() -> ColumnElement[bool]:
+    """Running sweeps, and cancelled ones whose started trials are still stopping."""
+    return or_(
+        Sweep.state == SWEEP_RUNNING,
+        and_(Sweep.state == "cancelled", Sweep.finished_at.is_(None)),
+    )
+
+
 def has_running_sweeps(session: Session) -> bool:
-    """Whether any sweep is running (one read on ``ix_sweeps_state``)."""
-    return bool(session.scalar(select(exists().where(Sweep.state == SWEEP_RUNNING))))
+    """Whether any sweep is running, or cancelled and not finished (one read on
+    ``ix_sweeps_state``)."""
+    return bool(session.scalar(select(exists().where(_unfinished()))))
 
 
 def advance_sweeps(session: Session) -> list[str]:
     """One pass over the running sweeps (oldest first, at most ``MAX_SWEEPS_PER_TICK``):
-    early stopping, ``max_failed``, end states. Safe to run from several processes: every
+    early stopping, ``max_failed``, end states; and a cancelled sweep's ``finished_at`` once
+    its last trial ended. Safe to run from several processes: every
     change is a compare-and-set on the job or a write of the sweep's own row.
 
     Returns:
@@ -41,13 +57,15 @@ def advance_sweeps(session: Session) -> list[str]:
     """
     done: list[str] = []
     sweeps = session.scalars(
-        select(Sweep)
-        .where(Sweep.state == SWEEP_RUNNING)
-        .order_by(Sweep.id)
-        .limit(MAX_SWEEPS_PER_TICK)
+        select(Sweep).where(_unfinished()).order_by(Sweep.id).limit(MAX_SWEEPS_PER_TICK)
     ).all()
     for sweep in sweeps:
+        if sweep.state != SWEEP_RUNNING:
+            if finish_cancelled(session, sweep):
+                done.append(f"sweep {sweep.id} cancelled: every trial has ended")
+            continue
         done += advance_sweep(session, sweep)
+    session.flush()
     return done
 
 

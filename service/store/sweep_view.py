@@ -119,9 +119,19 @@ def _run_time_s(started: datetime | None, finished: datetime | None, now: dateti
     return max(0.0, ((finished or now) - started).total_seconds())
 
 
+def may_be_best(trial: TrialView) -> bool:
+    """Whether a trial's value competes for best: it succeeded or was stopped early, or it
+    is still running (and not being cancelled). A failed or cancelled trial never does, whatever
+    it reported before it ended."""
+    if trial.outcome in (JobState.SUCCEEDED.value, STOPPED_EARLY):
+        return True
+    return trial.outcome == JobState.RUNNING.value and not trial.cancel_requested
+
+
 def best_trial(trials: Sequence[TrialView], mode: str) -> TrialView | None:
-    """The trial with the best objective value (max or min by ``mode``); None if none has one."""
-    scored = [t for t in trials if t.objective_value is not None]
+    """The trial with the best objective value (max or min by ``mode``) among those that
+    ``may_be_best``; None if none has one. Its ``outcome`` says whether it is still running."""
+    scored = [t for t in trials if t.objective_value is not None and may_be_best(t)]
     if not scored:
         return None
     pick = max if mode == "max" else min

@@ -20,7 +20,9 @@ from sqlalchemy.orm import Session
 from service.core.errors import ConflictError, NotFoundError
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
 from service.core.sweep_spec import PlannedTrial, ResolvedObjective, SweepSpec
+from service.store.claims import lock_sweep_claims
 from service.store.models import Job, JobEvent, Sweep, SweepTrial, utcnow
+from service.store.rate_limits import check_jobs_rate
 from service.store.sweep_init_from import init_from_columns, retry_start
 
 SWEEP_RUNNING = "running"
@@ -244,8 +246,10 @@ def cancel_sweep_jobs(session: Session, sweep_id: int, reason: str) -> tuple[int
 
 
 def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str) -> Sweep:
-    """Cancel a sweep: its state becomes ``cancelled`` and every unfinished trial is
-    cancelled (``cancel_sweep_jobs``). Idempotent.
+    """Cancel a sweep: its state becomes ``cancelled`` at once and every unfinished trial is
+    cancelled (``cancel_sweep_jobs``); ``finished_at`` is set once every trial has ended
+    (now, or by the reaper's ``finish_cancelled`` when started trials were still
+    stopping). Idempotent.
 
     Raises:
         NotFoundError: no such sweep (or not the owner's).
@@ -257,24 +261,57 @@ def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str)
     reason = f"sweep {sweep_id} cancelled by {by}"
     cancel_sweep_jobs(session, sweep_id, reason)
     if sweep.state != "cancelled":
-        sweep.state, sweep.stop_reason, sweep.finished_at = "cancelled", reason, utcnow()
+        sweep.state, sweep.stop_reason = "cancelled", reason
+    finish_cancelled(session, sweep)
     session.flush()
     return sweep
 
 
-def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
+def finish_cancelled(session: Session, sweep: Sweep) -> bool:
+    """Set a cancelled sweep's ``finished_at`` once every trial's newest job has ended: the
+    newest of their ``finished_at`` (now if none has one). Whether it is set."""
+    if sweep.finished_at is not None:
+        return True
+    states = session.execute(
+        select(Job.state, Job.finished_at)
+        .select_from(SweepTrial)
+        .outerjoin(Job, Job.id == SweepTrial.job_id)
+        .where(SweepTrial.sweep_id == sweep.id)
+    ).all()
+    if not all(is_terminal_state(state) for state, _ in states):
+        return False
+    sweep.finished_at = max((f for _, f in states if f is not None), default=None) or utcnow()
+    return True
+
+
+def lock_sweep(session: Session, sweep_id: int) -> None:
+    """Serialise writers of one sweep's trials (retry-failed, extend, and the claims) until
+    this transaction ends: the per-sweep claim lock (PostgreSQL advisory lock; SQLite's
+    ``BEGIN IMMEDIATE`` serialises every writer already). Take it before reading the trials,
+    so the reads see what a concurrent retry or extend committed."""
+    lock_sweep_claims(session, sweep_id)
+
+
+def retry_failed(
+    session: Session, sweep_id: int, *, owner: str | None, per_minute: int | None = None
+) -> int:
     """Queue a new job for every trial whose newest job failed (same trial key; the failed
     job stays as it was). The new job continues from the failed job's own newest committed
     checkpoint (``init_from`` it, mode ``full``; pinned against retention while it runs)
     when there is one, else it starts over with the same spec. The sweep runs again
-    (``stop_reason`` cleared).
+    (``stop_reason`` cleared). With ``per_minute`` set the new jobs count against the
+    sweep owner's submission rate limit (``check_submission_rate``).
 
     Returns:
         How many trials were re-queued.
     Raises:
         NotFoundError: no such sweep (or not the owner's).
         ConflictError: the sweep was cancelled (HTTP 409).
+        RateLimitedError: the new jobs do not fit the rate limit now (HTTP 429).
+        SpecValidationError: more failed trials than ``per_minute`` (HTTP 422).
     """
+    # Concurrent retries would each see the same failed trials and queue a job for each.
+    lock_sweep(session, sweep_id)
     sweep = get_sweep(session, sweep_id, owner=owner)
     if sweep.state == "cancelled":
         raise ConflictError(f"sweep {sweep_id} was cancelled; submit it again to re-run it")
@@ -286,6 +323,7 @@ def retry_failed(session: Session, sweep_id: int, *, owner: str | None) -> int:
     ).all()
     if not failed:
         return 0
+    check_jobs_rate(session, sweep.owner, per_minute=per_minute, jobs=len(failed))
     now = utcnow()
     specs = [retry_start(session, j) for _, j in failed]
     rows = [

@@ -133,3 +133,26 @@ def test_set_values_are_yaml_scalars(text: str, expected: tuple[str, Any]) -> No
 def test_bad_set_says_how_to_write_it(text: str) -> None:
     with pytest.raises(OverridePathError):
         parse_assignment(text)
+
+
+def test_a_range_too_wide_to_draw_from_is_refused_naming_the_axis() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="finite"):
+        sweep(axes={"training.lr": {"uniform": [-1e308, 1e308]}}, samples=2)
+    top = 1.7976931348623157e308
+    spec = sweep(axes={"config.scale": {"loguniform": [top / 2, top]}}, samples=50)
+    values = [o["config.scale"] for o in expand_overrides(spec)]
+    assert all(top / 2 <= v <= top for v in values), "every draw is finite and in range"
+
+
+def test_trial_keys_come_from_the_values_the_job_spec_holds(tmp_path: Any) -> None:
+    settings = Settings(home=tmp_path)
+    ints = plan_trials(sweep(axes={"config.hidden": {"grid": ["8", 16.0]}}), settings)
+    assert [t.overrides["config.hidden"] for t in ints] == [8, 16]
+    assert ints[0].key == trial_key({"config.hidden": 8, "training.seed": 0})
+    with pytest.raises(SpecValidationError) as info:
+        plan_trials(sweep(axes={"config.hidden": {"grid": [16, "16"]}}), settings)
+    (error,) = info.value.errors
+    assert error["loc"] == ["body", "axes", "config.hidden"] and '"16"' in error["msg"]
+    assert error["type"] == "duplicate_trial"

@@ -208,3 +208,34 @@ def test_sweep_page_says_when_long_histories_are_sampled(
     expect(w.page.locator("#curves-sampled")).to_be_visible()
     points = int(plot.get_attribute("data-points") or 0)
     assert 0 < points <= 2 * 1000, "at most the page's 1,000 points per trial (6 trials)"
+
+
+def test_a_failed_trial_is_never_the_highlighted_best(
+    open_page: OpenPage, live_server: LiveServer, tokens: dict[str, str]
+) -> None:
+    srv = live_server
+    for token in tokens.values():  # no queued trial of another test ahead in the queue
+        for old in srv.api.get("/sweeps", headers=bearer(token)).json()["sweeps"]:
+            if old["state"] == "running":
+                srv.api.post(f"/sweeps/{old['id']}/cancel", headers=bearer(token))
+    sweep = submit_sweep(srv, tokens["alice"], "failed-not-best")
+    rows = trial_rows(srv, tokens["alice"], sweep["id"])
+    # Trial 0 reports the lowest loss, then fails; trial 1 runs on lower than trial 2 ended.
+    for pos, final in {0: 0.01, 1: 0.2, 2: 0.4}.items():
+        job_id = rows[pos]["job_id"]
+        srv.start(job_id)
+        srv.report(job_id, [1.0, final], total_steps=50)
+    srv.finish(rows[0]["job_id"], JobState.FAILED, error="boom")
+    srv.finish(rows[2]["job_id"], JobState.SUCCEEDED)
+
+    w = open_page(f"/sweeps/{sweep['id']}")
+    sign_in(w, tokens["alice"])
+    page = w.page
+    running = rows[1]["job_id"]
+    expect(page.locator("#trials-body tr.best")).to_have_attribute("data-job-id", str(running))
+    expect(page.locator("#f-best")).to_contain_text(f"#{running}, still running")
+    expect(page.locator("#compare-best")).to_have_attribute(
+        "href", f"/compare?jobs={running},{rows[2]['job_id']}"
+    )
+    page.goto(w.base_url + "/sweeps")
+    expect(page.locator("#sweeps-body tr").first.locator("td.best")).to_contain_text("(running)")

@@ -41,10 +41,17 @@
     return Boolean(best) && t.key === best.trial_key;
   }
 
-  /* Trial key → 0 (worst) … 1 (best) by objective value; trials without one are absent. */
+  /* Whether a trial's value competes for best (as the API's `best`): succeeded, stopped
+     early, or still running; never failed or cancelled. */
+  function mayBeBest(t) {
+    return t.outcome === "succeeded" || t.outcome === "stopped_early" || t.outcome === "running";
+  }
+
+  /* Trial key → 0 (worst) … 1 (best) by objective value; trials without one, or that
+     cannot be best (failed, cancelled), are absent. */
   function objectiveRanks() {
     const mode = (view.sweep && view.sweep.objective && view.sweep.objective.mode) || "min";
-    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined);
+    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined && mayBeBest(t));
     scored.sort((a, b) => (mode === "max" ? a.objective_value - b.objective_value : b.objective_value - a.objective_value));
     const ranks = new Map();
     scored.forEach((t, i) => ranks.set(t.key, scored.length > 1 ? i / (scored.length - 1) : 1));
@@ -67,7 +74,8 @@
     counts.append(s.countBadges(sweep.counts));
     d.setText("f-owner", sweep.owner);
     d.setText("f-objective", s.objectiveText(sweep.objective));
-    d.setText("f-best", sweep.best ? d.fmtValue(sweep.best.value) + " (job #" + sweep.best.job_id + ")" : "–");
+    const running = sweep.best && sweep.best.outcome === "running" ? ", still running" : "";
+    d.setText("f-best", sweep.best ? d.fmtValue(sweep.best.value) + " (job #" + sweep.best.job_id + running + ")" : "–");
     d.setText("f-trials", String(sweep.trials_total));
     d.setText("f-max-concurrent", sweep.max_concurrent === null ? "no limit" : String(sweep.max_concurrent));
     d.setText("f-max-failed", sweep.max_failed === null ? "no limit" : String(sweep.max_failed));

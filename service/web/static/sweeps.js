@@ -18,6 +18,7 @@
         d.fmtValue(sweep.best.value),
         " ",
         sweep.best.job_id ? d.el("a", { href: "/jobs/" + sweep.best.job_id }, "#" + sweep.best.job_id) : null,
+        sweep.best.outcome === "running" ? " (running)" : "",
       );
     } else {
       cell.append("–");
