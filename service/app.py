@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service.api import (
     attempt_downloads,
+    attempt_notes,
     attempt_uploads,
     attempts,
     checkpoints,
@@ -136,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         sweep_metrics,
         attempt_uploads,
         attempt_downloads,
+        attempt_notes,
     ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them

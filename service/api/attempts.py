@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from service.api.checkpoint_files import checkpoint_stores, filesystem_store_id
+from service.api.checkpoint_records import refuse_unverified
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.core import attempt_api as wire
 from service.core.artifacts import artifact_relative_path
@@ -36,6 +37,7 @@ from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
 from service.store.attempt_timeline import TimelineUpdate, record_attempt_timeline
 from service.store.attempt_tokens import AttemptRef, current_state
+from service.store.checkpoint_events import note_fresh_start, note_rank_deletions
 from service.store.checkpoint_retention import (
     DoomedFile,
     apply_retention,
@@ -342,6 +344,7 @@ def record_checkpoint_route(
     elsewhere.
     """
     root = request.app.state.settings.resolved_artifact_dir
+    refuse_unverified(request, ref, record)  # the file must really be there (422 + an event)
     path = _own_checkpoint_path(root, ref.job_id, record.path)
     with _fenced(ref), _db(request).session() as session:
         record_checkpoint(
@@ -358,7 +361,8 @@ def record_checkpoint_route(
         )
         doomed = apply_retention(session, ref.job_id)
     delete_files(checkpoint_stores(request.app), doomed)
-    return wire.CheckpointEntry(attempt=ref.attempt, **record.model_dump() | {"path": path})
+    entry = record.model_dump(exclude={"staged_path"}) | {"path": path}
+    return wire.CheckpointEntry(attempt=ref.attempt, **entry)
 
 
 @router.post(
@@ -411,9 +415,11 @@ def checkpoint_deletions_route(
     attempt must not rotate away what the current one relies on.
     """
     with _fenced(ref), _db(request).session() as session:
-        check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
+        job = check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
         steps = set(deletion.steps) - pinned_steps(session, ref.job_id)
         marked = mark_checkpoints_deleted(session, ref.job_id, sorted(steps))
+        note_rank_deletions(session, job, ref.attempt, [m[0] for m in marked],
+                            damaged=deletion.damaged)  # fmt: skip
     doomed = [DoomedFile(ref.job_id, step, store, location) for step, store, location in marked]
     delete_files(checkpoint_stores(request.app), doomed)
     return Response(status_code=204)
@@ -450,6 +456,8 @@ def timeline_route(
     )
     with _fenced(ref), _db(request).session() as session:
         moved = record_attempt_timeline(session, ref.job_id, ref.attempt, update)
+        if timeline.resume_step == 0:  # say why, when the job had checkpoints
+            note_fresh_start(session, check_attempt(session, ref.job_id, ref.attempt), ref.attempt)
     if moved:
         log.info("job %d attempt %d resumed from step %s: %d earlier points superseded",
                  ref.job_id, ref.attempt, timeline.resume_step, moved)  # fmt: skip
