@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from service.api import (
     attempt_checkpoints,
     attempt_downloads,
+    attempt_notes,
     attempt_uploads,
     attempts,
     checkpoints,
@@ -138,6 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         sweep_metrics,
         attempt_uploads,
         attempt_downloads,
+        attempt_notes,
     ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them

@@ -24,10 +24,12 @@ from service.api.attempts import (
     _storable_text,
 )
 from service.api.checkpoint_files import checkpoint_stores
+from service.api.checkpoint_records import refuse_unverified
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.core import attempt_api as wire
 from service.core.artifacts import artifact_relative_path
 from service.store.attempt_tokens import current_state
+from service.store.checkpoint_events import note_rank_deletions
 from service.store.checkpoint_retention import (
     DoomedFile,
     apply_retention,
@@ -114,6 +116,7 @@ def record_checkpoint_route(
     elsewhere.
     """
     root = request.app.state.settings.resolved_artifact_dir
+    refuse_unverified(request, ref, record)  # the file must really be there (422 + an event)
     path = _own_checkpoint_path(root, ref.job_id, record.path)
     location = artifact_relative_path(root, path) or path
     with _fenced(ref), _db(request).session() as session:
@@ -136,7 +139,8 @@ def record_checkpoint_route(
         )
         doomed += apply_retention(session, ref.job_id)
     delete_files(checkpoint_stores(request.app), doomed)
-    return wire.CheckpointEntry(attempt=ref.attempt, **record.model_dump() | {"path": path})
+    entry = record.model_dump(exclude={"staged_path"}) | {"path": path}
+    return wire.CheckpointEntry(attempt=ref.attempt, **entry)
 
 
 @router.post(
@@ -189,9 +193,11 @@ def checkpoint_deletions_route(
     attempt must not rotate away what the current one relies on.
     """
     with _fenced(ref), _db(request).session() as session:
-        check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
+        job = check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
         steps = set(deletion.steps) - pinned_steps(session, ref.job_id)
         marked = mark_checkpoints_deleted(session, ref.job_id, sorted(steps))
+        note_rank_deletions(session, job, ref.attempt, [m[0] for m in marked],
+                            damaged=deletion.damaged)  # fmt: skip
     doomed = [DoomedFile(ref.job_id, step, store, location) for step, store, location in marked]
     delete_files(checkpoint_stores(request.app), doomed)
     return Response(status_code=204)

@@ -295,8 +295,9 @@ async def upload_chunk_route(
         def advance() -> wire.UploadStatus:
             with _fenced(ref), _db(request).session() as session:
                 moved = advance_upload(
-                    session, ref.job_id, ref.attempt, upload_id, offset=offset, length=received
-                )
+                    session, ref.job_id, ref.attempt, upload_id, offset=offset, length=received,
+                    chunk_bytes=chunk_bytes,
+                )  # fmt: skip
                 return _status(moved, chunk_bytes)
 
         status: wire.UploadStatus = await _in_thread(advance)

@@ -35,8 +35,10 @@ from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metric_points import CheckedPoint, MetricPoint, checked_point
 from service.store.attempt_timeline import TimelineUpdate, record_attempt_timeline
 from service.store.attempt_tokens import AttemptRef, current_state
+from service.store.checkpoint_events import note_fresh_start
 from service.store.db import Database
 from service.store.init_from import describe_init_from
+from service.store.leases import check_attempt
 from service.store.metrics import record_metrics
 
 log = logging.getLogger(__name__)
@@ -294,6 +296,8 @@ def timeline_route(
     )
     with _fenced(ref), _db(request).session() as session:
         moved = record_attempt_timeline(session, ref.job_id, ref.attempt, update)
+        if timeline.resume_step == 0:  # say why, when the job had checkpoints
+            note_fresh_start(session, check_attempt(session, ref.job_id, ref.attempt), ref.attempt)
     if moved:
         log.info("job %d attempt %d resumed from step %s: %d earlier points superseded",
                  ref.job_id, ref.attempt, timeline.resume_step, moved)  # fmt: skip

@@ -9,10 +9,11 @@ lazily: the API's only import of ``worker``; see docs/architecture.md).
 from __future__ import annotations
 
 from service.api.deps import RequestContext
-from service.api.queue_schemas import DryRunOut, PlanOut, ResumeOut, queue_out
+from service.api.queue_schemas import DryRunOut, InitStartOut, PlanOut, ResumeOut, queue_out
 from service.core.spec import JobSpec
 from service.core.states import JobState
 from service.store.checkpoints import list_checkpoints
+from service.store.init_from import resolve_init_from
 from service.store.jobs import get_job
 from service.store.queue_explain import JobShape, explain_queue, submit_warnings
 
@@ -26,6 +27,7 @@ def dry_run(ctx: RequestContext, spec: JobSpec, job_id: int | None) -> DryRunOut
 
     Raises:
         NotFoundError: ``job_id`` names no job the caller may see (404).
+        SpecValidationError: (422) ``init_from`` would be refused by the real submit.
     """
     from worker.launchers.preview import preview_plans
 
@@ -34,6 +36,7 @@ def dry_run(ctx: RequestContext, spec: JobSpec, job_id: int | None) -> DryRunOut
     attempt = 1
     shape = JobShape(spec.launcher, r.gpus_per_node, r.nproc_per_node, spec.priority)
     with ctx.db.session(write=False) as session:
+        spec = resolve_init_from(session, spec, owner=ctx.owner)  # the submit's own check
         if job_id is not None:
             job = get_job(session, job_id, owner=ctx.owner)
             # A queued job's attempt is its next launch (a requeue already counted it).
@@ -74,4 +77,12 @@ def dry_run(ctx: RequestContext, spec: JobSpec, job_id: int | None) -> DryRunOut
         resume=resume,
         queue=queue_out(explanation),
         warnings=warnings,
+        init_from=_init_start(spec),
     )
+
+
+def _init_start(spec: JobSpec) -> InitStartOut | None:
+    init = spec.init_from
+    if init is None or not isinstance(init.step, int) or init.sha256 is None:
+        return None
+    return InitStartOut(job=init.job, step=init.step, sha256=init.sha256, mode=init.mode)

@@ -120,6 +120,15 @@ class ResumeOut(_Out):
     note: str
 
 
+class InitStartOut(_Out):
+    """The checkpoint ``init_from`` resolved to, as the real submit would store it."""
+
+    job: int = Field(description="The source job.")
+    step: int = Field(description="The step of its committed checkpoint.")
+    sha256: str = Field(description="That checkpoint file's sha256.")
+    mode: str = Field(description="weights_only | full.")
+
+
 class DryRunOut(_Out):
     """What submitting the spec would do; nothing was stored."""
 
@@ -131,3 +140,6 @@ class DryRunOut(_Out):
     resume: ResumeOut | None
     queue: QueueOut
     warnings: list[str]
+    init_from: InitStartOut | None = Field(
+        default=None, description="Where init_from starts (resolved as the submit would)."
+    )

@@ -19,7 +19,7 @@ twice).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -130,6 +130,9 @@ class CheckpointRecord(_Wire):
     path: str = Field(min_length=1, max_length=4096)
     size_bytes: int = Field(ge=0, le=MAX_SIZE_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # The written file before rank 0 renames it to ``path`` (it records first, so a fenced-off
+    # attempt replaces no file); the server verifies this one. None: the file is at ``path``.
+    staged_path: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
 class CheckpointFailure(_Wire):
@@ -144,6 +147,8 @@ class CheckpointDeletion(_Wire):
     (rotation) or found damaged; their rows are marked deleted."""
 
     steps: list[Step] = Field(max_length=10_000)
+    # True: found damaged at resume; False: recorded, but the file could not be put in place.
+    damaged: bool = True
 
 
 class CheckpointEntry(_Wire):
@@ -166,6 +171,23 @@ class CheckpointList(_Wire):
 # -- the attempt's timeline (resume point, start and checkpoint costs) ------------------------
 
 TIMELINE_PATH = f"{ATTEMPT_PREFIX}/timeline"  # POST AttemptTimeline → 204
+NOTES_PATH = f"{ATTEMPT_PREFIX}/notes"  # POST AttemptNote → 204
+
+
+class AttemptNote(_Wire):
+    """``POST /attempts/self/notes``: a decision of rank 0's the job's events must show; the
+    server words the event (a rank sends no free text here).
+
+    ``kind``: ``upload_fallback`` (``DDPQ_CHECKPOINT_TRANSPORT=shared``, but this rank's
+    artifact root does not hold the API's store id: it uploads instead);
+    ``nothing_to_train`` (an ``init_from`` ``full`` start restored ``step`` ≥ the job's
+    ``total_steps``)."""
+
+    kind: Literal["upload_fallback", "nothing_to_train"]
+    step: Step | None = None
+    total_steps: Step | None = None
+
+
 MAX_SECONDS = 10.0**9
 
 
@@ -224,6 +246,9 @@ CHUNK_SHA256_HEADER = "X-Ddpq-Chunk-Sha256"
 SHA256_HEADER = "X-Ddpq-Sha256"
 # The chunk size a client should use unless the server's UploadStatus says otherwise.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+# The smallest chunk cap a server may be configured with (Settings.checkpoint_chunk_bytes): a
+# status telling less is not believed by the rank.
+MIN_CHUNK_BYTES = 64 * 2**10
 # A file the filesystem store writes at its root, holding a random id (see AttemptSelf).
 STORE_ID_FILE = ".ddpq-store-id"
 

@@ -180,10 +180,18 @@ def check_chunk_offset(
 
 
 def advance_upload(
-    session: Session, job_id: int, attempt: int, upload_id: int, *, offset: int, length: int
+    session: Session,
+    job_id: int,
+    attempt: int,
+    upload_id: int,
+    *,
+    offset: int,
+    length: int,
+    chunk_bytes: int,
 ) -> CheckpointUpload:
     """Count a stored chunk: ``received_bytes`` from ``offset`` to ``offset + length``, one
-    compare-and-set (a concurrent chunk at the same offset loses).
+    compare-and-set (a concurrent chunk at the same offset loses). ``chunk_bytes``: the
+    server's chunk size, told in the loser's status.
 
     Raises:
         StaleAttemptError / NotFoundError: the attempt is fenced off.
@@ -206,7 +214,7 @@ def advance_upload(
     upload = get_upload(session, job_id, upload_id)
     session.refresh(upload)
     if cast(CursorResult[Any], result).rowcount != 1:
-        raise UploadStateError(upload_status(upload, 0))
+        raise UploadStateError(upload_status(upload, chunk_bytes))
     return upload
 
 

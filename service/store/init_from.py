@@ -65,8 +65,27 @@ def resolve_init_from(session: Session, spec: JobSpec, *, owner: str | None) -> 
             f"job {init.job}'s checkpoint at step {ckpt.step} has sha256 {ckpt.sha256}, "
             f"not {init.sha256}",
         )
+    _check_left_to_train(spec, ckpt.step)
     resolved = init.model_copy(update={"step": ckpt.step, "sha256": ckpt.sha256})
     return spec.model_copy(update={"init_from": resolved})
+
+
+def _check_left_to_train(spec: JobSpec, step: int) -> None:
+    """A ``full`` start restores the step count: from ``step`` ≥ the job's total steps it
+    would train nothing and "succeed". Known at submit only with ``training.max_steps``
+    (epochs × steps per epoch is known only once the data is loaded; the rank says so then).
+
+    Raises:
+        SpecValidationError: (422) at ``init_from.step``.
+    """
+    init, total = spec.init_from, spec.training.max_steps
+    if init is not None and init.mode == "full" and total is not None and step >= total:
+        raise _bad(
+            "step",
+            f"mode full restores step {step}, which is not below this job's "
+            f"training.max_steps {total}: nothing would be trained; raise training.max_steps, "
+            "name an earlier step, or use mode weights_only",
+        )
 
 
 def same_submission(stored: dict[str, Any], spec: JobSpec) -> bool:

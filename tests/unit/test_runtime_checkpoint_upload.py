@@ -67,7 +67,8 @@ def test_auto_shares_only_a_directory_holding_the_apis_store_id(
     assert resolve_transport("auto", api_dir, me.store_id) == "shared"
     assert resolve_transport("auto", tmp_path / "elsewhere", me.store_id) == "upload"
     assert resolve_transport("auto", api_dir, None) == "upload"  # a database store
-    assert resolve_transport("shared", tmp_path, None) == "shared"
+    assert resolve_transport("shared", api_dir, me.store_id) == "shared"
+    assert resolve_transport("shared", tmp_path, me.store_id) == "upload"  # not shared: falls back
     with pytest.raises(ValueError, match="auto, shared, upload"):
         resolve_transport("ftp", tmp_path, None)
 

@@ -219,12 +219,17 @@ class AttemptClient:
         """``POST /attempts/self/checkpoints/failures``: a save that failed (a job event)."""
         self._call("POST", wire.CHECKPOINT_FAILURES_PATH, None, failure)
 
-    def record_deletions(self, steps: Sequence[int]) -> None:
-        """``POST /attempts/self/checkpoints/deletions``: checkpoints rotated away or found
-        damaged (no request when ``steps`` is empty)."""
+    def record_deletions(self, steps: Sequence[int], *, damaged: bool = True) -> None:
+        """``POST /attempts/self/checkpoints/deletions``: checkpoints found damaged (or, with
+        ``damaged`` False, whose file could not be put in place; no request when ``steps`` is
+        empty)."""
         if steps:
-            body = wire.CheckpointDeletion(steps=list(steps))
+            body = wire.CheckpointDeletion(steps=list(steps), damaged=damaged)
             self._call("POST", wire.CHECKPOINT_DELETIONS_PATH, None, body)
+
+    def send_note(self, note: wire.AttemptNote) -> None:
+        """``POST /attempts/self/notes``: a decision the job's events must show."""
+        self._call("POST", wire.NOTES_PATH, None, note)
 
     def send_timeline(self, timeline: wire.AttemptTimeline) -> None:
         """``POST /attempts/self/timeline``: the attempt's resume step and costs (safe to

@@ -5,7 +5,8 @@ attempt API), as ``DDPQ_CHECKPOINT_TRANSPORT`` says; ``auto`` decides by the sto
 The API's filesystem store writes a random id into ``STORE_ID_FILE`` at its root and names it
 in ``GET /attempts/self`` (``store_id``). A rank whose own artifact root holds the same id sees
 the API's directory: shared. Any other rank (another host, another directory, a database
-store whose ``store_id`` is None) uploads.
+store whose ``store_id`` is None) uploads. ``shared`` forced on a rank without that id falls
+back to upload with a warning, since the API would refuse every record.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def resolve_transport(setting: str, artifact_dir: Path, store_id: str | None) ->
         ValueError: ``setting`` is none of ``TRANSPORT_SETTINGS``.
     """
     if setting == "shared":
-        return "shared"
+        return shared_or_upload(artifact_dir, store_id)
     if setting == "upload":
         return "upload"
     if setting != "auto":
@@ -54,3 +55,18 @@ def resolve_transport(setting: str, artifact_dir: Path, store_id: str | None) ->
     transport: Transport = "shared" if store_id is not None and local == store_id else "upload"
     log.info("checkpoint transport: %s (API store %s, local %s)", transport, store_id, local)
     return transport
+
+
+def shared_or_upload(artifact_dir: Path, store_id: str | None) -> Transport:
+    """``shared`` as asked, once this rank's artifact root holds the API's store id; else a
+    warning and ``upload`` (the API could not read what this rank writes, so every record
+    would be refused and every save lost)."""
+    local = local_store_id(artifact_dir)
+    if store_id is not None and local == store_id:
+        return "shared"
+    log.warning(
+        "DDPQ_CHECKPOINT_TRANSPORT=shared, but %s does not hold the API's checkpoint store id "
+        "(%s; here %s): this rank does not share the API's directory, uploading instead",
+        artifact_dir / STORE_ID_FILE, store_id, local,
+    )  # fmt: skip
+    return "upload"

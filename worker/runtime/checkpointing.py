@@ -48,6 +48,7 @@ from worker.runtime.checkpoint_files import (
     publish_checkpoint,
     write_temp_checkpoint,
 )
+from worker.runtime.checkpoint_reports import note_nothing_to_train, note_upload_fallback
 from worker.runtime.checkpoint_transport import Transport, resolve_transport
 from worker.runtime.snapshot import Snapshot, SnapshotPool
 from worker.runtime.topology import RankEnv
@@ -92,6 +93,10 @@ class CheckpointSaver(Protocol):
     def close(self) -> None:
         """Wait for the write in flight (and fail if the newest requested one failed)."""
 
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Tell the job's events that an ``init_from`` start at ``step`` left nothing to
+        train (``step`` ≥ ``total_steps``); rank 0 only."""
+
 
 class NullCheckpointer:
     """The null ``CheckpointSaver`` (ranks other than 0): saving does nothing (and builds no
@@ -111,6 +116,9 @@ class NullCheckpointer:
 
     def close(self) -> None:
         """Wait for the write in flight."""
+
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Rank 0 tells it (no-op here)."""
 
 
 class Checkpointer(NullCheckpointer):
@@ -157,9 +165,9 @@ class Checkpointer(NullCheckpointer):
         self.failed: list[tuple[int, str]] = []
         self._transport_setting = transport
         self.transport: Transport | None = None
-        if transport != "auto" or attempt_self is not None:
+        if transport == "upload" or attempt_self is not None:  # else: asked at the first save
             store_id = attempt_self.store_id if attempt_self is not None else None
-            self.transport = resolve_transport(transport, artifact_dir, store_id)
+            self.transport = self._decide_transport(store_id)
         self._uploader: CheckpointUploader | None = None
         self._stopping, self._stop_upload_s = stopping, stop_upload_s
 
@@ -245,8 +253,9 @@ class Checkpointer(NullCheckpointer):
             self._publish_and_upload(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
             return
         record = CheckpointRecord(
-            step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256
-        )
+            step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256,
+            staged_path=str(tmp),
+        )  # fmt: skip
         try:
             # Recorded first, published after: the fence decides before a file is replaced.
             self._client.record_checkpoint(record)
@@ -260,8 +269,15 @@ class Checkpointer(NullCheckpointer):
             log.warning("checkpoint at step %d fenced off, stopping: %s", step, exc)
             self._stale.set()
             return
-        except (ApiUnavailableError, AttemptRequestError) as exc:
+        except AttemptRequestError as exc:
+            # Refused (the server could not verify the file): a failed save, which the server
+            # already noted as a job event; the final save's failure fails the job at close.
+            self.failed.append((step, f"not recorded: {exc}"))
             log.error("checkpoint at step %d not recorded: %s", step, exc)
+            return
+        except ApiUnavailableError as exc:
+            log.error("checkpoint at step %d not recorded: %s", step, exc)
+            self._report_failure(step, f"not recorded: {exc}")
             return
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -271,21 +287,35 @@ class Checkpointer(NullCheckpointer):
 
     # -- the upload transport ------------------------------------------------------------------
     def _resolved_transport(self) -> Transport:
-        """The transport, asking ``GET /attempts/self`` for the store id once (``auto``). While
-        the API cannot say, this save uploads (correct on any host) and the next one asks
-        again."""
+        """The transport, asking ``GET /attempts/self`` for the store id once (``auto``, and
+        ``shared``, which falls back to upload without the API's store id). While the API
+        cannot say, this save uploads (``shared``: records) and the next one asks again."""
         if self.transport is not None:
             return self.transport
         try:
             me = self._client.self_check()
         except (ApiUnavailableError, AttemptRequestError) as exc:
-            log.warning("checkpoint transport unknown (uploading this one): %s", exc)
-            return "upload"
+            fallback: Transport = "shared" if self._transport_setting == "shared" else "upload"
+            log.warning("checkpoint transport unknown (%s for this one): %s", fallback, exc)
+            return fallback
         except StaleAttemptError:
-            return "upload"  # the upload's first call meets the fence and stops the rank
-        self.transport = resolve_transport(self._transport_setting, self._artifact_dir,
-                                           me.store_id)  # fmt: skip
+            # The record's or the upload's first call meets the fence and stops the rank.
+            return "shared" if self._transport_setting == "shared" else "upload"
+        self.transport = self._decide_transport(me.store_id)
         return self.transport
+
+    def _decide_transport(self, store_id: str | None) -> Transport:
+        """``resolve_transport``; a ``shared`` setting that falls back to upload is told to
+        the job's events too, not only to this rank's log."""
+        transport = resolve_transport(self._transport_setting, self._artifact_dir, store_id)
+        if self._transport_setting == "shared" and transport == "upload":
+            note_upload_fallback(self._client)
+        return transport
+
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Tell the job's events (best effort) that an ``init_from`` start left nothing to
+        train."""
+        note_nothing_to_train(self._client, step, total_steps)
 
     def _publish_and_upload(self, item: UploadItem, tmp: Path) -> None:
         """Publish the file locally (this host's copy, for a resume here), then hand it to the
@@ -353,7 +383,7 @@ class Checkpointer(NullCheckpointer):
     def _forget(self, steps: list[int]) -> None:
         """Record ``steps`` as deleted (best effort: resume verifies every file anyway)."""
         try:
-            self._client.record_deletions(steps)
+            self._client.record_deletions(steps, damaged=False)
         except StaleAttemptError as exc:
             log.warning("checkpoint deletion not recorded, stopping: %s", exc)
             self._stale.set()

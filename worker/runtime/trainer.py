@@ -321,3 +321,7 @@ class Trainer:
             self.epoch, self.batch_idx = divmod(self.step, self.steps_per_epoch)
         self.clock.restart(self.step)
         log.info("initialised from another job's checkpoint (%s): step %d", mode, self.step)
+        if mode == "full" and self.step >= self.total_steps:
+            log.warning("init_from step %d ≥ this job's %d steps: nothing to train",
+                        self.step, self.total_steps)  # fmt: skip
+            self.checkpointer.note_nothing_to_train(self.step, self.total_steps)

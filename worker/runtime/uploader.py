@@ -248,11 +248,15 @@ class CheckpointUploader:
         and the bytes sent. A damaged chunk (422) is sent again, ``MAX_CHUNK_REFUSALS`` times
         in a row at most; after an outage the server's status says where to go on."""
         sent = refusals = 0
+        # The status this upload began (or resumed) with sets the size; later ones only when
+        # they tell a size a server could have (a lost compare-and-set's 409 once said 0).
+        chunk = status.chunk_bytes if status.chunk_bytes > 0 else wire.MIN_CHUNK_BYTES
         while status.state == "receiving" and status.received_bytes < item.size_bytes:
             self._check(item)
             offset = status.received_bytes
             fh.seek(offset)
-            data = fh.read(min(max(status.chunk_bytes, 1), item.size_bytes - offset))
+            chunk = usable_chunk_bytes(status.chunk_bytes, chunk)
+            data = fh.read(min(chunk, item.size_bytes - offset))
             try:
                 status = self._client.send_chunk(status.upload_id, offset, data)
                 sent += len(data)
@@ -310,3 +314,10 @@ class CheckpointUploader:
                 raise UploadFailedError(
                     f"upload of checkpoint at step {item.step} refused: {exc}"
                 ) from None
+
+
+def usable_chunk_bytes(reported: int, known: int) -> int:
+    """The chunk size to send with: ``reported`` (a status's ``chunk_bytes``) when it is one
+    the server could be configured with (≥ ``MIN_CHUNK_BYTES``), else ``known`` (the last
+    usable one): a status saying 0 must not shrink every chunk to a byte."""
+    return reported if reported >= wire.MIN_CHUNK_BYTES else known
