@@ -224,7 +224,11 @@ def test_a_hostile_entrypoint_reaches_nothing(
                      "metrics naming attempt 2", "checkpoint naming the victim's file",
                      "deletion naming the victim"):  # fmt: skip
             assert api[call] == 422, f"(e) {call}: {api[call]}"
-        assert api["self"] == {"job_id": alice_id, "attempt": 1, "state": "running"}, api
+        # Its own attempt only (plus the filesystem store's id, how a rank tells whether it
+        # shares the API's disk, and no init_from: this job starts from nothing).
+        own = {k: api["self"][k] for k in ("job_id", "attempt", "state", "init_from")}
+        assert own == {"job_id": alice_id, "attempt": 1, "state": "running", "init_from": None}
+        assert set(api["self"]) == {*own, "store_id"}, api
         for forged in ("tampered suffix", "truncated", "as a user token"):
             for route in ("self", "metrics", "GET /jobs"):
                 assert api[f"{forged}: {route}"] == 401, f"(f) {forged} on {route}: {api}"
