@@ -38,6 +38,7 @@ from worker.attempt import (
     FailureReason,
     mark_before_first_step,
     now_s,
+    reason_of,
     signal_exit,
     write_rank_error,
     write_result,
@@ -56,6 +57,9 @@ from worker.runtime.watchdog import StallWatchdog, dump_on_expiry, exit_on_stall
 from worker.tasks import ENTRYPOINTS
 
 log = logging.getLogger(__name__)
+# Failures a rank decides on its own (a non-finite loss, a stall): still failures when a stop
+# signal (e.g. torchrun's teardown after a peer failed alike) arrives while they are raised.
+OWN_DECISIONS = frozenset({FailureReason.NONFINITE_LOSS, FailureReason.STALLED})
 
 # Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
@@ -175,7 +179,7 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
         return _stop_code(stop)
     except Exception as exc:
         at_s = now_s()
-        if stop.is_set():
+        if stop.is_set() and reason_of(exc) not in OWN_DECISIONS:
             # A peer stopping on the same signal breaks our collectives: not a failure.
             log.warning("stopped (%s) with %s: %s", stop.reason, type(exc).__name__, exc)
             return _stop_code(stop)
