@@ -3,17 +3,13 @@ storage only (no localStorage, no cookie), sends it on every API call, and forge
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
-from service.core.config import Settings
-from service.store import migrate
-from service.store.db import Database
 from service.store.tokens import create_token
-from tests.web.conftest import LiveServer, OpenPage, _serve
+from tests.web.auth_pages import UNAUTHORIZED, live_server
+from tests.web.conftest import LiveServer, OpenPage
 
 try:
     from playwright.sync_api import expect
@@ -22,30 +18,8 @@ except ImportError:  # pragma: no cover - depends on the machine
         "needs playwright; install with: bash scripts/install-browser.sh", allow_module_level=True
     )
 
-UNAUTHORIZED = r"status of 401"
 
-
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """Like the shared fixture, but with auth on (replaces it for this module's pages)."""
-    root = tmp_path_factory.mktemp("web-auth")
-    settings = Settings(
-        home=root / ".ddpq",
-        database_url=f"sqlite:///{root / 'ddpq.db'}",
-        artifact_dir=root / "artifacts",
-        auth="on",
-    )
-    db = Database.from_url(settings.resolved_database_url)
-    migrate.upgrade(db.engine)
-    server, thread, url = _serve(settings)
-    api = httpx.Client(base_url=f"{url}/api/v1", timeout=30)
-    try:
-        yield LiveServer(url=url, settings=settings, db=db, api=api)
-    finally:
-        api.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        db.dispose()
+__all__ = ["live_server"]  # the module's server fixture (auth on)
 
 
 @pytest.fixture(scope="module")
