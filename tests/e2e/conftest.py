@@ -8,12 +8,9 @@ deployment may be left (found by ``DDPQ_ARTIFACT_DIR`` in ``/proc/*/environ``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -27,7 +24,7 @@ import yaml
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
-from tests.e2e.jobs_http import JobsOverHttp, wait_for
+from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
@@ -59,39 +56,6 @@ def load_example(name: str, **overrides: Any) -> dict[str, Any]:
         else:
             spec[key] = value
     return spec
-
-
-class Proc:
-    """A child process whose output goes to a file (shown when a test fails)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            argv, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.popen.pid, sig)
-
-    def stop(self, timeout_s: float = 60) -> int:
-        """SIGTERM, wait up to ``timeout_s`` seconds, SIGKILL; returns the exit code."""
-        if self.popen.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-        rc = self.popen.wait()
-        self._log.close()
-        return rc
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-8000:]
 
 
 class Deployment(JobsOverHttp):

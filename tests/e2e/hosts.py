@@ -11,10 +11,8 @@ PostgreSQL.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
 from service.store.models import Metric
-from tests.e2e.jobs_http import JobsOverHttp, wait_for
+from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
@@ -110,42 +108,6 @@ def reachable(netns: str, host: str, port: int) -> bool:
     )
     argv = ["ip", "netns", "exec", netns, sys.executable, "-c", code]
     return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
-
-
-class Proc:
-    """A child process (optionally inside a network namespace), output to a file."""
-
-    def __init__(
-        self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
-        netns: str | None = None,
-    ) -> None:  # fmt: skip
-        self.name, self.log_path = name, log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        self.popen = subprocess.Popen(
-            [*prefix, *argv], env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.popen.pid, sig)
-
-    def stop(self, timeout_s: float = 90) -> int:
-        """SIGTERM, wait up to ``timeout_s`` seconds, SIGKILL the group; the exit code."""
-        if self.popen.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-        rc = self.popen.wait()
-        self._log.close()
-        return rc
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
 
 
 @dataclass
@@ -270,7 +232,7 @@ class Cluster(JobsOverHttp):
 
     def close(self) -> None:
         for proc in reversed(self.procs):
-            proc.stop()
+            proc.stop(90)
         self.http.close()
         self.db.dispose()
 

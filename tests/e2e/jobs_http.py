@@ -1,4 +1,5 @@
-"""What the e2e deployments share: polling, and a job as a user sees it over HTTP.
+"""What the e2e deployments share: polling, child processes, and a job as a user sees it
+over HTTP.
 
 ``JobsOverHttp`` is mixed into ``conftest.Deployment`` (one host) and ``hosts.Cluster``
 (several network namespaces); each gives ``http`` (an httpx client at ``/api/v1``) and
@@ -7,12 +8,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -30,6 +37,43 @@ def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(every_s)
+
+
+class Proc:
+    """A child process (optionally inside a network namespace ``netns``) whose output goes
+    to a file (shown when a test fails)."""
+
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+        netns: str | None = None,
+    ) -> None:  # fmt: skip
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.popen = subprocess.Popen(
+            [*prefix, *argv], env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM, wait up to ``timeout_s`` seconds, SIGKILL the group; the exit code."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+        rc = self.popen.wait()
+        self._log.close()
+        return rc
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
 
 
 class JobsOverHttp:

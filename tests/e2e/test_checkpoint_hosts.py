@@ -168,7 +168,7 @@ def test_init_from_a_2_rank_checkpoint_into_a_1_rank_job_on_another_host(tmp_pat
         worker_b = cluster.start_worker(host_b)
         source = cluster.submit(regression(epochs=6, checkpoint_every_steps=None))
         cluster.wait_state(source, ("succeeded",), 300)
-        worker_b.stop()
+        worker_b.stop(90)
         losses = metric_values(cluster, source, "loss")
         first, last = losses[0][1], losses[-1][1]
         assert last < 0.8 * first, f"the source job must learn something: {first} → {last}"
