@@ -31,7 +31,7 @@ from bench.common import (
 from bench.reporting import import_mlflow
 from service.core.config import Settings
 from service.store.db import Database
-from service.store.metrics import query_points
+from service.store.metrics.points import query_points
 from worker.up import settings_env
 
 GOAL_REQ_PER_S = 1500.0

@@ -89,7 +89,7 @@ def run(
         device: where the model lives (``cuda`` on a GPU box).
     """
     from worker.runtime.attempt_client import AttemptClient
-    from worker.runtime.checkpointing import Checkpointer
+    from worker.runtime.checkpoints.saver import Checkpointer
 
     reps = pick(size, 2, 5)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))

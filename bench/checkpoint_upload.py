@@ -105,8 +105,8 @@ class Trainer:
 def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     """Upload throughput vs a plain copy, training speed during an upload, and the stall."""
     from worker.runtime.attempt_client import AttemptClient
-    from worker.runtime.checkpointing import Checkpointer
-    from worker.runtime.uploader import CheckpointUploader, UploadItem
+    from worker.runtime.checkpoints.saver import Checkpointer
+    from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
 
     torch.set_num_threads(1)
     size_bytes = pick(size, 32 << 20, 1 << 30)

@@ -21,8 +21,8 @@ from bench.common import (
     ratio,
     sqlite_url,
 )
-from service.store.claims import claim_next_job
 from service.store.db import Database
+from service.store.jobs.claims import claim_next_job
 from service.store.models import Job
 
 GOAL_CLAIMS_PER_S = {"postgresql": 500.0, "sqlite": 200.0}

@@ -21,15 +21,15 @@ from urllib.parse import quote
 import httpx
 from sqlalchemy import create_engine, insert, text
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
 from service.store import migrate
-from service.store.attempt_tokens import mint_attempt_token
-from service.store.claims import claim_next_job
+from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition
 from service.store.models import Job
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 
 SIZES = ("tiny", "default", "full")
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

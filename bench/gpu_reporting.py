@@ -52,7 +52,7 @@ def run(size: str, *, workdir: Path | None = None, device: str = "cuda") -> Benc
     """Steps/s per mode (median of interleaved reps) and report() p99 (µs) on ``device``
     (``cuda``; ``cpu`` only to smoke-test this code on a machine without a GPU)."""
     from worker.runtime.distributed import DistContext
-    from worker.runtime.sink import make_sink
+    from worker.runtime.metrics.sink import make_sink
     from worker.runtime.topology import RankEnv
 
     dev = torch.device(device)

@@ -60,8 +60,8 @@ def _sink_job(args: tuple[str, str, int, int, int]) -> tuple[float, float, int]:
     api_url, token, job_id, step0, points = args
     import torch
 
-    from worker.runtime.sink import ApiSink, make_sink
-    from worker.runtime.sink_buffer import Progress
+    from worker.runtime.metrics.buffer import Progress
+    from worker.runtime.metrics.sink import ApiSink, make_sink
     from worker.runtime.topology import RankEnv
 
     last = step0 + points
@@ -92,9 +92,9 @@ def _count_rows(conninfo: str, schema: str, name: str) -> int:
 def _writer(args: tuple[str, Any, int, int, int, int]) -> float:
     """One writer process: ``batches`` batches of ``batch`` points; returns its seconds."""
     mode, url, job_id, step0, batches, batch = args
-    from service.core.metric_points import MetricPoint, checked_point
+    from service.core.metrics.points import MetricPoint, checked_point
     from service.store.db import Database
-    from service.store.metrics import record_metrics
+    from service.store.metrics.points import record_metrics
     from service.store.models import utcnow
 
     if mode == "ddpq":
@@ -143,7 +143,7 @@ def run(size: str) -> BenchResult:
     Raises:
         RuntimeError: the sinks' rows in the table differ from the points they reported.
     """
-    from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS
+    from worker.runtime.metrics.buffer import FLUSH_EVERY_POINTS
 
     batch_sizes: list[int] = pick(size, [50], [50, 1000])
     total_points = pick(size, 2_000, 5_000, 40_000)  # per writer per repetition

@@ -62,13 +62,13 @@ def _free_port() -> int:
 def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     """One rank: every mode for ``steps`` steps per repetition, interleaved; rank 0 writes the
     figures to ``cfg['out']``."""
-    from service.core.spec import JobSpec
-    from worker.runtime.checkpointing import NullCheckpointer
-    from worker.runtime.context import TrainContext
+    from service.core.spec.model import JobSpec
+    from worker.runtime.checkpoints.saver import NullCheckpointer
     from worker.runtime.distributed import DistContext
+    from worker.runtime.metrics.sink import make_sink
     from worker.runtime.signals import StopFlag
-    from worker.runtime.sink import make_sink
     from worker.runtime.topology import RankEnv
+    from worker.runtime.train.context import TrainContext
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))

@@ -21,9 +21,9 @@ from sqlalchemy import text
 
 from bench import common
 from bench.common import BenchResult, cli_main, percentile, pick, ratio
-from service.core import attempt_api as wire
+from service.core.wire import attempt as wire
 from service.store.db import Database
-from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS, FLUSH_INTERVAL_S
+from worker.runtime.metrics.buffer import FLUSH_EVERY_POINTS, FLUSH_INTERVAL_S
 
 API_WORKERS = 2
 POINTS_PER_S = 10.0  # per simulated sink

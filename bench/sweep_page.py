@@ -156,7 +156,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "one `ddpq serve` process; the page's four calls in sequence over one keep-alive "
         "httpx connection (sweep, trials, metric names, curves at 20,000 ÷ trials points per "
         "trial); p50/p90 over the loads after one warm-up load; curve_sampled_trials: trials "
-        "whose history was past the read budget (service.store.sweep_metrics."
+        "whose history was past the read budget (service.store.sweeps.metrics."
         "MAX_SCANNED_POINTS), so sampled per bucket instead of min/max"
     )
     return res

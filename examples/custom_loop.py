@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from worker.runtime.context import TrainContext
+from worker.runtime.train.context import TrainContext
 
 
 def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:

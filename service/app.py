@@ -16,29 +16,25 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
-from service.api import (
-    attempt_checkpoints,
-    attempt_downloads,
-    attempt_notes,
-    attempt_uploads,
-    attempts,
-    checkpoints,
-    docs,
-    goodput,
-    health,
-    jobs,
-    logs,
-    metrics,
-    sweep_metrics,
-    sweeps,
-    workers,
-)
-from service.api.checkpoint_files import checkpoint_stores
+from service.api import docs, health
+from service.api.attempts import checkpoints as attempt_checkpoints
+from service.api.attempts import downloads as attempt_downloads
+from service.api.attempts import notes as attempt_notes
+from service.api.attempts import routes as attempts
+from service.api.attempts import uploads as attempt_uploads
+from service.api.checkpoints import routes as checkpoints
+from service.api.checkpoints.files import checkpoint_stores
 from service.api.errors import install_error_handlers
+from service.api.jobs import goodput, logs
+from service.api.jobs import routes as jobs
+from service.api.metrics import routes as metrics
 from service.api.middleware import BodySizeLimit
 from service.api.schemas import job_spec_openapi_schemas
-from service.core.attempt_api import UPLOAD_CHUNK_PATH
+from service.api.sweeps import metrics as sweep_metrics
+from service.api.sweeps import routes as sweeps
+from service.api.workers import routes as workers
 from service.core.config import Settings, get_settings
+from service.core.wire.attempt import UPLOAD_CHUNK_PATH
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
 from service.store.reaper import reap_forever

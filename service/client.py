@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from service.core.attempt_api import SHA256_HEADER
 from service.core.config import Settings
 from service.core.errors import DdpqError
+from service.core.wire.attempt import SHA256_HEADER
 
 API_PREFIX = "/api/v1"
 

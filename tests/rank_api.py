@@ -21,14 +21,14 @@ from sqlalchemy import select
 from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store.attempt_tokens import mint_attempt_token
-from service.store.claims import claim_next_job
+from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, submit_job
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition, submit_job
 from service.store.models import Job
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 from worker import attempt as contract
 from worker.runtime.attempt_client import AttemptClient
 

@@ -9,12 +9,14 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.core import attempt_api as wire
 from service.core.states import JobState
-from service.store import claims, jobs, workers
-from service.store.attempt_tokens import mint_attempt_token
+from service.core.wire import attempt as wire
+from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Metric
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "max_restarts": 3}

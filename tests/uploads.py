@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from service.core import attempt_api as wire
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, workers
-from service.store.attempt_tokens import mint_attempt_token
+from service.core.wire import attempt as wire
+from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Worker
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 

@@ -34,7 +34,7 @@ ATTEMPT = "DDPQ_ATTEMPT"
 # Where the rank writes its files (logs, checkpoints, result/error files); Settings reads it.
 ARTIFACT_DIR = "DDPQ_ARTIFACT_DIR"
 # The attempt API the rank reports to, and the per-attempt token it presents there (the only
-# secret a rank holds; see service.core.attempt_api).
+# secret a rank holds; see service.core.wire.attempt).
 API_URL = "DDPQ_API_URL"
 ATTEMPT_TOKEN = "DDPQ_ATTEMPT_TOKEN"
 # The worker's database URL: never in a rank's environment (see inherited_env), named here so
@@ -56,7 +56,7 @@ PG_TIMEOUT_S = "DDPQ_PG_TIMEOUT_S"
 # first step boundary that sees it, else the rank exits at once (worker.runtime.signals).
 STOP_GRACE_S = "DDPQ_STOP_GRACE_S"
 # Optional, read by the rank runtime (Settings.checkpoint_transport): how rank 0's checkpoints
-# reach the API's store, ``auto`` | ``shared`` | ``upload`` (worker.runtime.checkpoint_transport).
+# reach the API's store, ``auto`` | ``shared`` | ``upload`` (worker.runtime.checkpoints.transport).
 CHECKPOINT_TRANSPORT = "DDPQ_CHECKPOINT_TRANSPORT"
 # Seconds a rank stopped by a signal (cancel, preemption, worker shutdown) waits for its stop
 # checkpoint's upload before it exits: inside the local launcher's SIGTERM→SIGKILL grace and
@@ -227,7 +227,7 @@ def write_result(
     """Rank 0's success record, written after metrics and checkpoints are flushed and before
     teardown: ``{"status": "succeeded", "step", "final_metrics", "checkpoint"}``.
 
-    ``final_metrics`` values must be JSON-safe (see ``service.store.metrics.json_safe``).
+    ``final_metrics`` values must be JSON-safe (see ``service.store.metrics.points.json_safe``).
     """
     path = artifacts.result_path(artifact_dir, job_id, attempt)
     write_json_atomic(

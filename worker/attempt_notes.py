@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from service.core.pending_reasons import describe_slurm_reason
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.decisions import HeldRun
 from worker.launchers.base import Launcher, PendingExplainer, RunPhase, RunStatus
 from worker.records import WorkerRecords

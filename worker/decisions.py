@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.core.states import TERMINAL_STATES, JobState
-from service.store.jobs import CANCEL_REQUESTED_REASON, Transition
-from service.store.leases import AdoptedJob
-from service.store.workers import HeldJob
+from service.store.jobs.crud import CANCEL_REQUESTED_REASON, Transition
+from service.store.workers.leases import AdoptedJob
+from service.store.workers.registry import HeldJob
 from worker.attempt import FailureReason
 from worker.launchers.base import RunPhase, RunStatus
 

@@ -1,5 +1,5 @@
 """User entrypoints (``"package.module:function"``): whether one resolves, and the errors that
-say it does not, shared by the ranks (``worker.runtime.context.load_entrypoint`` imports and
+say it does not, shared by the ranks (``worker.runtime.train.context.load_entrypoint`` imports and
 runs it) and the local launcher (checks it before it starts any rank).
 
 The launcher's check runs ``python -m worker.entrypoints TASK`` with the ranks' interpreter,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import DdpqError
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt_notes import oversubscription_note
 from worker.decisions import GpuPool, HeldRun
 from worker.launchers.base import ArrayStarter, Launcher, LaunchPlan, with_attempt_token

@@ -10,7 +10,7 @@ to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
 A detached launcher (Slurm) runs jobs that outlive the worker: the loop records each start's
 handle as the job's ``scheduler_job_id``, and on a clean shutdown leaves its jobs running for
 the next worker to adopt instead of cancelling them. A launcher that ``adopts`` takes over
-such jobs from lost or stopped workers on every tick (``service.store.leases``) and follows
+such jobs from lost or stopped workers on every tick (``service.store.workers.leases``) and follows
 them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
 gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
 """

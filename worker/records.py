@@ -13,10 +13,15 @@ from typing import Any
 
 from service.core.errors import NotFoundError, StaleAttemptError
 from service.core.states import JobState
-from service.store import attempt_tokens, batch_claims, claims, job_notes, jobs, leases, workers
+from service.store.attempts import tokens as attempt_tokens
 from service.store.db import Database
+from service.store.jobs import batch_claims, claims
+from service.store.jobs import crud as jobs
+from service.store.jobs import notes as job_notes
 from service.store.models import Job
-from service.store.workers import HeldJob
+from service.store.workers import leases
+from service.store.workers import registry as workers
+from service.store.workers.registry import HeldJob
 from worker.decisions import Decision, HeldRun
 
 
@@ -102,7 +107,7 @@ class WorkerRecords:
 
     def claim_batch(self, max_gpus_per_node: int, limit: int) -> ClaimedRuns | None:
         """Claim up to ``limit`` queued trials of one sweep (within its ``max_concurrent``),
-        or one plain job (``service.store.batch_claims``); None when nothing is claimable."""
+        or one plain job (``service.store.jobs.batch_claims``); None when nothing is claimable."""
         with self.db.session() as s:
             batch = batch_claims.claim_trial_batch(
                 s,

@@ -2,7 +2,7 @@
 caller is), checked once per request; and the attempt a rank's token stands for.
 
 Two kinds of bearer token, never interchangeable: API tokens (``ddpq_…``) open the user
-routes, attempt tokens (``ddpqa_…``, ``service.store.attempt_tokens``) open only the attempt
+routes, attempt tokens (``ddpqa_…``, ``service.store.attempts.tokens``) open only the attempt
 routes (``/api/v1/attempts/self/…``). A user route answers 401 to an attempt token whether
 auth is on or off, so a rank's token grants nothing else even on the embedded default."""
 
@@ -16,11 +16,11 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from service.core.attempt_api import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
 from service.core.config import Settings
-from service.store.attempt_tokens import AttemptRef, find_attempt
+from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
+from service.store.attempts.tokens import AttemptRef, find_attempt
+from service.store.auth.tokens import Caller, find_caller, hash_token
 from service.store.db import Database
-from service.store.tokens import Caller, find_caller, hash_token
 
 # auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
 # default answer; the scheme also puts "Authorize" in the OpenAPI docs.

@@ -11,15 +11,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticSerializationError
 
-from service.api.queue_schemas import QueueOut, queue_out
+from service.api.jobs.queue_schemas import QueueOut, queue_out
 from service.core.artifacts import artifact_relative_path
-from service.core.main_metric import main_metric_name
-from service.core.metric_points import JsonNumber, json_safe
-from service.core.spec import JobSpec
-from service.core.spec_text import display_text
-from service.store.job_view import JobRow
+from service.core.metrics.main_metric import main_metric_name
+from service.core.metrics.points import JsonNumber, json_safe
+from service.core.spec.model import JobSpec
+from service.core.spec.text import display_text
+from service.store.jobs.queue import QueueExplanation
+from service.store.jobs.view import JobRow
 from service.store.models import Checkpoint, Job, JobEvent, Worker, utcnow
-from service.store.queue_explain import QueueExplanation
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class JobOut(_Out):
     latest_metrics: dict[str, JsonNumber] = Field(description="Newest value of each metric.")
     main_metric: str = Field(
         description="The metric that sums the job up for its task (eval_accuracy for digits, "
-        "else loss); see service.core.main_metric."
+        "else loss); see service.core.metrics.main_metric."
     )
     main_metric_value: JsonNumber = Field(
         default=None, description="Newest value of ``main_metric``; null until reported."
@@ -257,7 +257,7 @@ def job_out(
     queue: QueueExplanation | None = None,
 ) -> JobOut:
     """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
-    a Core row from ``service.store.job_view.get_job_row`` works as well as a ``Job``. With
+    a Core row from ``service.store.jobs.view.get_job_row`` works as well as a ``Job``. With
     ``queue``, ``queue_reason`` is its summary."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}

@@ -37,8 +37,8 @@ from service.cli.output import (
 from service.cli.queue_output import format_dry_run
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
-from service.core.overrides import OverridePathError, apply_overrides, parse_assignment
-from service.core.spec_text import SpecTextError, parse_spec_text
+from service.core.spec.overrides import OverridePathError, apply_overrides, parse_assignment
+from service.core.spec.text import SpecTextError, parse_spec_text
 
 TABLE_POINTS = 100  # points `ddpq metrics` shows in its table unless --limit says otherwise
 EXPORT_PAGE_POINTS = 1000  # points per request when --csv/--json export a whole history
@@ -60,7 +60,7 @@ def load_spec_file(path: Path) -> dict[str, Any]:
 
 
 def with_overrides(spec: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """``spec`` with each ``PATH=VALUE`` of ``--set`` applied (``service.core.overrides``);
+    """``spec`` with each ``PATH=VALUE`` of ``--set`` applied (``service.core.spec.overrides``);
     exits 2 with the fix for a malformed one. Whether the field exists is the API's call
     (its 422 names the closest valid field)."""
     try:

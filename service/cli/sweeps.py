@@ -26,7 +26,7 @@ from service.cli.common import (
 from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
 from service.client import ApiUnreachableError, DdpqClient
-from service.core.overrides import OverridePathError, parse_assignment
+from service.core.spec.overrides import OverridePathError, parse_assignment
 
 sweep_app = typer.Typer(
     help="Sweeps: many trials of one job spec over a grid or random draws.",

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from service.cli.common import app, err, fail, friendly_errors, load_settings, out
 from service.cli.output import cell, short_time
+from service.store.auth.tokens import InvalidOwnerError, create_token, list_tokens, revoke_token
 from service.store.db import Database
-from service.store.tokens import InvalidOwnerError, create_token, list_tokens, revoke_token
 
 token_app = typer.Typer(
     help="API tokens (stored hashed; the server checks them when its auth is on).",

@@ -119,7 +119,7 @@ class Settings(BaseSettings):
         "on a filesystem both see), 'upload' (streamed through the attempt API), or 'auto' "
         "(shared when the rank's artifact dir holds the API's store id, else upload).",
     )
-    # Checkpoints (service.store.checkpoint_store): where uploaded checkpoint files go.
+    # Checkpoints (service.store.checkpoints.backends.base): where uploaded checkpoint files go.
     checkpoint_store: Literal["filesystem", "database"] = Field(
         default="filesystem",
         description="Where the API keeps checkpoints that ranks upload: 'filesystem' (the "

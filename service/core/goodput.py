@@ -1,7 +1,7 @@
 """The lost-work (goodput) ledger's arithmetic: from the moments of each attempt, the seconds
 of every phase, the steps thrown away by a later resume, and the checkpoint interval that
-would minimise expected lost work. Pure functions over plain values; ``service.store.goodput``
-gathers the moments from the database.
+would minimise expected lost work. Pure functions over plain values;
+``service.store.attempts.goodput`` gathers the moments from the database.
 
 Each attempt's time from the moment it was queued to the moment it ended (or now, while it
 lasts) is cut into eight phases that add up to it exactly (every moment is clamped into

@@ -50,7 +50,7 @@ LAUNCHER_TRAITS: dict[str, Traits] = {
         adopts=False,
         multi_node=False,
         title="local",
-        implementation="worker.launchers.local:LocalLauncher",
+        implementation="worker.launchers.local.launcher:LocalLauncher",
     ),
     "slurm": Traits(
         host_gpus=False,
@@ -58,7 +58,7 @@ LAUNCHER_TRAITS: dict[str, Traits] = {
         adopts=True,
         multi_node=True,
         title="Slurm",
-        implementation="worker.launchers.slurm:SlurmLauncher",
+        implementation="worker.launchers.slurm.launcher:SlurmLauncher",
     ),
 }
 

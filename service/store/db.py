@@ -217,8 +217,8 @@ class Database:
         reads only: on PostgreSQL it runs in autocommit (each statement its own snapshot, as
         under READ COMMITTED), so a write there would not be rolled back on error.
         ``one_statement=True`` is a write scope for work that is a single self-contained
-        statement on PostgreSQL (``service.store.metrics.record_metrics``): it runs in autocommit
-        there, saving the BEGIN and COMMIT round trips; on SQLite it is the plain
+        statement on PostgreSQL (``service.store.metrics.points.record_metrics``): it runs in
+        autocommit there, saving the BEGIN and COMMIT round trips; on SQLite it is the plain
         write scope. Driver errors are turned into ddpq errors here and nowhere else.
 
         Raises:

@@ -175,7 +175,7 @@ class Metric(Base):
     value counts as its mean), 0 rank 0's own unaveraged value (e.g. the flush after a rank
     failure, a custom loop's plain float), NULL not recorded (a point an older rank sent).
     Points of an earlier attempt that a resumed attempt re-trains move to
-    ``metrics_superseded`` (``service.store.metric_history``).
+    ``metrics_superseded`` (``service.store.metrics.history``).
     """
 
     __tablename__ = "metrics"
@@ -226,7 +226,7 @@ class MetricSuperseded(Base):
 class JobAttempt(Base):
     """What rank 0 told about one attempt of a job (``POST /attempts/self/timeline``): where
     it resumed from and what its start and its checkpoints cost. The goodput ledger
-    (``service.store.goodput``) reads it with the job's events, metrics and checkpoints.
+    (``service.store.attempts.goodput``) reads it with the job's events, metrics and checkpoints.
 
     ``resume_step``: the checkpoint step the attempt resumed from (0: from scratch; NULL: not
     told). ``restore_s``: seconds spent finding, verifying and loading that checkpoint.
@@ -349,7 +349,7 @@ class AttemptToken(Base):
 
 
 class Sweep(Base):
-    """A sweep: its spec as submitted (``service.core.sweep_spec.SweepSpec``), its resolved
+    """A sweep: its spec as submitted (``service.core.sweeps.spec.SweepSpec``), its resolved
     objective, and its state (running → succeeded | failed | cancelled)."""
 
     __tablename__ = "sweeps"

@@ -17,12 +17,13 @@ from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
-from service.store import jobs, leases
-from service.store.checkpoint_store import CheckpointStore
-from service.store.checkpoint_uploads import orphaned_uploads
+from service.store.checkpoints.backends.base import CheckpointStore
+from service.store.checkpoints.uploads import orphaned_uploads
 from service.store.db import Database
-from service.store.sweep_progress import advance_sweeps, has_running_sweeps
-from service.store.worker_rows import prune_stopped_workers
+from service.store.jobs import crud as jobs
+from service.store.sweeps.progress import advance_sweeps, has_running_sweeps
+from service.store.workers import leases
+from service.store.workers.pruning import prune_stopped_workers
 
 log = logging.getLogger(__name__)
 

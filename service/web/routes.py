@@ -24,14 +24,14 @@ from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
-from service.api.jobs import MAX_INT64
+from service.api.jobs.routes import MAX_INT64
 from service.core.errors import NotFoundError
-from service.core.spec import JobSpec
-from service.core.spec_text import SpecTextError, display_text, parse_spec_text
+from service.core.spec.model import JobSpec
+from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
+from service.core.spec.text import SpecTextError, display_text, parse_spec_text
 from service.core.states import JobState
-from service.core.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
-from service.store.jobs import get_job
-from service.store.sweeps import get_sweep
+from service.store.jobs.crud import get_job
+from service.store.sweeps.crud import get_sweep
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -371,7 +371,7 @@ def _spec_text_error(msg: str, type_: str = "value_error") -> JSONResponse:
 async def parse_spec(request: Request) -> Response:
     """Turn pasted YAML or JSON (``{"text": str}``) into ``{"spec": object}`` for the API.
 
-    Only parses (``service.core.spec_text.parse_spec_text``, in a worker thread so the event loop
+    Only parses (``service.core.spec.text.parse_spec_text``, in a worker thread so the event loop
     stays free): validation and storage stay with ``POST /api/v1/jobs``. Errors are 422 in
     the API's shape, located at ``["body", "text"]``.
     """

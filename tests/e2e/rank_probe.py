@@ -12,7 +12,7 @@ import torch
 
 from service.core import artifacts
 from worker import attempt as contract
-from worker.runtime.context import TrainContext
+from worker.runtime.train.context import TrainContext
 
 
 def loaded() -> dict[str, bool]:

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from service.core import artifacts
 from service.store.models import Metric
-from worker.runtime.checkpoint_files import file_sha256
+from worker.runtime.checkpoints.files import file_sha256
 
 CHECKPOINT_EVERY_STEPS = 4
 

@@ -29,17 +29,17 @@ import pytest
 from sqlalchemy import func, select
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.store import migrate
-from service.store.claims import claim_next_job
 from service.store.db import Database
-from service.store.jobs import submit_job
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import submit_job
 from service.store.models import Metric
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 from tests.rank_api import LiveApi, mint_token
 from worker.attempt import FailureReason
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, with_attempt_token
-from worker.launchers.local import LocalLauncher
+from worker.launchers.local.launcher import LocalLauncher
 from worker.processes import find_tagged_processes
 
 REPO = Path(__file__).resolve().parents[2]

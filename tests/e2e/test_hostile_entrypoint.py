@@ -30,8 +30,8 @@ from sqlalchemy import select
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.store.auth.tokens import create_token
 from service.store.models import ApiToken, Checkpoint, Job, JobEvent, Metric
-from service.store.tokens import create_token
 from tests.e2e.test_rank_user import RankPython, rank_python, rank_user  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]

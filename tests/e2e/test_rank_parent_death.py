@@ -17,17 +17,18 @@ import pytest
 
 from service.app import create_app
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs
-from service.store.attempt_tokens import mint_attempt_token
+from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
-from service.store.metrics import query_points
-from service.store.workers import register_worker
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics.points import query_points
+from service.store.workers.registry import register_worker
 from tests.live import serve_app
 from worker.attempt import attempt_tags
 from worker.launchers.base import with_attempt_token
-from worker.launchers.local import LocalLauncher
+from worker.launchers.local.launcher import LocalLauncher
 from worker.processes import find_tagged_processes
 from worker.runtime.main import die_with_parent
 

@@ -38,11 +38,11 @@ import pytest
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.store.db import Database
 from service.store.migrate import upgrade
 from worker.launchers.base import RunPhase, RunStatus, with_attempt_token
-from worker.launchers.local import LocalLauncher
+from worker.launchers.local.launcher import LocalLauncher
 from worker.up import settings_env
 
 RANK_USER = "ddpq-rank-test"

@@ -22,18 +22,18 @@ from sqlalchemy import select, update
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
+from service.core.spec.task_configs import DigitsConfig
 from service.core.states import JobState
-from service.core.task_configs import DigitsConfig
-from service.store.checkpoints import list_checkpoints
-from service.store.claims import claim_next_job
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, get_job, submit_job
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition, get_job, submit_job
 from service.store.models import Job, Metric
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 from tests.rank_api import live_api, prepare_attempt
 from worker import attempt as contract
-from worker.runtime.checkpoint_files import file_sha256
+from worker.runtime.checkpoints.files import file_sha256
 from worker.tasks.digits import build_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,14 +22,14 @@ import torch
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store.checkpoints import list_checkpoints
-from service.store.claims import claim_next_job
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, submit_job
-from service.store.metrics import query_points
-from service.store.workers import register_worker
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition, submit_job
+from service.store.metrics.points import query_points
+from service.store.workers.registry import register_worker
 from tests.rank_api import live_api, prepare_attempt
 from worker import attempt as contract
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from service.core import attempt_api as wire
+from service.core.wire import attempt as wire
 from service.store.models import Metric
 from worker.attempt import attempt_tags
 from worker.processes import find_tagged_processes

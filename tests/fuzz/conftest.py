@@ -23,15 +23,15 @@ import uvicorn
 from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store.checkpoints import record_checkpoint
-from service.store.claims import claim_next_job
+from service.store.auth.tokens import create_token
+from service.store.checkpoints.crud import record_checkpoint
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, submit_job
-from service.store.metrics import MetricPoint, record_metrics
-from service.store.tokens import create_token
-from service.store.workers import register_worker
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition, submit_job
+from service.store.metrics.points import MetricPoint, record_metrics
+from service.store.workers.registry import register_worker
 
 API = "/api/v1"
 

@@ -14,8 +14,8 @@ import pytest
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
-from service.core.spec import JobSpec, validate_spec
-from service.core.task_configs import CharLMConfig, DigitsConfig, RegressionConfig
+from service.core.spec.model import JobSpec, validate_spec
+from service.core.spec.task_configs import CharLMConfig, DigitsConfig, RegressionConfig
 
 # Numbers at and past every bound a field could have (int32/int64, float range, NaN/inf).
 EXTREME_NUMBER_VALUES: list[Any] = [

@@ -1,6 +1,6 @@
 """Property tests of spec validation: whatever JSON a client sends to POST /jobs becomes a
 stored job whose GET echoes its spec, or a 422 whose detail names fields and that stores
-nothing; never a 500. The same for the spec text parser (service/core/spec_text.py) and for
+nothing; never a 500. The same for the spec text parser (service/core/spec/text.py) and for
 /submit/parse-spec. Real HTTP to a served app, on SQLite and PostgreSQL.
 
 Runs are derandomized (a failure reproduces); ``DDPQ_FUZZ_EXAMPLES`` scales the examples.
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from service.core.spec import validate_spec
-from service.core.spec_text import SpecTextError, json_value_problems, parse_spec_text
+from service.core.spec.model import validate_spec
+from service.core.spec.text import SpecTextError, json_value_problems, parse_spec_text
 from service.store.models import Job
 
 EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "100"))

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from service.core import artifacts
-from service.store.checkpoints import record_checkpoint
+from service.store.checkpoints.crud import record_checkpoint
 
 SECRET = "secret outside the artifact directory"
 # Statuses that refuse a traversal: bad request, not found, or a parameter that fails its type.

@@ -15,9 +15,13 @@ from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
-from service.store.metrics import MetricPoint
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.metrics.points import MetricPoint
+from service.store.workers import registry as workers
 from tests.live import serve_app
 
 SPEC = {"name": "c", "task": "regression", "training": {"max_steps": 3}}

@@ -15,16 +15,20 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, update
 
-from service.api.metric_schemas import MetricsOut
+from service.api.metrics.schemas import MetricsOut
 from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
-from service.store.metrics import MetricPoint
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.metrics.points import MetricPoint
 from service.store.models import Job, Metric, utcnow
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 

@@ -15,9 +15,11 @@ from sqlalchemy import text, update
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import claims, jobs, workers
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Worker, utcnow
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {

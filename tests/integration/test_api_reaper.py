@@ -10,10 +10,13 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, migrate, workers
+from service.store import migrate
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.workers import registry as workers
 
 
 def _running_job(db: Database, lease_s: float) -> int:

@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import jobs
-from service.store.attempt_tokens import mint_attempt_token
+from service.store.attempts.tokens import mint_attempt_token
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.metrics import MetricPoint, record_metrics
-from service.store.sweep_metrics import sweep_curves
-from service.store.tokens import create_token
+from service.store.jobs import crud as jobs
+from service.store.metrics.points import MetricPoint, record_metrics
+from service.store.sweeps.metrics import sweep_curves
 
 API = "/api/v1"
 SWEEP: dict[str, Any] = {

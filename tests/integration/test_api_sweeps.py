@@ -13,12 +13,14 @@ from sqlalchemy import func, select
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import claims, jobs, workers
-from service.store.attempt_tokens import mint_attempt_token
+from service.store.attempts.tokens import mint_attempt_token
+from service.store.auth.tokens import create_token
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Job, JobEvent, Sweep, SweepTrial
 from service.store.reaper import reap_once
-from service.store.tokens import create_token
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 BASE: dict[str, Any] = {"name": "b", "task": "regression", "training": {"max_steps": 5}}

@@ -13,17 +13,19 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api.attempts import IngestLimiter, ingest_limiter
+from service.api.attempts.routes import IngestLimiter, ingest_limiter
 from service.app import create_app
-from service.core import attempt_api as wire
 from service.core.artifacts import checkpoint_path
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import claims, jobs, workers
-from service.store.attempt_tokens import AttemptRef, find_attempt, mint_attempt_token
+from service.core.wire import attempt as wire
+from service.store.attempts.tokens import AttemptRef, find_attempt, mint_attempt_token
+from service.store.auth.tokens import create_token, hash_token
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import AttemptToken
-from service.store.tokens import create_token, hash_token
+from service.store.workers import registry as workers
 from tests.live import serve_app
 
 API = "/api/v1"
@@ -123,7 +125,7 @@ def test_tokens_name_one_attempt_each_and_are_stored_hashed(db: Database) -> Non
 
 
 def jobs_spec() -> Any:
-    from service.core.spec import JobSpec
+    from service.core.spec.model import JobSpec
 
     return JobSpec.model_validate(SPEC)
 

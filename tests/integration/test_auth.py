@@ -11,10 +11,12 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.cli.main import server_settings
 from service.core.config import Settings
-from service.core.spec import validate_spec
-from service.store import claims, jobs, workers
+from service.core.spec.model import validate_spec
+from service.store.auth.tokens import create_token, list_tokens, revoke_token
 from service.store.db import Database
-from service.store.tokens import create_token, list_tokens, revoke_token
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.workers import registry as workers
 from worker.up import settings_env
 
 API = "/api/v1"

@@ -14,12 +14,12 @@ from sqlalchemy import select
 
 from service.app import create_app
 from service.core.config import Settings
-from service.core.spec import validate_spec
-from service.store import jobs
+from service.core.spec.model import validate_spec
+from service.store.auth.tokens import create_token
 from service.store.db import Database
+from service.store.jobs import crud as jobs
+from service.store.jobs.rate_limits import RateLimitedError, check_submission_rate
 from service.store.models import Job, utcnow
-from service.store.rate_limits import RateLimitedError, check_submission_rate
-from service.store.tokens import create_token
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "training": {"max_steps": 10}}

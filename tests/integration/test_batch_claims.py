@@ -1,4 +1,4 @@
-"""The batch claim (``service.store.batch_claims``) on SQLite and PostgreSQL: one sweep's
+"""The batch claim (``service.store.jobs.batch_claims``) on SQLite and PostgreSQL: one sweep's
 trials at a time, best first, never more than the sweep's max_concurrent starting or running,
 a plain job alone, and no trial claimed twice by racing claimers."""
 
@@ -11,15 +11,16 @@ import pytest
 from sqlalchemy import func, select
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import jobs, sweeps
-from service.store.batch_claims import ClaimedBatch, claim_trial_batch
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
-from service.store.jobs import Transition
+from service.store.jobs import crud as jobs
+from service.store.jobs.batch_claims import ClaimedBatch, claim_trial_batch
+from service.store.jobs.crud import Transition
 from service.store.models import Job, JobEvent
-from service.store.workers import register_worker
+from service.store.sweeps import crud as sweeps
+from service.store.workers.registry import register_worker
 
 BASE = {"task": "regression", "launcher": "local", "training": {"max_steps": 5}}
 

@@ -13,13 +13,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from service.api.checkpoint_files import checkpoint_stores
+from service.api.checkpoints.files import checkpoint_stores
 from service.app import create_app
 from service.core import artifacts
-from service.core import attempt_api as wire
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store.checkpoint_store import UploadKey
+from service.core.wire import attempt as wire
+from service.store.checkpoints.backends.base import UploadKey
 from service.store.db import Database
 from service.store.models import Checkpoint, CheckpointChunk, CheckpointUpload, utcnow
 from service.store.reaper import reap_uploads

@@ -15,15 +15,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from service.api.checkpoint_files import checkpoint_stores
+from service.api.checkpoints.files import checkpoint_stores
 from service.app import create_app
 from service.core import artifacts
-from service.core import attempt_api as wire
 from service.core.config import Settings
+from service.core.wire import attempt as wire
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import CheckpointChunk
 from service.store.reaper import reap_uploads
-from service.store.tokens import create_token
 from tests.uploads import (
     API,
     bearer,

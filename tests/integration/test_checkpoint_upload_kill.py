@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.core import attempt_api as wire
 from service.core.config import Settings
+from service.core.wire import attempt as wire
 from service.store.db import Database
 from tests.uploads import API, begin, commit, mint, put_chunk, running_job, send_rest, sha, status
 

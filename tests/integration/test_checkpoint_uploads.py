@@ -14,11 +14,11 @@ from sqlalchemy import delete, func, select
 
 from service.app import create_app
 from service.core import artifacts
-from service.core import attempt_api as wire
 from service.core.config import Settings
+from service.core.wire import attempt as wire
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import CheckpointChunk
-from service.store.tokens import create_token
 from tests.uploads import (
     API,
     bearer,

@@ -7,11 +7,11 @@ from collections import Counter
 
 from sqlalchemy import func, insert, select
 
-from service.core.spec import JobSpec
-from service.store import claims
+from service.core.spec.model import JobSpec
 from service.store.db import Database
+from service.store.jobs import claims
 from service.store.models import Job, JobEvent
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 
 N_JOBS = 500
 N_CLAIMERS = 8

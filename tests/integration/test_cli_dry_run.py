@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from service.app import create_app
 from service.cli.main import app
 from service.core.config import Settings
-from service.store import workers
 from service.store.db import Database
+from service.store.workers import registry as workers
 from tests.integration.test_dry_run import GOLDEN, normalise, rows
 from tests.live import serve_app
 

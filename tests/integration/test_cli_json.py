@@ -19,10 +19,14 @@ from service.app import create_app
 from service.cli.main import app
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.metric_points import MetricPoint, checked_point
+from service.core.metrics.points import MetricPoint, checked_point
 from service.core.states import JobState
-from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.workers import registry as workers
 from tests.live import serve_app
 
 SPEC: dict[str, Any] = {"name": "json-job", "task": "regression"}

@@ -28,9 +28,13 @@ from service.cli.main import app
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import checkpoints, claims, jobs, metrics, workers
+from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
-from service.store.metrics import MetricPoint
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.metrics.points import MetricPoint
+from service.store.workers import registry as workers
 from tests.live import serve_app
 
 runner = CliRunner()

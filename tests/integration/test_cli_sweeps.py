@@ -19,8 +19,8 @@ from service.app import create_app
 from service.cli.main import app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import jobs
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.reaper import reap_once
 from tests.live import serve_app

@@ -20,9 +20,9 @@ from sqlalchemy import func, select
 
 from service.app import create_app
 from service.core.config import Settings
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Checkpoint, Job, JobEvent
-from service.store.tokens import create_token
 from worker.launchers.preview import PLACEHOLDER_TOKEN
 
 API = "/api/v1"

@@ -18,12 +18,13 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, NotFoundError
 from service.core.states import JobState
-from service.store import claims, workers
 from service.store.db import Database
-from service.store.job_view import get_job_row
-from service.store.jobs import get_job
+from service.store.jobs import claims
+from service.store.jobs.crud import get_job
+from service.store.jobs.queue import JobShape, explain_queue
+from service.store.jobs.view import get_job_row
 from service.store.models import Job
-from service.store.queue_explain import JobShape, explain_queue
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {

@@ -14,11 +14,11 @@ from sqlalchemy import func, select
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import jobs
-from service.store.attempt_tokens import mint_attempt_token
+from service.store.attempts.tokens import mint_attempt_token
+from service.store.auth.tokens import create_token
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Metric, MetricSuperseded
-from service.store.tokens import create_token
 from tests.resume_api import API, SPEC, bearer, claim, post_points, resumed_job, timeline
 
 PHASES = (

@@ -2,7 +2,7 @@
 PostgreSQL), the poll body (serialised without validation), the one RequestContext dependency,
 the UTC connect hook, the job page and the submit form, on real SQLite, PostgreSQL and headless
 Chromium. A breaker found each case; each docstring says what went wrong then and what a user
-relies on now (``service.core.metric_points.checked_point`` holds the point rules)."""
+relies on now (``service.core.metrics.points.checked_point`` holds the point rules)."""
 
 from __future__ import annotations
 
@@ -20,20 +20,24 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, text
 
-from service.api.metric_schemas import MetricsOut
+from service.api.metrics.schemas import MetricsOut
 from service.app import create_app
 from service.core.artifacts import rank_log_path
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, metrics, migrate, workers
+from service.store import migrate
+from service.store.auth.tokens import create_token, list_tokens, revoke_token
 from service.store.db import Database
-from service.store.metrics import MetricPoint
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.metrics.points import MetricPoint
 from service.store.models import Metric
-from service.store.tokens import create_token, list_tokens, revoke_token
+from service.store.workers import registry as workers
 from tests.live import serve_app
 from tests.rank_api import attempt_client, live_api
-from worker.runtime.sink import ApiSink
+from worker.runtime.metrics.sink import ApiSink
 
 API = "/api/v1"
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)  # a fixed time: bodies compare as bytes

@@ -15,12 +15,16 @@ import pytest
 from sqlalchemy import event, text
 
 from service.core.errors import StaleAttemptError
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, metrics, migrate, workers
+from service.store import migrate
 from service.store.db import Database
-from service.store.metrics import MetricPoint
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.metrics import points as metrics
+from service.store.metrics.points import MetricPoint
 from service.store.models import Job, utcnow
+from service.store.workers import registry as workers
 
 SPEC = JobSpec(name="j", task="regression")
 

@@ -13,11 +13,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from service.app import create_app
-from service.core import attempt_api as wire
 from service.core.config import Settings
+from service.core.wire import attempt as wire
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job
-from service.store.tokens import create_token
 from tests.uploads import API, bearer, claim, mint, running_job, sha, upload
 
 CHUNK = 64 * 1024

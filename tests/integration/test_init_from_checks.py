@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.tokens import create_token
 from tests.uploads import API, bearer, mint, running_job, sha, upload
 
 CHUNK = 64 * 1024

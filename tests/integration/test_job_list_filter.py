@@ -12,10 +12,11 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
-from service.store import claims, workers
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.metrics import MetricPoint, record_metrics
-from service.store.tokens import create_token
+from service.store.jobs import claims
+from service.store.metrics.points import MetricPoint, record_metrics
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 

@@ -10,12 +10,14 @@ from sqlalchemy import update
 
 from service.core.config import Settings
 from service.core.errors import NotFoundError, StaleAttemptError
-from service.core.spec import validate_spec
+from service.core.spec.model import validate_spec
 from service.core.states import JobState
-from service.store import claims, jobs, leases
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Job, utcnow
-from service.store.workers import register_worker, stop_worker
+from service.store.workers import leases
+from service.store.workers.registry import register_worker, stop_worker
 
 
 def _worker(db: Database, worker_id: str, launcher: str = "slurm") -> None:

@@ -11,14 +11,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
-from service.api.metric_schemas import HistoryOut
+from service.api.metrics.schemas import HistoryOut
 from service.app import create_app
-from service.core import attempt_api as wire
 from service.core.config import Settings
-from service.store.attempt_tokens import mint_attempt_token
+from service.core.wire import attempt as wire
+from service.store.attempts.tokens import mint_attempt_token
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job, JobAttempt, MetricSuperseded
-from service.store.tokens import create_token
 from tests.resume_api import (
     API,
     SPEC,

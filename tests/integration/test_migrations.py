@@ -8,9 +8,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
 from service.core.errors import SchemaOutOfDateError
-from service.core.spec import JobSpec
-from service.store import jobs, migrate
+from service.core.spec.model import JobSpec
+from service.store import migrate
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Base
 
 

@@ -13,10 +13,12 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
-from service.store import claims, jobs, workers
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.job_notes import record_scheduler_pending
-from service.store.tokens import create_token
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.jobs.notes import record_scheduler_pending
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 SPEC: dict[str, Any] = {
@@ -193,8 +195,8 @@ def test_a_queued_jobs_etag_stays_through_worker_heartbeats(
 
     from sqlalchemy import update
 
-    from service.store.leases import heartbeat
     from service.store.models import Worker, utcnow
+    from service.store.workers.leases import heartbeat
 
     register(db, "b-worker", slots=1, gpus=[])
     register(db, "a-worker", slots=1, gpus=[])

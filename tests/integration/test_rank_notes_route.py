@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.core import attempt_api as wire
 from service.core.config import Settings
+from service.core.wire import attempt as wire
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.jobs import list_events
-from service.store.tokens import create_token
+from service.store.jobs.crud import list_events
 from tests.uploads import API, bearer, mint, requeue, running_job
 
 URL = API + wire.NOTES_PATH

@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core import artifacts
-from service.core import attempt_api as wire
 from service.core.config import Settings
-from service.core.spec import JobSpec
-from service.store.checkpoints import list_checkpoints
+from service.core.spec.model import JobSpec
+from service.core.wire import attempt as wire
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import list_events
+from service.store.jobs.crud import list_events
 from tests.rank_api import mint_token, running_job
 
 URL = "/api/v1" + wire.CHECKPOINTS_PATH
@@ -128,7 +128,7 @@ def test_who_may_not_record_gets_no_row_and_no_event(
     assert api.post(URL, json=a_body).status_code == 401
     # A superseded attempt's token: 409, nothing noted.
     from service.core.states import JobState
-    from service.store.jobs import Transition, apply_transition
+    from service.store.jobs.crud import Transition, apply_transition
 
     with db.session() as s:
         apply_transition(s, Transition(a_id, JobState.RUNNING, JobState.CANCELLED))

@@ -12,13 +12,13 @@ from sqlalchemy import func, insert, select
 
 from service.core.config import Settings
 from service.core.states import JobState
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import jobs
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job, JobEvent, Metric, SweepTrial, utcnow
 from service.store.reaper import reap_once
-from service.store.sweep_view import list_trials
-from service.store.sweeps import get_sweep, submit_sweep
+from service.store.sweeps.crud import get_sweep, submit_sweep
+from service.store.sweeps.view import list_trials
 
 LRS = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0]
 BEST_LR = 2e-2  # the toy's loss is lowest near this lr: position 5 (3e-2) is the best trial

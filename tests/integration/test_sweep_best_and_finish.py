@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import jobs, workers
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job
-from service.store.sweep_progress import advance_sweeps, has_running_sweeps
+from service.store.sweeps.progress import advance_sweeps, has_running_sweeps
+from service.store.workers import registry as workers
 
 API = "/api/v1"
 SWEEP: dict[str, Any] = {

@@ -11,14 +11,15 @@ from typing import Any
 from sqlalchemy import func, select
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import claims, jobs
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Job
-from service.store.sweeps import submit_sweep
-from service.store.workers import register_worker
+from service.store.sweeps.crud import submit_sweep
+from service.store.workers.registry import register_worker
 
 N_CLAIMERS = 8
 MAX_CONCURRENT = 3

@@ -12,11 +12,11 @@ from sqlalchemy import func, select
 
 from service.app import create_app
 from service.core.config import Settings
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import sweeps
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
+from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job, Sweep
-from service.store.tokens import create_token
+from service.store.sweeps import crud as sweeps
 from tests.uploads import API, bearer, mint, running_job, upload
 
 SWEEP: dict[str, Any] = {

@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from service.app import create_app
-from service.core import attempt_api as wire
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store.checkpoint_retention import pinned_steps
+from service.core.wire import attempt as wire
+from service.store.auth.tokens import create_token
+from service.store.checkpoints.retention import pinned_steps
 from service.store.db import Database
 from service.store.models import Job, JobEvent, Sweep
-from service.store.tokens import create_token
 from tests.uploads import API, bearer, claim, mint, move, running_job, sha, upload
 
 CHUNK = 64 * 1024

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from service.core import attempt_api as wire
-from service.store.checkpoint_uploads import UploadStateError, advance_upload, begin_upload
+from service.core.wire import attempt as wire
+from service.store.checkpoints.uploads import UploadStateError, advance_upload, begin_upload
 from service.store.db import Database
 from tests.uploads import running_job
 from worker.runtime.attempt_client import UploadOffsetError
-from worker.runtime.uploader import CheckpointUploader, UploadItem
+from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
 
 CHUNK = 64 * 1024
 

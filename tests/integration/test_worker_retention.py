@@ -10,11 +10,14 @@ import pytest
 from sqlalchemy import select, update
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
-from service.store import claims, jobs, reaper, workers
+from service.core.spec.model import JobSpec
+from service.store import reaper
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
 from service.store.models import Worker, utcnow
-from service.store.worker_rows import prune_stopped_workers
+from service.store.workers import registry as workers
+from service.store.workers.pruning import prune_stopped_workers
 
 DAY_S = 24 * 3600.0
 

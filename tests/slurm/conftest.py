@@ -20,9 +20,10 @@ import pytest
 from sqlalchemy import func, select
 
 from service.core.config import Settings
-from service.core.spec import validate_spec
-from service.store import jobs, migrate
+from service.core.spec.model import validate_spec
+from service.store import migrate
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job, Metric
 
 ENABLED = os.environ.get("DDPQ_TEST_SLURM") == "1"

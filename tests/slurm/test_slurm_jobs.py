@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from service.core.states import JobState
-from service.store import jobs, migrate
+from service.store import migrate
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Metric
 from tests.slurm.conftest import (
     SlurmDb,

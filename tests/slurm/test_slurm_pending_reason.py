@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from service.core.states import JobState
-from service.store import jobs
+from service.store.jobs import crud as jobs
 from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit, wait_until
 
 pytestmark = pytest.mark.slurm

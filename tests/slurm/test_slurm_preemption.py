@@ -13,8 +13,8 @@ from sqlalchemy import func, select
 
 from service.core.config import Settings
 from service.core.states import JobState
-from service.store import jobs
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Metric
 from tests.slurm.conftest import (
     SlurmDb,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from service.core.states import JobState
-from service.store import jobs
+from service.store.jobs import crud as jobs
 from service.store.models import Worker
 from tests.slurm.conftest import (
     SlurmDb,

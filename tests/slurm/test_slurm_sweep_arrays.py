@@ -19,10 +19,12 @@ from sqlalchemy import select
 
 from service.core.config import Settings
 from service.core.states import JobState
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import jobs, migrate, sweeps
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
+from service.store import migrate
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job, JobEvent
+from service.store.sweeps import crud as sweeps
 from tests.slurm.conftest import (
     SlurmDb,
     assert_no_database_url,

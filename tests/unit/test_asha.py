@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from service.core.asha import decide_at_rung, rung_step, rungs_up_to
+from service.core.sweeps.asha import decide_at_rung, rung_step, rungs_up_to
 
 
 def test_rungs_are_rung_steps_times_powers_of_the_factor() -> None:

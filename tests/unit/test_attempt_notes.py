@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 from service.core.config import Settings
 from service.core.pending_reasons import describe_slurm_reason, parse_pending_event
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.store.db import Database
 from tests.unit.test_loop_worker import ScriptedLauncher, _job, _loop, _reasons, _submit
 from worker.attempt_notes import oversubscription_note
 from worker.launchers.base import RunPhase, RunStatus
-from worker.launchers.slurm_pending import parse_squeue_reasons, squeue_pending_command
+from worker.launchers.slurm.pending import parse_squeue_reasons, squeue_pending_command
 
 
 def test_more_ranks_than_cores_is_an_event(settings: Settings, db: Database) -> None:

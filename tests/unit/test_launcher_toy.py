@@ -16,9 +16,9 @@ import pytest
 
 from service.core import launchers
 from service.core.config import Settings
-from service.core.spec import JobSpec
-from service.store import jobs
+from service.core.spec.model import JobSpec
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from worker.launchers import registry
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop

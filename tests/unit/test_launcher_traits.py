@@ -19,7 +19,7 @@ from service.core.launchers import (
     multi_node_launchers,
     uses_host_gpus,
 )
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.errors import LaunchError
 from worker.launchers import registry
 from worker.launchers.base import LaunchPlan
@@ -40,11 +40,11 @@ def test_traits_of_the_built_in_launchers() -> None:
     assert launcher_names() == ("local", "slurm")
     assert launcher_traits("local") == Traits(
         host_gpus=True, detached=False, adopts=False, multi_node=False, title="local",
-        implementation="worker.launchers.local:LocalLauncher",
+        implementation="worker.launchers.local.launcher:LocalLauncher",
     )  # fmt: skip
     assert launcher_traits("slurm") == Traits(
         host_gpus=False, detached=True, adopts=True, multi_node=True, title="Slurm",
-        implementation="worker.launchers.slurm:SlurmLauncher",
+        implementation="worker.launchers.slurm.launcher:SlurmLauncher",
     )  # fmt: skip
     assert adopting_launchers() == ("slurm",) and multi_node_launchers() == ("slurm",)
     assert uses_host_gpus("local") and not uses_host_gpus("slurm")

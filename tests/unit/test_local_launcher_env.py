@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.launchers.base import RunPhase, with_attempt_token
-from worker.launchers.local import LocalLauncher
+from worker.launchers.local.launcher import LocalLauncher
 
 PROBE = Path(__file__).resolve().parents[1] / "e2e" / "rank_user_probe.py"
 SLOW_BOX_S = 180.0

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import API_URL, ATTEMPT_TOKEN, DATABASE_URL
 from worker.launchers.base import with_attempt_token
-from worker.launchers.local import LocalLauncher, LocalRequest
+from worker.launchers.local.launcher import LocalLauncher, LocalRequest
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import FailureReason
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.local import LocalLauncher, LocalRequest
+from worker.launchers.local.launcher import LocalLauncher, LocalRequest
 
 REPO = Path(__file__).resolve().parents[2]  # the fake rank imports worker.attempt from here
 SLOW_BOX_S = 180.0  # seconds any wait may take on a loaded machine before the test fails
@@ -310,8 +310,8 @@ def test_ranks_die_with_the_worker(
             import sys, time
             from dataclasses import replace
             from service.core.config import Settings
-            from service.core.spec import JobSpec
-            from worker.launchers.local import LocalLauncher
+            from service.core.spec.model import JobSpec
+            from worker.launchers.local.launcher import LocalLauncher
             s = Settings(home={str(tmp_path)!r}, artifact_dir={str(artifact_dir)!r})
             launcher = LocalLauncher(s, entry=({str(fake_rank)!r},))
             spec = JobSpec.model_validate(

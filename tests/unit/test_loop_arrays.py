@@ -16,12 +16,13 @@ from typing import Any
 from sqlalchemy import select
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.core.sweep_spec import SweepSpec, plan_trials, resolve_objective
-from service.store import jobs, sweeps
+from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.store.models import Job
+from service.store.sweeps import crud as sweeps
 from worker.launchers.base import ArrayPlan, LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
 

@@ -11,8 +11,8 @@ import pytest
 
 from service.core.config import Settings
 from service.core.states import JobState, can_transition
-from service.store.jobs import Transition
-from service.store.workers import HeldJob
+from service.store.jobs.crud import Transition
+from service.store.workers.registry import HeldJob
 from worker.attempt import FailureReason, error_headline
 from worker.decisions import (
     PHASE_DECISIONS,

@@ -17,13 +17,13 @@ from datetime import timedelta
 from sqlalchemy import update
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import jobs
 from service.store.db import Database
-from service.store.jobs import Transition
+from service.store.jobs import crud as jobs
+from service.store.jobs.crud import Transition
 from service.store.models import Job, Worker, utcnow
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, leases
 from service.store.db import Database
-from service.store.jobs import Transition
-from service.store.leases import WORKER_LOST_REASON, heartbeat
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.jobs.crud import Transition
 from service.store.models import Job
-from service.store.workers import register_worker
+from service.store.workers import leases
+from service.store.workers.leases import WORKER_LOST_REASON, heartbeat
+from service.store.workers.registry import register_worker
 
 
 def _claimed(db: Database, worker_id: str, lease_s: float, launcher: str = "local") -> int:

@@ -19,12 +19,14 @@ from sqlalchemy import update
 
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store import claims, jobs, leases
 from service.store.db import Database
-from service.store.jobs import Transition
+from service.store.jobs import claims
+from service.store.jobs import crud as jobs
+from service.store.jobs.crud import Transition
 from service.store.models import Job, Worker, utcnow
+from service.store.workers import leases
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop

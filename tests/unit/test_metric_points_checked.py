@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from service.core import metric_points
 from service.core.config import Settings
-from service.core.metric_points import CheckedPoint, MetricPoint, checked_point, checked_report
-from service.core.spec import JobSpec
+from service.core.metrics import points as metric_points
+from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point, checked_report
+from service.core.spec.model import JobSpec
 from service.store.db import Database
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
 from tests.unit.test_runtime_sink import loss_values
-from worker.runtime.checkpointing import NullCheckpointer
-from worker.runtime.context import TrainContext
+from worker.runtime.checkpoints.saver import NullCheckpointer
 from worker.runtime.distributed import DistContext
+from worker.runtime.metrics.buffer import _stacked
+from worker.runtime.metrics.sink import ApiSink
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import ApiSink
-from worker.runtime.sink_buffer import _stacked
+from worker.runtime.train.context import TrainContext
 
 
 def test_checked_point_returns_a_checked_point_equal_to_its_plain_twin() -> None:

@@ -11,8 +11,8 @@ import pytest
 
 from service.core.config import Settings
 from worker.errors import LaunchError
-from worker.launchers.local import LocalLauncher
-from worker.launchers.rank_user import resolve_rank_user
+from worker.launchers.local.launcher import LocalLauncher
+from worker.launchers.local.rank_user import resolve_rank_user
 
 
 def _some_user() -> pwd.struct_passwd:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from service.core import attempt_api as wire
 from service.core.errors import DdpqError, StaleAttemptError
+from service.core.wire import attempt as wire
 from worker.runtime.attempt_client import (
     MAX_RETRY_AFTER_S,
     ApiUnavailableError,

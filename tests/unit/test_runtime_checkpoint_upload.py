@@ -17,17 +17,21 @@ import torch
 from torch import nn
 
 from service.core import artifacts
-from service.core import attempt_api as wire
 from service.core.config import Settings
-from service.core.spec import JobSpec
-from service.store.checkpoints import list_checkpoints
+from service.core.spec.model import JobSpec
+from service.core.wire import attempt as wire
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpoint_fetch import CheckpointFetchError, fetch_file, find_resume_checkpoint
-from worker.runtime.checkpoint_files import file_sha256, load_checkpoint_file
-from worker.runtime.checkpoint_transport import local_store_id, resolve_transport
-from worker.runtime.checkpointing import Checkpointer
+from worker.runtime.checkpoints.fetch import (
+    CheckpointFetchError,
+    fetch_file,
+    find_resume_checkpoint,
+)
+from worker.runtime.checkpoints.files import file_sha256, load_checkpoint_file
+from worker.runtime.checkpoints.saver import Checkpointer
+from worker.runtime.checkpoints.transport import local_store_id, resolve_transport
 
 
 @pytest.fixture
@@ -212,7 +216,7 @@ def test_the_uploader_rides_out_an_api_restart_and_a_corrupted_chunk(
     from sqlalchemy import select
 
     from service.store.models import CheckpointUpload
-    from worker.runtime.uploader import CheckpointUploader, UploadItem
+    from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
 
     served = LiveApi(
         settings.model_copy(

@@ -17,17 +17,17 @@ from torch import nn
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store.checkpoints import list_checkpoints
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, list_events
+from service.store.jobs.crud import Transition, apply_transition, list_events
 from service.store.models import Checkpoint
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpoint_fetch import find_resume_checkpoint
-from worker.runtime.checkpoint_files import CheckpointWriteError, file_sha256, load_checkpoint_file
-from worker.runtime.checkpointing import Checkpointer, NullCheckpointer, make_checkpointer
+from worker.runtime.checkpoints.fetch import find_resume_checkpoint
+from worker.runtime.checkpoints.files import CheckpointWriteError, file_sha256, load_checkpoint_file
+from worker.runtime.checkpoints.saver import Checkpointer, NullCheckpointer, make_checkpointer
 from worker.runtime.topology import RankEnv
 
 
@@ -202,7 +202,7 @@ def test_api_outage_records_nothing_publishes_nothing_and_training_goes_on(
     api = LiveApi(settings)  # its port, not served yet
     try:
         ckpt = Checkpointer(client_for(db, api, job), artifact_dir, job_id, attempt, keep=2)
-        with caplog.at_level(logging.ERROR, logger="worker.runtime.checkpointing"):
+        with caplog.at_level(logging.ERROR, logger="worker.runtime.checkpoints.saver"):
             ckpt.save(1, 0, lambda: state_of(model, 1))
             ckpt.wait()
         assert "checkpoint at step 1 not recorded" in caplog.text

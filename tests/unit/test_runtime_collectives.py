@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from service.core.config import Settings
 from service.store.db import Database
-from service.store.metrics import query_points
+from service.store.metrics.points import query_points
 from tests.rank_api import live_api, mint_token, rank_environ, running_job
 from worker.runtime.distributed import DistContext, StopVote, broadcast_int
-from worker.runtime.sink import make_sink
+from worker.runtime.metrics.sink import make_sink
 from worker.runtime.topology import RankEnv
 
 WORLD_SIZE = 2

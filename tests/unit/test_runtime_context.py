@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import FailureReason, reason_of
-from worker.runtime.checkpointing import NullCheckpointer
-from worker.runtime.context import TrainContext
+from worker.runtime.checkpoints.saver import NullCheckpointer
 from worker.runtime.distributed import DistContext
-from worker.runtime.nonfinite import NonFiniteLossError
+from worker.runtime.metrics.buffer import NullSink
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink_buffer import NullSink
+from worker.runtime.train.context import TrainContext
+from worker.runtime.train.nonfinite import NonFiniteLossError
 
 
 def _ctx(tmp_path: Path, mode: str) -> tuple[TrainContext, NullSink]:

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.store.db import Database
-from service.store.jobs import list_events
+from service.store.jobs.crud import list_events
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
-from worker.runtime.checkpoint_fetch import StartPoint
-from worker.runtime.checkpointing import Checkpointer
-from worker.runtime.context import TrainContext
+from worker.runtime.checkpoints.fetch import StartPoint
+from worker.runtime.checkpoints.saver import Checkpointer
 from worker.runtime.distributed import DistContext
+from worker.runtime.metrics.sink import ApiSink
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import ApiSink
-from worker.runtime.trainer import Trainer
+from worker.runtime.train.context import TrainContext
+from worker.runtime.train.trainer import Trainer
 from worker.tasks import regression
 from worker.tasks.base import TaskSetup
 

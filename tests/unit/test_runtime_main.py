@@ -17,12 +17,12 @@ import pytest
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
-from service.store.checkpoints import list_checkpoints
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition
-from service.store.metrics import query_points
+from service.store.jobs.crud import Transition, apply_transition
+from service.store.metrics.points import query_points
 from tests.rank_api import LiveApi, live_api, mint_token, running_job
 from worker import attempt as contract
 from worker.runtime.main import run_rank

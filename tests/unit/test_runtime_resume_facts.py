@@ -15,20 +15,20 @@ import torch
 from sqlalchemy import select
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.store.attempts.goodput import job_ledger
 from service.store.db import Database
-from service.store.goodput import job_ledger
-from service.store.jobs import Transition, apply_transition
-from service.store.metrics import query_points
+from service.store.jobs.crud import Transition, apply_transition
+from service.store.metrics.points import query_points
 from service.store.models import JobAttempt, MetricSuperseded
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
-from worker.runtime.checkpointing import NullCheckpointer
-from worker.runtime.context import TrainContext
+from worker.runtime.checkpoints.saver import NullCheckpointer
 from worker.runtime.distributed import DistContext
+from worker.runtime.metrics.sink import ApiSink
 from worker.runtime.signals import StopFlag
-from worker.runtime.sink import ApiSink
 from worker.runtime.timeline import AttemptFacts
+from worker.runtime.train.context import TrainContext
 
 CPU = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
 

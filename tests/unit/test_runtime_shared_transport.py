@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from service.core import artifacts
-from service.core.attempt_api import STORE_ID_FILE
 from service.core.config import Settings
-from service.store.checkpoints import list_checkpoints
+from service.core.wire.attempt import STORE_ID_FILE
+from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
-from service.store.jobs import list_events
+from service.store.jobs.crud import list_events
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
-from worker.runtime.checkpoint_files import CheckpointWriteError
-from worker.runtime.checkpointing import Checkpointer
+from worker.runtime.checkpoints.files import CheckpointWriteError
+from worker.runtime.checkpoints.saver import Checkpointer
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_shared_without_the_apis_store_id_uploads_instead(
     elsewhere = tmp_path / "not-the-api-dir"  # another host's artifact root
     client = attempt_client(db, api.url, job_id, attempt)
     ckpt = Checkpointer(client, elsewhere, job_id, attempt, keep=2, transport="shared")
-    with caplog.at_level(logging.WARNING, logger="worker.runtime.checkpoint_transport"):
+    with caplog.at_level(logging.WARNING, logger="worker.runtime.checkpoints.transport"):
         ckpt.save(5, 0, lambda: state(5))
         assert ckpt.wait_uploaded(60)
     ckpt.close()

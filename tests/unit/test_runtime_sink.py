@@ -19,13 +19,13 @@ from service.core.artifacts import metrics_spill_path
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition, get_job
-from service.store.metrics import query_points
+from service.store.jobs.crud import Transition, apply_transition, get_job
+from service.store.metrics.points import query_points
 from service.store.models import Job
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
-from worker.runtime.backlog import decode_point
-from worker.runtime.sink import ApiSink, make_sink
-from worker.runtime.sink_buffer import FLUSH_EVERY_POINTS, NullSink, Progress
+from worker.runtime.metrics.backlog import decode_point
+from worker.runtime.metrics.buffer import FLUSH_EVERY_POINTS, NullSink, Progress
+from worker.runtime.metrics.sink import ApiSink, make_sink
 from worker.runtime.topology import RankEnv
 
 
@@ -137,7 +137,7 @@ def test_duplicates_are_ignored_on_replay(
     for step in range(1, 11):
         sink.report(step, 0, torch.tensor(float(step)))
     sink.flush()
-    with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
+    with caplog.at_level(logging.WARNING, logger="worker.runtime.metrics.sink"):
         for step in range(5, 16):  # a resumed attempt replays steps 5..10
             sink.report(step, 0, torch.tensor(-1.0))
         sink.flush()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.store.metrics import MetricPoint
-from worker.runtime.backlog import MetricBacklog, decode_point, encode_point
+from service.store.metrics.points import MetricPoint
+from worker.runtime.metrics.backlog import MetricBacklog, decode_point, encode_point
 
 
 def points(first: int, last: int) -> list[MetricPoint]:

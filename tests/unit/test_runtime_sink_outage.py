@@ -25,18 +25,18 @@ import torch
 import torch.distributed as dist
 from sqlalchemy import func, select
 
-from service.core.attempt_api import METRICS_PATH, MetricBatchAck
 from service.core.config import Settings
+from service.core.wire.attempt import METRICS_PATH, MetricBatchAck
 from service.store.db import Database
-from service.store.jobs import get_job
-from service.store.metrics import MetricPoint, query_points, record_metrics
+from service.store.jobs.crud import get_job
+from service.store.metrics.points import MetricPoint, query_points, record_metrics
 from service.store.models import Metric
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.backlog import decode_point
 from worker.runtime.distributed import DistContext
-from worker.runtime.sink import ApiSink, make_sink
-from worker.runtime.sink_buffer import Progress
+from worker.runtime.metrics.backlog import decode_point
+from worker.runtime.metrics.buffer import Progress
+from worker.runtime.metrics.sink import ApiSink, make_sink
 from worker.runtime.topology import RankEnv
 
 # Nothing listens on port 1: every connection is refused at once.
@@ -96,7 +96,7 @@ def test_outage_spills_then_replays_every_point_exactly_once(
     client = attempt_client(db, down.url, *job)
     sink = ApiSink(None, client, spill_path=spill, memory_cap=20, close_timeout_s=5)
     try:
-        with caplog.at_level(logging.WARNING, logger="worker.runtime.sink"):
+        with caplog.at_level(logging.WARNING, logger="worker.runtime.metrics.sink"):
             start = time.perf_counter()
             report_steps(sink, 1, 100, total=100)
             assert time.perf_counter() - start < 5.0, "training must not wait for the database"
@@ -149,7 +149,7 @@ def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
     client = AttemptClient(UNREACHABLE_URL, "ddpqa_never")
     sink = ApiSink(None, client, spill_path=spill, memory_cap=5, close_timeout_s=0.5)
     report_steps(sink, 1, 12, total=12)
-    with caplog.at_level(logging.ERROR, logger="worker.runtime.sink"):
+    with caplog.at_level(logging.ERROR, logger="worker.runtime.metrics.sink"):
         sink.close()
     assert "12 metric points could not be written" in caplog.text
     kept = [decode_point(line) for line in spill.read_bytes().splitlines()]

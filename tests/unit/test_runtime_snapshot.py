@@ -16,9 +16,9 @@ from service.core.config import Settings
 from service.store.db import Database
 from tests.rank_api import LiveApi, attempt_client, live_api
 from tests.rank_api import running_job as start_running_job
-from worker.runtime.checkpoint_files import load_checkpoint_file
-from worker.runtime.checkpointing import Checkpointer
-from worker.runtime.snapshot import SnapshotPool, state_layout
+from worker.runtime.checkpoints.files import load_checkpoint_file
+from worker.runtime.checkpoints.saver import Checkpointer
+from worker.runtime.checkpoints.snapshot import SnapshotPool, state_layout
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,7 +1,8 @@
-"""The checkpoint uploader (worker.runtime.uploader) against an in-memory fake of the attempt
-API's upload routes (our own interface, ``UploadClient``): chunks with resume by offset after
-errors, a damaged chunk sent again, only the newest waiting checkpoint sent, a deadline that
-fails the save instead of hanging, the fence. The real routes: tests/e2e/test_checkpoint_hosts.py.
+"""The checkpoint uploader (worker.runtime.checkpoints.uploader) against an in-memory fake of
+the attempt API's upload routes (our own interface, ``UploadClient``): chunks with resume by
+offset after errors, a damaged chunk sent again, only the newest waiting checkpoint sent, a
+deadline that fails the save instead of hanging, the fence. The real routes:
+tests/e2e/test_checkpoint_hosts.py.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.core import attempt_api as wire
 from service.core.errors import StaleAttemptError
+from service.core.wire import attempt as wire
 from worker.attempt import stop_upload_marker
-from worker.runtime import uploader as up
 from worker.runtime.attempt_client import (
     ApiUnavailableError,
     AttemptRequestError,
     UploadOffsetError,
 )
-from worker.runtime.checkpoint_files import CheckpointWriteError
-from worker.runtime.checkpointing import Checkpointer
-from worker.runtime.uploader import CheckpointUploader, UploadItem
+from worker.runtime.checkpoints import uploader as up
+from worker.runtime.checkpoints.files import CheckpointWriteError
+from worker.runtime.checkpoints.saver import Checkpointer
+from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
 
 CHUNK = 1000
 

@@ -25,7 +25,7 @@ from worker.attempt import FailureReason, error_headline
 from worker.decisions import HeldRun, decide_on_status
 from worker.launchers.base import RunPhase, RunStatus
 from worker.launchers.failure_text import earliest_rank_error
-from worker.runtime.nonfinite import (
+from worker.runtime.train.nonfinite import (
     NonFiniteLossError,
     NonFinitePolicy,
     gradients_finite,
@@ -311,12 +311,12 @@ def test_fail_raises_naming_the_step_and_skip_step_counts() -> None:
 
 
 def test_train_context_calls_start_and_pet_the_watchdog(tmp_path: Path) -> None:
-    from service.core.spec import JobSpec
-    from worker.runtime.checkpointing import NullCheckpointer
-    from worker.runtime.context import TrainContext
+    from service.core.spec.model import JobSpec
+    from worker.runtime.checkpoints.saver import NullCheckpointer
     from worker.runtime.distributed import DistContext
+    from worker.runtime.metrics.buffer import NullSink
     from worker.runtime.signals import StopFlag
-    from worker.runtime.sink_buffer import NullSink
+    from worker.runtime.train.context import TrainContext
 
     rec = Recorder()
     dog = StallWatchdog(0.3, rec.on_stall, grace_s=0.1)
@@ -352,12 +352,12 @@ def test_ctx_report_refuses_a_point_that_could_not_be_stored(
 ) -> None:
     """A 0-based step (or a bad epoch or name) fails in the entrypoint's own loop with what to
     fix, instead of the point being dropped later by the rank-0 writer."""
-    from service.core.spec import JobSpec
-    from worker.runtime.checkpointing import NullCheckpointer
-    from worker.runtime.context import TrainContext
+    from service.core.spec.model import JobSpec
+    from worker.runtime.checkpoints.saver import NullCheckpointer
     from worker.runtime.distributed import DistContext
+    from worker.runtime.metrics.buffer import NullSink
     from worker.runtime.signals import StopFlag
-    from worker.runtime.sink_buffer import NullSink
+    from worker.runtime.train.context import TrainContext
 
     dist = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
     spec = JobSpec.model_validate({"name": "c", "task": "examples.custom_loop:train"})
@@ -393,7 +393,7 @@ def _stack_through(*filenames: str) -> Any:
         (("torch/distributed/elastic/multiprocessing/api.py", "worker/runtime/main.py",
           "worker/tasks/regression.py"), False),
         (("torch/distributed/elastic/multiprocessing/api.py", "worker/runtime/main.py",
-          "worker/runtime/trainer.py", "torch/autograd/__init__.py"), True),
+          "worker/runtime/train/trainer.py", "torch/autograd/__init__.py"), True),
         (("worker/runtime/main.py", "worker/runtime/distributed.py"), True),
         (("worker/runtime/main.py", "worker/tasks/regression.py"), False),
     ],

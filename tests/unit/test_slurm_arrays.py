@@ -19,19 +19,19 @@ import pytest
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import ATTEMPT_TOKEN, DATABASE_URL
 from worker.errors import LaunchError
 from worker.launchers.base import ArrayStarter, LaunchPlan, RunPhase, with_attempt_token
-from worker.launchers.slurm import SlurmLauncher
-from worker.launchers.slurm_array import MANIFEST, element_attempt
-from worker.launchers.slurm_cluster import (
+from worker.launchers.slurm.array import MANIFEST, element_attempt
+from worker.launchers.slurm.cluster import (
     DEFAULT_MAX_ARRAY_SIZE,
     array_chunks,
     parse_max_array_size,
 )
-from worker.launchers.slurm_rank import SlurmRank
-from worker.launchers.slurm_states import (
+from worker.launchers.slurm.launcher import SlurmLauncher
+from worker.launchers.slurm.rank import SlurmRank
+from worker.launchers.slurm.states import (
     parse_array_name,
     parse_sacct,
     sacct_command,

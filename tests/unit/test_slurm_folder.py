@@ -16,11 +16,11 @@ import pytest
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import ATTEMPT_TOKEN, DATABASE_URL
 from worker.launchers.base import with_attempt_token
-from worker.launchers.slurm import SlurmLauncher
-from worker.launchers.slurm_rank import SlurmRank
+from worker.launchers.slurm.launcher import SlurmLauncher
+from worker.launchers.slurm.rank import SlurmRank
 
 SECRET = "s3cret-db-password"
 DB_URL = f"postgresql+psycopg://ddpq:{SECRET}@db.example/ddpq"

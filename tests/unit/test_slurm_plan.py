@@ -17,11 +17,11 @@ import pytest
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import mask_text, with_attempt_token
-from worker.launchers.slurm import SlurmLauncher
-from worker.launchers.slurm_rank import (
+from worker.launchers.slurm.launcher import SlurmLauncher
+from worker.launchers.slurm.rank import (
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     SlurmTopologyError,

@@ -12,8 +12,8 @@ import pytest
 from service.core.config import Settings
 from worker.attempt import ExitCode, FailureReason, write_rank_error
 from worker.launchers.base import RunPhase
-from worker.launchers.slurm import SlurmLauncher
-from worker.launchers.slurm_states import (
+from worker.launchers.slurm.launcher import SlurmLauncher
+from worker.launchers.slurm.states import (
     SLURM_STATE_TO_PHASE,
     UNKNOWN_STATE_FALLBACK,
     SacctRecord,

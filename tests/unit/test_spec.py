@@ -9,7 +9,7 @@ import pytest
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
-from service.core.spec import JobSpec, validate_spec
+from service.core.spec.model import JobSpec, validate_spec
 
 SETTINGS = Settings(allowed_entrypoints=["examples.*:*"], max_nproc_per_node=8)
 OK: dict[str, Any] = {"name": "digits-2", "task": "digits"}

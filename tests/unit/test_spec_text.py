@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.core.spec_text import (
+from service.core.spec.text import (
     MAX_SPEC_DEPTH,
     MAX_YAML_NODES,
     SpecTextError,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.launchers import submitit_adapter
-from worker.launchers.submitit_adapter import (
+from worker.launchers.slurm import submitit_adapter
+from worker.launchers.slurm.submitit_adapter import (
     convert_mem,
     missing_private_names,
     parse_node_list,
@@ -22,7 +22,7 @@ def test_every_private_submitit_name_exists() -> None:
     missing = missing_private_names()
     assert not missing, (
         f"submitit {submitit_version()} lacks {', '.join(missing)}: update "
-        "worker/launchers/submitit_adapter.py for this submitit release (or pin submitit)"
+        "worker/launchers/slurm/submitit_adapter.py for this submitit release (or pin submitit)"
     )
 
 
@@ -40,7 +40,7 @@ def test_no_launcher_module_but_the_adapter_uses_a_private_submitit_name() -> No
         if path.name != "submitit_adapter.py"
         for m in PRIVATE_USE.finditer(path.read_text())
     ]
-    assert not offenders, f"use worker/launchers/submitit_adapter.py instead: {offenders}"
+    assert not offenders, f"use worker/launchers/slurm/submitit_adapter.py instead: {offenders}"
 
 
 def test_a_missing_name_is_reported_by_module_and_name(monkeypatch: pytest.MonkeyPatch) -> None:

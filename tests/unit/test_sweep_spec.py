@@ -8,8 +8,8 @@ import pytest
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
-from service.core.overrides import OverridePathError, apply_overrides, parse_assignment
-from service.core.sweep_spec import (
+from service.core.spec.overrides import OverridePathError, apply_overrides, parse_assignment
+from service.core.sweeps.spec import (
     SweepExtension,
     SweepSpec,
     expand_overrides,

@@ -9,8 +9,8 @@ import pytest
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
-from service.core.spec import validate_spec
-from service.core.task_configs import RegressionConfig
+from service.core.spec.model import validate_spec
+from service.core.spec.task_configs import RegressionConfig
 
 SETTINGS = Settings()
 

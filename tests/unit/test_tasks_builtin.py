@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.core.task_configs import (
+from service.core.spec.task_configs import (
     BUILTIN_TASK_CONFIGS,
     CharLMConfig,
     DigitsConfig,

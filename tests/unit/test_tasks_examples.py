@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from service.core.config import Settings
-from service.core.spec import validate_spec
-from worker.runtime.context import EntrypointError, load_entrypoint
+from service.core.spec.model import validate_spec
+from worker.runtime.train.context import EntrypointError, load_entrypoint
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SETTINGS = Settings(allowed_entrypoints=["examples.*:*"])

@@ -12,8 +12,8 @@ import pytest
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store import migrate
+from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.tokens import create_token
 from tests.web.conftest import LiveServer, WatchedPage, _serve
 
 UNAUTHORIZED = r"status of 401"

@@ -24,12 +24,12 @@ from service.core.artifacts import checkpoint_path, rank_log_path
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store import migrate
-from service.store.checkpoints import record_checkpoint
-from service.store.claims import claim_next_job
+from service.store.checkpoints.crud import record_checkpoint
 from service.store.db import Database
-from service.store.jobs import Transition, apply_transition
-from service.store.metrics import MetricPoint, record_metrics
-from service.store.workers import register_worker
+from service.store.jobs.claims import claim_next_job
+from service.store.jobs.crud import Transition, apply_transition
+from service.store.metrics.points import MetricPoint, record_metrics
+from service.store.workers.registry import register_worker
 
 CHROMIUM = Path("/usr/bin/chromium")
 INSTALL_HINT = "install the browser with: bash scripts/install-browser.sh"

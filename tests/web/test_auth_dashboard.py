@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from service.store.tokens import create_token
+from service.store.auth.tokens import create_token
 from tests.web.auth_pages import UNAUTHORIZED, live_server
 from tests.web.conftest import LiveServer, OpenPage
 

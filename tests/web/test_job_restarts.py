@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from service.core import attempt_api as wire
 from service.core.states import JobState
-from service.store.attempt_tokens import mint_attempt_token
-from service.store.jobs import Transition, apply_transition
+from service.core.wire import attempt as wire
+from service.store.attempts.tokens import mint_attempt_token
+from service.store.jobs.crud import Transition, apply_transition
 
 try:
     from playwright.sync_api import expect

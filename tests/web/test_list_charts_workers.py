@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import update
 
 from service.core.states import JobState
-from service.store.metrics import MetricPoint, record_metrics
+from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.models import Worker, utcnow
-from service.store.workers import register_worker, stop_worker
+from service.store.workers.registry import register_worker, stop_worker
 
 try:
     from playwright.sync_api import expect

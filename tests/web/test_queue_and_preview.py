@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.store.workers import register_worker
+from service.store.workers.registry import register_worker
 
 try:
     from playwright.sync_api import expect

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
-from service.core.spec import JobSpec, Training
-from service.core.task_configs import BUILTIN_TASK_CONFIGS
-from service.store import jobs
+from service.core.spec.model import JobSpec, Training
+from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from service.web import routes
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.core.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
+from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
 
 try:
     from playwright.sync_api import expect

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 
 try:
     from playwright.sync_api import expect

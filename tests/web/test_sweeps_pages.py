@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from service.core.states import JobState
-from service.store import sweep_metrics
+from service.store.sweeps import metrics as sweep_metrics
 from tests.web.auth_pages import NOT_FOUND, bearer, live_server, sign_in, tokens
 from tests.web.conftest import LiveServer, OpenPage
 from tests.web.test_pages import no_horizontal_overflow

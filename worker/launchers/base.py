@@ -10,7 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.attempt import ATTEMPT_TOKEN, FailureReason
 
 # Plan entries whose value is a secret: rendered as MASKED, never printed or logged.

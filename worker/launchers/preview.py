@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core.config import Settings
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.errors import LaunchError
 from worker.launchers.base import mask_text, secret_values, with_attempt_token
 from worker.launchers.registry import make_launcher

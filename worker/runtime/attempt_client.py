@@ -1,4 +1,4 @@
-"""The rank's client of the attempt API (``service.core.attempt_api``): one pooled HTTP/1.1
+"""The rank's client of the attempt API (``service.core.wire.attempt``): one pooled HTTP/1.1
 connection, the bearer attempt token, and the one table that turns an answer into an error.
 
 Only rank 0's background threads call it (the metrics sink's writer, the checkpoint writer)
@@ -26,8 +26,8 @@ from typing import Any, BinaryIO, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from service.core import attempt_api as wire
 from service.core.errors import DdpqError, StaleAttemptError
+from service.core.wire import attempt as wire
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, DistributedSampler
 
-from service.core.spec import JobSpec
+from service.core.spec.model import JobSpec
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)

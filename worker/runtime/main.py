@@ -27,11 +27,11 @@ import torch
 from pydantic import ValidationError
 
 from service.core.artifacts import rank_log_path, spec_path
-from service.core.attempt_api import AttemptSelf
 from service.core.config import Settings
 from service.core.errors import DdpqError, StaleAttemptError
-from service.core.metric_points import json_safe
-from service.core.spec import JobSpec
+from service.core.metrics.points import json_safe
+from service.core.spec.model import JobSpec
+from service.core.wire.attempt import AttemptSelf
 from worker import attempt as contract
 from worker.attempt import (
     ExitCode,
@@ -45,14 +45,14 @@ from worker.attempt import (
 )
 from worker.processes import has_tags, set_parent_death_signal
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
-from worker.runtime.checkpointing import CheckpointSaver, make_checkpointer
-from worker.runtime.context import Entrypoint, TrainContext, load_entrypoint
+from worker.runtime.checkpoints.saver import CheckpointSaver, make_checkpointer
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
+from worker.runtime.metrics.buffer import Sink
+from worker.runtime.metrics.sink import make_sink
 from worker.runtime.rank_output import rank_logging, redirect_output
 from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
-from worker.runtime.sink import make_sink
-from worker.runtime.sink_buffer import Sink
 from worker.runtime.topology import RankEnv, RankEnvironmentError
+from worker.runtime.train.context import Entrypoint, TrainContext, load_entrypoint
 from worker.runtime.watchdog import StallWatchdog, dump_on_expiry, exit_on_stall
 from worker.tasks import ENTRYPOINTS
 

@@ -3,9 +3,9 @@ from, what restoring cost, when training began, and how long checkpoint saves he
 
 The resume step must reach the API before the attempt's first metric batch: the API then
 moves earlier attempts' points of the steps this attempt trains again aside as superseded
-(``service.store.metric_history``). ``AttemptFacts.begin`` hands it to the sink's writer,
-which sends it before any later batch (``worker.runtime.sink.ApiSink.report_timeline``). The
-goodput ledger (``service.store.goodput``) reads the rest.
+(``service.store.metrics.history``). ``AttemptFacts.begin`` hands it to the sink's writer,
+which sends it before any later batch (``worker.runtime.metrics.sink.ApiSink.report_timeline``). The
+goodput ledger (``service.store.attempts.goodput``) reads the rest.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from service.core.attempt_api import AttemptTimeline
-from worker.runtime.sink_buffer import Sink
+from service.core.wire.attempt import AttemptTimeline
+from worker.runtime.metrics.buffer import Sink
 
 
 class AttemptFacts:

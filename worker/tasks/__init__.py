@@ -1,9 +1,9 @@
-"""The built-in training tasks: name → builder (configs live in service.core.task_configs) and
+"""The built-in training tasks: name → builder (configs live in service.core.spec.task_configs) and
 name → entrypoint (``def train(ctx: TrainContext)``, what a rank runs, as for users' code)."""
 
 from __future__ import annotations
 
-from worker.runtime.context import Entrypoint
+from worker.runtime.train.context import Entrypoint
 from worker.tasks import charlm, digits, regression
 from worker.tasks.base import TaskBuilder
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from worker.runtime.context import TrainContext
 from worker.runtime.signals import StopFlag
-from worker.runtime.trainer import Trainer, TrainResult
+from worker.runtime.train.context import TrainContext
+from worker.runtime.train.trainer import Trainer, TrainResult
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from service.core.task_configs import CharLMConfig
-from worker.runtime.context import TrainContext
+from service.core.spec.task_configs import CharLMConfig
+from worker.runtime.train.context import TrainContext
 from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 VOCAB_SIZE = 256  # bytes

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from service.core.task_configs import DigitsConfig
-from worker.runtime.context import TrainContext
+from service.core.spec.task_configs import DigitsConfig
+from worker.runtime.train.context import TrainContext
 from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 NUM_CLASSES = 10

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from service.core.task_configs import RegressionConfig
-from worker.runtime.context import TrainContext
+from service.core.spec.task_configs import RegressionConfig
 from worker.runtime.signals import StopFlag, StopRequested
+from worker.runtime.train.context import TrainContext
 from worker.tasks.base import TaskParts, TaskSetup, run_task
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The ranks' API (attempt token only): metrics, progress, checkpoints, notes."""

@@ -1,0 +1,304 @@
+"""The attempt API: what a job's rank 0 writes while its attempt runs (metric batches and
+progress, its timeline) and reads back (its own identity), and the helpers every attempt
+router shares (the fence, body parsing). Checkpoint records and the list for resume are
+``attempt_checkpoints``; uploads ``attempt_uploads``; downloads ``attempt_downloads``.
+
+Who may call it: only a holder of an attempt token (``Authorization: Bearer ddpqa_…``,
+minted by the worker at launch; ``deps.get_attempt``), whether the server's auth is on or
+off. An API token, a user, an admin: 401. No route takes a job id; the token names the job
+and attempt, so a rank can touch nothing but its own job, and only while its attempt is the
+job's current, active one (the fence, checked in the statement that writes): else 409 with a
+``detail`` starting ``attempt superseded``, and the rank stops.
+
+The wire format (paths, payloads) is ``service.core.wire.attempt``, shared with the rank's
+client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from service.api.checkpoints.files import filesystem_store_id
+from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
+from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
+from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
+from service.core.wire import attempt as wire
+from service.store.attempts.timeline import TimelineUpdate, record_attempt_timeline
+from service.store.attempts.tokens import AttemptRef, current_state
+from service.store.checkpoints.events import note_fresh_start
+from service.store.checkpoints.init_from import describe_init_from
+from service.store.db import Database
+from service.store.metrics.points import record_metrics
+from service.store.workers.leases import check_attempt
+
+log = logging.getLogger(__name__)
+
+# Seconds a rank waits before it sends a batch refused for back-pressure again.
+RETRY_AFTER_S = 1
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    **ATTEMPT_UNAUTHORIZED,
+    409: {"description": "The attempt is no longer the job's current, active one: stop"},
+    422: {"description": "A malformed body (unknown fields included)"},
+}
+
+router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
+
+
+class AttemptInputError(DdpqError):
+    """A well-formed attempt request whose content cannot be accepted (e.g. a checkpoint
+    path outside the job's artifact directory)."""
+
+    status_code = 422
+    code = "invalid_attempt_input"
+
+
+# -- back-pressure ---------------------------------------------------------------------------
+
+
+@dataclass
+class IngestLimiter:
+    """How many metric batches this app writes at once, at most ``limit``.
+
+    Entered and left only on the event loop's thread (the routes are ``async``), so a plain
+    counter needs no lock.
+    """
+
+    limit: int
+    busy: int = 0
+
+    def try_enter(self) -> bool:
+        """Take a slot; False (take nothing) when all ``limit`` are busy."""
+        if self.busy >= self.limit:
+            return False
+        self.busy += 1
+        return True
+
+    def leave(self) -> None:
+        """Give a slot back."""
+        self.busy = max(0, self.busy - 1)
+
+
+def ingest_limiter(app: FastAPI) -> IngestLimiter:
+    """The app's limiter, built on first use from ``settings.attempt_ingest_concurrency``
+    (per process: each API process writes up to that many batches at once)."""
+    limiter: IngestLimiter | None = getattr(app.state, "attempt_ingest_limiter", None)
+    if limiter is None:
+        limiter = IngestLimiter(app.state.settings.attempt_ingest_concurrency)
+        app.state.attempt_ingest_limiter = limiter
+    return limiter
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _fenced(ref: AttemptRef) -> Iterator[None]:
+    """Turn the fence's refusal into the attempt API's 409: ``attempt superseded: …``. A job
+    gone meanwhile (its tokens went with it) is superseded too: the rank must stop."""
+    try:
+        yield
+    except (StaleAttemptError, NotFoundError) as exc:
+        raise StaleAttemptError(f"{wire.ATTEMPT_SUPERSEDED}: {exc.detail}") from None
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    # The loop's default executor, as get_job_route does: cheaper than anyio's thread hop.
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def _json_body(model: type[BodyT]) -> Any:
+    """A dependency that reads the request body as ``model``: any body that is not one —
+    invalid JSON, bytes that are not UTF-8 — is a 422 (FastAPI's own body parsing answers
+    400 to undecodable bytes). Pair it with ``_body_doc(model)`` for the OpenAPI document."""
+
+    async def parse(request: Request) -> BodyT:
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(
+                exc.errors(include_url=False, include_context=False, include_input=False)
+            ) from None
+
+    return Depends(parse)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route whose body ``_json_body`` reads."""
+    schema = model.model_json_schema()
+    content = {"application/json": {"schema": schema}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+def _checked_rows(rows: list[wire.MetricRow]) -> tuple[list[CheckedPoint], list[str]]:
+    """Wire rows as checked points, and why each other row was refused (``row <i>: …``)."""
+    good: list[CheckedPoint] = []
+    refused: list[str] = []
+    for i, row in enumerate(rows):
+        name, step, epoch, value, time_s = row[:5]
+        ranks = row[5] if len(row) > 5 else None
+        try:
+            at = datetime.fromtimestamp(time_s, UTC)
+            point = MetricPoint(name, step, wire.decode_value(value), epoch, at, ranks)
+            good.append(checked_point(point))
+        except (ValueError, OverflowError, OSError) as exc:  # OSError: a time out of range
+            refused.append(f"row {i}: {exc}")
+    return good, refused
+
+
+def _progress(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The stored keys of a progress snapshot with a number or null each; others dropped."""
+    if raw is None:
+        return None
+    return {
+        k: v
+        for k in wire.PROGRESS_KEYS
+        if (v := raw.get(k)) is None or (isinstance(v, int | float) and not isinstance(v, bool))
+    }
+
+
+def _storable_text(text: str) -> str:
+    """``text`` without NUL and lone surrogates (neither database stores them)."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\0")
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+@router.get(wire.SELF_PATH, response_model=wire.AttemptSelf, summary="The token's attempt")
+async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
+    """Which job and attempt the token stands for, while that attempt is current and active;
+    the filesystem store's id (``store_id``: a rank whose artifact root holds the same id
+    shares the API's filesystem, any other uploads) and the job's resolved ``init_from``.
+
+    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt superseded``
+    once the job was requeued, cancelled or finished.
+    """
+
+    def read() -> wire.AttemptSelf:
+        with _fenced(ref), _db(request).session(write=False) as session:
+            state = current_state(session, ref)
+            init = describe_init_from(session, ref.job_id)
+        return wire.AttemptSelf(
+            job_id=ref.job_id,
+            attempt=ref.attempt,
+            state=state.value,
+            store_id=filesystem_store_id(request.app),
+            init_from=wire.InitFrom(**init) if init is not None else None,
+        )
+
+    result: wire.AttemptSelf = await _in_thread(read)
+    return result
+
+
+@router.post(
+    wire.METRICS_PATH,
+    response_model=wire.MetricBatchAck,
+    summary="Append metric points and progress",
+    responses={
+        429: {
+            "description": "Too many batches in flight: send it again after `Retry-After` seconds"
+        }
+    },
+    openapi_extra=_body_doc(wire.MetricBatch),
+)
+async def metrics_route(request: Request, ref: AttemptDep) -> Response:
+    """Store a batch of points (``[name, step, epoch, value, time_s]`` rows) and, when given,
+    the job's progress snapshot, in one fenced statement. Idempotent per (job, name, step):
+    a resent batch inserts 0. A bad row is refused on its own (``refused``), the rest lands.
+
+    Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
+    superseded`` when the attempt is no longer current (nothing stored), 422 for a body that
+    is not a ``MetricBatch``, 429 with ``Retry-After`` (seconds) when this process already
+    writes ``attempt_ingest_concurrency`` batches.
+    """
+    body = await request.body()
+    limiter = ingest_limiter(request.app)
+    if not limiter.try_enter():
+        raise HTTPException(
+            429,
+            "too many metric batches in flight: send this one again later",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    try:
+        ack: wire.MetricBatchAck = await _in_thread(_write_batch, _db(request), ref, body)
+    finally:
+        limiter.leave()
+    # Serialised here: a returned model would be validated once more by FastAPI.
+    return Response(ack.model_dump_json(), media_type="application/json")
+
+
+def _write_batch(db: Database, ref: AttemptRef, body: bytes) -> wire.MetricBatchAck:
+    """Parse, check and write one batch (in a worker thread: all of it is CPU or I/O).
+
+    Raises:
+        RequestValidationError: not a ``MetricBatch`` (422).
+        StaleAttemptError: the attempt is superseded (409).
+    """
+    try:
+        batch = wire.MetricBatch.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    points, refused = _checked_rows(batch.points)
+    with _fenced(ref), db.session(one_statement=True) as session:
+        inserted = record_metrics(
+            session, ref.job_id, ref.attempt, points, progress=_progress(batch.progress)
+        )
+    return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
+
+
+@router.post(
+    wire.TIMELINE_PATH,
+    status_code=204,
+    response_class=Response,
+    summary="Tell the attempt's resume step and costs",
+    openapi_extra=_body_doc(wire.AttemptTimeline),
+)
+def timeline_route(
+    request: Request,
+    ref: AttemptDep,
+    timeline: Annotated[wire.AttemptTimeline, _json_body(wire.AttemptTimeline)],
+) -> Response:
+    """Store what rank 0 measured about its attempt (``AttemptTimeline``). The first
+    ``resume_step`` told moves earlier attempts' points of later steps aside as superseded
+    (still readable with ``GET /jobs/{id}/metrics?include_superseded=true``), so the steps
+    this attempt trains again are stored with its own values.
+
+    Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
+    the attempt is not current (nothing stored), 422 for a body that is not an
+    ``AttemptTimeline``.
+    """
+    started = timeline.training_started_at_s
+    update = TimelineUpdate(
+        resume_step=timeline.resume_step,
+        restore_s=timeline.restore_s,
+        training_started_at=datetime.fromtimestamp(started, UTC) if started is not None else None,
+        checkpoint_stall_s=timeline.checkpoint_stall_s,
+        checkpoint_saves=timeline.checkpoint_saves,
+    )
+    with _fenced(ref), _db(request).session() as session:
+        moved = record_attempt_timeline(session, ref.job_id, ref.attempt, update)
+        if timeline.resume_step == 0:  # say why, when the job had checkpoints
+            note_fresh_start(session, check_attempt(session, ref.job_id, ref.attempt), ref.attempt)
+    if moved:
+        log.info("job %d attempt %d resumed from step %s: %d earlier points superseded",
+                 ref.job_id, ref.attempt, timeline.resume_step, moved)  # fmt: skip
+    return Response(status_code=204)

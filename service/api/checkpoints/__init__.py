@@ -1,0 +1,1 @@
+"""A job's checkpoints: list and download."""

@@ -1,0 +1,69 @@
+"""Routes of a job's checkpoints: the list and the download of one file."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Request
+from fastapi.responses import StreamingResponse
+
+from service.api.checkpoints.files import StoredFile, checkpoint_stores, stream_file
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.jobs.routes import ERRORS, MAX_INT64, JobIdPath
+from service.api.schemas import CheckpointListOut, checkpoint_out
+from service.store.checkpoints.crud import get_checkpoint, list_checkpoints
+from service.store.jobs.crud import get_job
+
+router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
+
+
+@router.get(
+    "/jobs/{job_id}/checkpoints",
+    response_model=CheckpointListOut,
+    summary="A job's checkpoints",
+    responses=ERRORS,
+)
+def checkpoints_route(job_id: JobIdPath, ctx: ContextDep) -> CheckpointListOut:
+    """Committed, live (not deleted by retention) checkpoints, newest step first; ``path`` is
+    relative to the server's artifact directory. A partial upload is never listed. Caller:
+    the job's owner or an admin (anyone else: 404)."""
+    root = ctx.settings.resolved_artifact_dir
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
+        return CheckpointListOut(
+            checkpoints=[checkpoint_out(c, root) for c in list_checkpoints(session, job_id)]
+        )
+
+
+@router.get(
+    "/jobs/{job_id}/checkpoints/{step}/file",
+    response_class=StreamingResponse,
+    response_model=None,
+    summary="Download a checkpoint file",
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        206: {"description": "From the ``Range: bytes=N-`` start on"},
+        416: {"description": "The range starts beyond the file"},
+        **ERRORS,
+    },
+)
+def checkpoint_file_route(
+    request: Request,
+    job_id: JobIdPath,
+    step: Annotated[int, Path(ge=0, le=MAX_INT64, description="Global step.")],
+    ctx: ContextDep,
+    range_header: Annotated[str | None, Header(alias="Range")] = None,
+) -> StreamingResponse:
+    """The committed checkpoint at ``step``, streamed from whichever store holds it
+    (``Range: bytes=N-`` resumes); ``X-Ddpq-Sha256`` (and ``X-Checkpoint-Sha256``) carry its
+    sha256. Caller: the job's owner or an admin (anyone else: 404, as for a job that does
+    not exist); an attempt token is 401."""
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
+        stored = StoredFile.of(get_checkpoint(session, job_id, step))
+    return stream_file(
+        checkpoint_stores(request.app),
+        stored,
+        range_header,
+        filename=f"job-{job_id}-step-{step}.pt",
+    )

@@ -1,0 +1,1 @@
+"""The job resource's routes: submit, list, get, cancel, events, logs, goodput."""

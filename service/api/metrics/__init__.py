@@ -1,0 +1,1 @@
+"""A job's metric points."""

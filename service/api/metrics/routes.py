@@ -1,0 +1,108 @@
+"""Routes of a job's metrics: points since a cursor (polling), downsampled history, names."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.jobs.routes import ERRORS, MAX_INT64, JobIdPath
+from service.api.metrics.schemas import (
+    HistoryOut,
+    MetricNamesOut,
+    MetricsOut,
+    history_json,
+    metrics_json,
+)
+from service.store.jobs.crud import get_job
+from service.store.metrics.history import downsample_superseded, history_page
+from service.store.metrics.points import downsample_points, metric_names, query_points
+
+router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
+
+
+@router.get(
+    "/jobs/{job_id}/metrics",
+    response_model=MetricsOut | HistoryOut,
+    summary="Points of one metric",
+    responses=ERRORS,
+)
+def metrics_route(
+    job_id: JobIdPath,
+    ctx: ContextDep,
+    name: Annotated[
+        str, Query(min_length=1, max_length=100, pattern=r"^[^\x00]+$", description="Metric.")
+    ] = "loss",
+    after_step: Annotated[
+        int, Query(ge=0, le=MAX_INT64, description="Only steps after this one.")
+    ] = 0,
+    limit: Annotated[
+        int,
+        Query(ge=1, le=MAX_INT64, description="Most points (capped by DDPQ_MAX_METRIC_POINTS)."),
+    ] = 1000,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            le=MAX_INT64,
+            description="Downsample the whole history to at most this many points "
+            "(min/max per bucket; ignores after_step and limit).",
+        ),
+    ] = None,
+    include_superseded: Annotated[
+        bool,
+        Query(
+            description="Also the points of earlier attempts that a resumed attempt trained "
+            "again (marked superseded): both kinds share the page's limit and cursor "
+            "(with max_points: both downsampled, each to at most max_points)."
+        ),
+    ] = False,
+) -> Response:
+    """Steps after ``after_step`` in ascending order (poll on with ``next_after_step``), or,
+    with ``max_points``, the whole history min/max-decimated so spikes and extremes survive.
+    Each point names its ``attempt`` and how it was made (``agg``: ``mean`` over ``ranks``
+    ranks, or ``rank0``). A step has one current point: after a resume, the resumed attempt's
+    (``include_superseded=true`` adds the earlier attempts' points: at most ``limit`` points
+    of both kinds per page, ``next_after_step`` continuing through both, so poll new current
+    points without it).
+
+    Who may call it: the job's owner or an admin (another owner: 404); an attempt token: 401.
+    """
+    cap = ctx.settings.max_metric_points
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
+        if max_points is not None:
+            rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
+            next_after = rows[-1].step if rows else after_step
+            if not include_superseded:
+                body = metrics_json(name, rows, next_after)
+            else:
+                old = downsample_superseded(session, job_id, name, max_points=min(max_points, cap))
+                body = history_json(name, rows, old, next_after)
+        elif not include_superseded:
+            rows, next_after = query_points(
+                session, job_id, name, after_step=after_step, limit=min(limit, cap)
+            )
+            body = metrics_json(name, rows, next_after)
+        else:
+            # Both kinds share the page's limit; the cursor continues through both.
+            rows, old, next_after = history_page(
+                session, job_id, name, after_step=after_step, limit=min(limit, cap)
+            )
+            body = history_json(name, rows, old, next_after)
+    # Serialised once, here: returning a MetricsOut made FastAPI validate every point again.
+    return Response(body, media_type="application/json")
+
+
+@router.get(
+    "/jobs/{job_id}/metrics/names",
+    response_model=MetricNamesOut,
+    summary="Names of a job's metrics",
+    responses=ERRORS,
+)
+def metric_names_route(job_id: JobIdPath, ctx: ContextDep) -> MetricNamesOut:
+    """Every metric name the job reported, sorted."""
+    with ctx.db.session(write=False) as session:
+        get_job(session, job_id, owner=ctx.owner)
+        return MetricNamesOut(names=metric_names(session, job_id))

@@ -1,0 +1,1 @@
+"""The sweep resource's routes."""

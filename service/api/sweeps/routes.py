@@ -1,0 +1,267 @@
+"""Routes of the sweep resource: submit, list, get, trials, cancel, retry-failed, extend.
+
+Who may call: any caller with a user API token (or anyone with auth off), on their own
+sweeps only; an admin on every sweep. Someone else's sweep is 404, an attempt token 401
+(``deps.get_context``), as for jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
+
+from service.api.bodies import body_doc, json_body
+from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep, RequestContext
+from service.api.sweeps.schemas import (
+    SweepListOut,
+    SweepOut,
+    TrialListOut,
+    sweep_out,
+    trial_out,
+    trials_csv,
+)
+from service.core.errors import SpecValidationError
+from service.core.spec.text import display_text
+from service.core.sweeps.spec import (
+    SweepExtension,
+    SweepSpec,
+    extended_spec,
+    plan_trials,
+    resolve_objective,
+)
+from service.store.jobs.rate_limits import RateLimitedError, check_jobs_rate
+from service.store.models import Sweep
+from service.store.sweeps import crud as store
+from service.store.sweeps.init_from import resolve_sweep_init_from
+from service.store.sweeps.view import list_trials
+
+router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
+
+MAX_INT64 = 2**63 - 1
+SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
+ERRORS: dict[int | str, dict[str, str]] = {
+    404: {"description": "No such sweep (or not yours)"},
+    409: {"description": "The sweep's state does not allow it"},
+    422: {
+        "description": "Invalid input: `detail` lists {loc, msg, type}; a trial's errors "
+        "are at loc [body, trials, <index>, <dotted.field>]"
+    },
+}
+
+
+@router.post(
+    "/sweeps",
+    status_code=201,
+    response_model=SweepOut,
+    summary="Submit a sweep",
+    responses={
+        200: {"model": SweepOut, "description": "Replay of an earlier Idempotency-Key"},
+        422: ERRORS[422],
+        429: {"description": "Over the submission limit"},
+    },
+    openapi_extra=body_doc(SweepSpec),
+)
+def submit_sweep_route(
+    spec: Annotated[SweepSpec, json_body(SweepSpec)],
+    ctx: ContextDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=200,
+            description="A retried POST with the same key and sweep returns the same sweep "
+            "(200); the key with another sweep is refused (422).",
+        ),
+    ] = None,
+) -> SweepOut:
+    """Expand the sweep and validate every trial before anything is stored (422 naming the
+    trial and the field, nothing stored); then store the sweep and all its trials as queued
+    jobs in one transaction. Every trial's ``init_from`` is resolved as ``POST /jobs``
+    resolves a job's (a job of the caller's, a committed checkpoint; ``"latest"`` made a
+    concrete step). Every trial counts as one job against the owner's rate limit (when auth
+    is on: 429 with ``Retry-After`` when they do not fit in the last minute's
+    ``DDPQ_SUBMISSIONS_PER_MINUTE``, 422 when there are more trials than that, nothing
+    stored); a replayed ``Idempotency-Key`` does not count, and answers 200 with the sweep it
+    made (422 when it came with another sweep)."""
+    owner = ctx.caller.owner
+    with ctx.db.session() as session:
+        replay = (
+            store.find_sweep_by_idempotency_key(session, owner, idempotency_key)
+            if idempotency_key is not None
+            else None
+        )
+        if replay is None:
+            planned = plan_trials(spec, ctx.settings)
+            objective = resolve_objective(spec)
+            with _as_429():
+                check_jobs_rate(session, owner, per_minute=_per_minute(ctx), jobs=len(planned))
+            resolved, planned = resolve_sweep_init_from(
+                session, spec, planned, owner=ctx.caller.owner_filter
+            )
+            sweep, created = store.submit_sweep_once(
+                session, resolved, objective, planned, owner=owner, idempotency_key=idempotency_key
+            )
+        else:
+            sweep, created = replay, False
+        if not created:
+            _check_replay(sweep, spec, idempotency_key or "")
+            response.status_code = 200
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+def _per_minute(ctx: RequestContext) -> int | None:
+    """The owner's jobs-per-minute limit, None with auth off (as for ``POST /jobs``)."""
+    return ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
+
+
+@contextmanager
+def _as_429() -> Iterator[None]:
+    """A ``RateLimitedError`` as HTTP 429 with ``Retry-After`` (seconds)."""
+    try:
+        yield
+    except RateLimitedError as exc:
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        raise HTTPException(429, exc.detail, headers=headers) from None
+
+
+def _check_replay(sweep: Sweep, spec: SweepSpec, key: str) -> None:
+    """Raise 422 unless a replayed Idempotency-Key came with the sweep it made."""
+    if store.same_sweep(sweep.spec, spec):
+        return
+    raise SpecValidationError(
+        [
+            {
+                "loc": ["header", "Idempotency-Key"],
+                "msg": f"Idempotency-Key {display_text(key)!r} was used for a different "
+                f"sweep (sweep {sweep.id}): send a new key for a new sweep, or the same "
+                f"sweep to get sweep {sweep.id} again",
+                "type": "idempotency_key_reused",
+            }
+        ]
+    )
+
+
+@router.get("/sweeps", response_model=SweepListOut, summary="List sweeps, newest first")
+def list_sweeps_route(
+    ctx: ContextDep,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    cursor: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="next_cursor.")] = None,
+) -> SweepListOut:
+    """One page of the caller's sweeps (an admin's: everyone's)."""
+    with ctx.db.session(write=False) as session:
+        sweeps, next_id = store.list_sweeps(
+            session,
+            owner=ctx.owner,
+            limit=min(limit, ctx.settings.max_list_limit),
+            before_id=cursor,
+        )
+        return SweepListOut(
+            sweeps=[sweep_out(s, list_trials(session, s)) for s in sweeps],
+            next_cursor=next_id,
+        )
+
+
+@router.get(
+    "/sweeps/{sweep_id}",
+    response_model=SweepOut,
+    summary="Get a sweep",
+    responses={404: ERRORS[404]},
+)
+def get_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """State, counts of trials by outcome, and the best trial so far."""
+    with ctx.db.session(write=False) as session:
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+@router.get(
+    "/sweeps/{sweep_id}/trials",
+    response_model=TrialListOut,
+    summary="The trials table of a sweep",
+    responses={404: ERRORS[404], 200: {"content": {"text/csv": {}}}},
+)
+def trials_route(
+    sweep_id: SweepIdPath,
+    ctx: ContextDep,
+    format: Annotated[Literal["json", "csv"], Query(description="json or csv.")] = "json",
+) -> Response:
+    """One row per trial (newest job per key): key, overrides, job, state, outcome, attempts,
+    steps done, objective value, run time. ``format=csv``: the same as CSV, one column per
+    override path."""
+    with ctx.db.session(write=False) as session:
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        trials = list_trials(session, sweep)
+    if format == "csv":
+        return Response(trials_csv(trials), media_type="text/csv")
+    body = TrialListOut(trials=[trial_out(t) for t in trials])
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+@router.post(
+    "/sweeps/{sweep_id}/cancel",
+    status_code=202,
+    response_model=SweepOut,
+    summary="Cancel a sweep",
+    responses={404: ERRORS[404], 409: ERRORS[409]},
+)
+def cancel_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """Queued trials are cancelled at once, running ones get ``cancel_requested``; the
+    sweep is ``cancelled``. Repeating it is harmless; a finished sweep answers 409."""
+    with ctx.db.session() as session:
+        sweep = store.cancel_sweep(session, sweep_id, owner=ctx.owner, by=ctx.caller.owner)
+        return sweep_out(sweep, list_trials(session, sweep))
+
+
+@router.post(
+    "/sweeps/{sweep_id}/retry-failed",
+    response_model=SweepOut,
+    summary="Re-run the failed trials",
+    responses={404: ERRORS[404], 409: ERRORS[409]},
+)
+def retry_failed_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
+    """A new job for every trial whose newest job failed (same spec and trial key; the
+    failed job is kept), continuing from the failed job's own newest checkpoint where it
+    has one (``init_from`` it, mode ``full``). ``added`` says how many. The new jobs count
+    against the owner's rate limit as ``POST /sweeps``'s trials do (429/422, nothing stored)."""
+    with ctx.db.session() as session:
+        with _as_429():
+            added = store.retry_failed(
+                session, sweep_id, owner=ctx.owner, per_minute=_per_minute(ctx)
+            )
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        return sweep_out(sweep, list_trials(session, sweep), added=added)
+
+
+@router.post(
+    "/sweeps/{sweep_id}/extend",
+    response_model=SweepOut,
+    summary="Extend a sweep",
+    responses=ERRORS,
+    openapi_extra=body_doc(SweepExtension),
+)
+def extend_route(
+    sweep_id: SweepIdPath,
+    ext: Annotated[SweepExtension, json_body(SweepExtension)],
+    ctx: ContextDep,
+) -> SweepOut:
+    """Add grid values to existing axes, or raise samples/seeds (new totals): only trials
+    whose key the sweep does not hold yet are added (``added``), each validated first. The
+    added trials count against the owner's rate limit as ``POST /sweeps``'s do (429/422)."""
+    with ctx.db.session() as session:
+        # Concurrent extends would each plan the same new keys; the later ones would clash.
+        store.lock_sweep(session, sweep_id)
+        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
+        spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
+        keys, next_position = store.trial_keys(session, sweep_id)
+        planned = plan_trials(spec, ctx.settings, skip_keys=keys, first_position=next_position)
+        spec, planned = resolve_sweep_init_from(
+            session, spec, planned, owner=ctx.caller.owner_filter
+        )
+        with _as_429():
+            check_jobs_rate(session, sweep.owner, per_minute=_per_minute(ctx), jobs=len(planned))
+        added = store.extend_sweep(session, sweep, spec, planned)
+        return sweep_out(sweep, list_trials(session, sweep), added=added)

@@ -1,0 +1,1 @@
+"""Sweeps' pure parts: the sweep spec, trial identity and the ASHA decision."""

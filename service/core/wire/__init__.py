@@ -1,0 +1,1 @@
+"""Wire formats shared by the API and its non-user clients (ranks, workers)."""

@@ -1,0 +1,1 @@
+"""Attempts in the database: tokens, timelines and the goodput ledger."""

@@ -1,0 +1,1 @@
+"""Who calls: API tokens."""

@@ -1,0 +1,1 @@
+"""Checkpoints: rows, uploads, retention, init_from and the byte stores."""

@@ -1,0 +1,1 @@
+"""Where checkpoint bytes live: the store interface and its backends."""

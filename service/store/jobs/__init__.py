@@ -1,0 +1,1 @@
+"""Jobs in the database: submit, list, transitions, claims, the queue and notes."""

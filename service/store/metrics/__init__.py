@@ -1,0 +1,1 @@
+"""Metric points in the database: ingest, queries, history across attempts."""

@@ -1,0 +1,1 @@
+"""Sweeps in the database: submit, progress, the trials view, curves."""

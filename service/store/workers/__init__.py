@@ -1,0 +1,1 @@
+"""Workers in the database: registration, leases and heartbeats, pruning."""

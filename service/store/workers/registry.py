@@ -1,0 +1,103 @@
+"""Workers: registration, listing, why a queued job waits (heartbeats and leases are in
+leases.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.core.states import ACTIVE_STATES
+from service.store.jobs.queue import LIVE_HEARTBEATS, JobShape, explain_queue
+from service.store.models import Job, Worker, utcnow
+
+__all__ = [
+    "LIVE_HEARTBEATS",
+    "HeldJob",
+    "list_workers",
+    "queue_reason",
+    "register_worker",
+    "stop_worker",
+]
+
+
+@dataclass(frozen=True)
+class HeldJob:
+    """What a heartbeat tells a worker about one job it holds."""
+
+    job_id: int
+    attempt: int
+    state: str
+    cancel_requested: bool
+
+
+def register_worker(
+    session: Session,
+    *,
+    worker_id: str,
+    host: str,
+    pid: int,
+    launcher: str,
+    capacity: dict[str, Any],
+) -> Worker:
+    """Insert (or revive) the worker row. ``capacity``: ``{"slots": int, "gpus": [int]}``."""
+    now = utcnow()
+    worker = session.get(Worker, worker_id)
+    if worker is None:
+        worker = Worker(id=worker_id)
+        session.add(worker)
+    worker.host, worker.pid, worker.launcher, worker.capacity = host, pid, launcher, capacity
+    worker.started_at = worker.heartbeat_at = now
+    worker.stopped_at = None
+    session.flush()
+    return worker
+
+
+def stop_worker(session: Session, worker_id: str) -> None:
+    """Mark the worker stopped (a clean shutdown)."""
+    session.execute(update(Worker).where(Worker.id == worker_id).values(stopped_at=utcnow()))
+
+
+def list_workers(session: Session) -> list[tuple[Worker, list[int]]]:
+    """Every worker, newest heartbeat first, with the ids of the active jobs it holds."""
+    workers = list(session.scalars(select(Worker).order_by(Worker.heartbeat_at.desc())))
+    held: dict[str, list[int]] = {}
+    rows = session.execute(
+        select(Job.worker_id, Job.id).where(
+            Job.worker_id.is_not(None), Job.state.in_([s.value for s in ACTIVE_STATES])
+        )
+    )
+    for wid, jid in rows:
+        held.setdefault(str(wid), []).append(jid)
+    return [(w, sorted(held.get(w.id, []))) for w in workers]
+
+
+def queue_reason(
+    session: Session,
+    *,
+    job_id: int,
+    launcher: str,
+    gpus_per_node: int,
+    priority: int,
+    heartbeat_interval_s: float,
+    nproc_per_node: int = 1,
+    max_gpus_per_node: int = 0,
+) -> str:
+    """Why a queued job is still waiting, for people: the ``summary`` of
+    ``service.store.jobs.queue.explain_queue`` (kept for callers that want the one line).
+
+    Returns:
+        e.g. ``"no live worker for launcher local (start one: …)"``, ``"waiting for a worker
+        with 1 free GPU (live workers have at most 0)"``, ``"waiting for a free slot (…)"`` or
+        ``"waiting for a worker to claim it (2 queued jobs ahead)"``.
+    """
+    shape = JobShape(launcher, gpus_per_node, nproc_per_node, priority, job_id=job_id)
+    return explain_queue(
+        session,
+        shape,
+        viewer=None,
+        heartbeat_interval_s=heartbeat_interval_s,
+        max_gpus_per_node=max_gpus_per_node,
+    ).summary

@@ -1,0 +1,1 @@
+"""The local launcher: torchrun on the worker's own host."""

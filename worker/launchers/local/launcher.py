@@ -1,0 +1,335 @@
+"""The local launcher: each attempt is one torchrun process group on the worker's host.
+
+torchrun (``--standalone``: its own rendezvous on a free port, so jobs never share a port)
+runs ``nproc_per_node`` rank processes of ``worker.runtime``, started by
+``python -m worker.runtime.agent`` (torchrun's agent with the ranks forked warm from a fork
+server; see that module). Cancelling, a timeout or a known failure signals every process
+group of the attempt, found by the tags in the ranks' environment
+(``worker.launchers.local.process_groups``; stopping a run and reading its outcome:
+``worker.launchers.local.run``). torchrun gets ``PR_SET_PDEATHSIG=SIGTERM``: if the
+worker dies, torchrun stops its ranks (and each rank sets its own,
+``worker.runtime.main.die_with_parent``, in case torchrun dies).
+
+Every attempt starts in an empty directory: one left over from an earlier life of the same
+job id and attempt (e.g. the database was recreated but the artifact dir kept) is moved aside
+to ``attempt-<n>.stale-<UTC time>``, and a ``result.json`` counts only if it was written after
+the attempt started (by the file system's clock). The plan's files (the spec as
+``spec.json``, mode 0600) are written there before torchrun starts.
+
+The ranks hold no secret of the worker's: their environment is ``inherited_env`` of the
+worker's (an allow-list) plus the plan's entries (the API URL and the attempt token; no
+database URL). With ``DDPQ_RANK_USER`` a root-run worker starts torchrun as that user
+(``worker.launchers.local.rank_user``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Self
+
+from service.core import artifacts
+from service.core.config import Settings
+from service.core.spec.model import JobSpec
+from worker.attempt import (
+    ALLOWED_ENTRYPOINTS,
+    API_URL,
+    ARTIFACT_DIR,
+    FailureReason,
+    attempt_tags,
+    rank_env,
+)
+from worker.errors import LaunchError
+from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
+from worker.launchers.local.attempt_dir import prepare_attempt_dir
+from worker.launchers.local.rank_user import (
+    RankUser,
+    popen_identity,
+    process_env,
+    resolve_rank_user,
+)
+from worker.launchers.local.run import (
+    LocalRun,
+    failure_known,
+    finish,
+    has_result,
+    kill_leftovers,
+    terminate,
+)
+from worker.launchers.preflight import entrypoint_setup_failure
+from worker.processes import parent_death_preexec
+
+log = logging.getLogger(__name__)
+
+NAME = "local"
+RANK_ENTRY: tuple[str, ...] = ("-m", "worker.runtime")
+# torchrun with warm ranks (forked with torch and ddpq imported); any other entry runs as
+# under plain torchrun. See worker/runtime/agent.py.
+AGENT_MODULE = "worker.runtime.agent"
+TORCHRUN_MODULE = "torch.distributed.run"  # with DDPQ_WARM_RANKS=false
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+DEFAULT_GRACE_S = 10.0  # SIGTERM → SIGKILL, seconds
+DEFAULT_TEARDOWN_GRACE_S = 30.0  # result.json written, processes still alive: then kill
+# A rank wrote its error file, processes still alive after this long: the failure is known,
+# so the rest of the attempt is killed instead of waiting out torchrun's own teardown (which
+# gives a rank busy outside a step boundary 30 s). Seconds.
+DEFAULT_FAILURE_GRACE_S = 2.0
+MAX_FINISHED_RUNS = 1000
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    """The local launcher's part of a plan: what ``start`` and ``poll`` need besides the
+    command line. ``timeout_s``: seconds the attempt may run (``resources.timeout_min``),
+    None for no limit. ``entrypoint``: the user's ``"module:function"`` that ``start`` checks
+    before it starts ranks (None for a built-in task, or one not on the allow-list: the ranks
+    say why)."""
+
+    timeout_s: float | None = None
+    entrypoint: str | None = None
+
+
+class LocalLauncher:
+    """Runs attempts as torchrun subprocesses on this host (see the module docstring)."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        cwd: Path | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+        teardown_grace_s: float = DEFAULT_TEARDOWN_GRACE_S,
+        failure_grace_s: float = DEFAULT_FAILURE_GRACE_S,
+        entry: Sequence[str] = RANK_ENTRY,
+        python: str = sys.executable,
+    ) -> None:
+        """Args:
+        settings: where ranks find the API (``resolved_api_url``) and the artifact root;
+            ``warm_ranks`` picks worker.runtime.agent (default) or plain torchrun;
+            ``rank_user`` the Unix user ranks run as (the worker must be root).
+        cwd: the ranks' working directory (default: the worker's; user entrypoints such as
+            ``examples.*`` are imported relative to it).
+        grace_s: seconds between SIGTERM and SIGKILL on cancel.
+        teardown_grace_s: seconds an attempt may linger after rank 0 wrote result.json.
+        failure_grace_s: seconds an attempt may linger after a rank wrote its error file
+            (torchrun's summary is written by then); then what is left is SIGKILLed.
+        entry: what torchrun runs per rank (default ``-m worker.runtime``).
+        python: the interpreter that runs torchrun.
+        Raises:
+            LaunchError: ``rank_user`` is set but this process is not root, or there is no
+                such user.
+        """
+        self.api_url = settings.resolved_api_url
+        self.allowed_entrypoints = list(settings.allowed_entrypoints)
+        self.rank_user: RankUser | None = (
+            resolve_rank_user(settings.rank_user) if settings.rank_user else None
+        )
+        self.artifact_dir = settings.resolved_artifact_dir
+        self.cwd = (cwd or Path.cwd()).resolve()
+        self.grace_s = grace_s
+        self.teardown_grace_s = teardown_grace_s
+        self.failure_grace_s = failure_grace_s
+        self.entry = tuple(entry)
+        self.python = python
+        self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
+        self.entrypoint_allowed = settings.entrypoint_allowed
+        self._runs: dict[str, LocalRun] = {}
+        self._refused: dict[str, RunStatus] = {}  # attempts whose entrypoint did not resolve
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """The launcher of a worker of this deployment (all defaults; ``settings`` decide)."""
+        return cls(settings)
+
+    def bind_gpus(
+        self, plan: LaunchPlan[LocalRequest], gpus: Sequence[int]
+    ) -> LaunchPlan[LocalRequest]:
+        """The plan with ``CUDA_VISIBLE_DEVICES`` set to the GPU ids the worker assigned."""
+        return replace(plan, env={**plan.env, CUDA_VISIBLE_DEVICES: ",".join(map(str, gpus))})
+
+    def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[LocalRequest]:
+        """The torchrun command line, environment and spec file for one attempt; touches
+        nothing. The environment names the API the ranks report to, never the database; the
+        loop adds the attempt token (``base.with_attempt_token``).
+
+        GPU jobs see GPUs ``0..gpus_per_node-1`` unless the worker rebinds them with
+        ``bind_gpus``; CPU jobs get ``CUDA_VISIBLE_DEVICES=""``.
+        """
+        r = spec.resources
+        argv = [
+            self.python, "-m", self.agent,
+            "--standalone",
+            "--nnodes", "1",
+            "--nproc_per_node", str(r.nproc_per_node),
+            "--max_restarts", "0",
+            *self.entry,
+        ]  # fmt: skip
+        env = {
+            **rank_env(job_id, attempt, artifact_dir=self.artifact_dir,
+                       cpus_per_task=r.cpus_per_task),
+            API_URL: self.api_url,
+            CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
+        }  # fmt: skip
+        if self.allowed_entrypoints:
+            # The ranks check the task against the worker's list, whatever their environment.
+            env[ALLOWED_ENTRYPOINTS] = json.dumps(self.allowed_entrypoints)
+        spec_file = artifacts.spec_path(self.artifact_dir, job_id, attempt).name
+        return LaunchPlan(
+            launcher=NAME,
+            job_id=job_id,
+            attempt=attempt,
+            argv=argv,
+            env=env,
+            cwd=str(self.cwd),
+            log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
+            request=LocalRequest(
+                timeout_s=float(r.timeout_min * 60),
+                entrypoint=spec.task if self._checkable(spec.task) else None,
+            ),
+            files={spec_file: spec.model_dump_json()},
+        )
+
+    def _checkable(self, task: str) -> bool:
+        """A user's entrypoint (built-in task names have no ``:``) that this deployment allows
+        (``start`` imports no package of one it does not)."""
+        return ":" in task and self.entrypoint_allowed(task)
+
+    def _refuse_unresolvable(
+        self, plan: LaunchPlan[LocalRequest], log_file: IO[bytes]
+    ) -> str | None:
+        """The handle of a refused attempt when the plan's entrypoint does not resolve
+        (``preflight``), else None."""
+        entrypoint = plan.request.entrypoint if plan.request is not None else None
+        status = None if entrypoint is None else entrypoint_setup_failure(
+            entrypoint, python=self.python, cwd=plan.cwd,
+            env=process_env(plan.env, self.rank_user), identity=popen_identity(self.rank_user),
+            artifact_dir=self.artifact_dir, job_id=plan.job_id, attempt=plan.attempt,
+            attempt_dir=Path(plan.log_dir))  # fmt: skip
+        if status is None:
+            return None
+        log_file.write(f"ddpq: no rank started: {status.reason}\n".encode())
+        log_file.close()
+        handle = f"refused-{plan.job_id}-{plan.attempt}"
+        self._refused[handle] = status
+        return handle
+
+    def start(self, plan: LaunchPlan[LocalRequest]) -> str:
+        """Start torchrun in a new session, its output appended to ``launcher.log``, after
+        writing the plan's files (the spec) into the fresh attempt directory. torchrun gets
+        ``inherited_env`` of the worker's environment plus the plan's; with a rank user it
+        runs as that user, who owns the attempt and checkpoint directories.
+
+        A user entrypoint that does not resolve (``LocalRequest.entrypoint``) starts nothing:
+        the attempt fails at once with the ``setup`` error its ranks would have written.
+
+        Returns:
+            The handle: torchrun's pid (also its process group id), as a string.
+        Raises:
+            LaunchError: the process could not be started.
+        """
+        log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
+        try:
+            stale = prepare_attempt_dir(plan, self.artifact_dir, self.rank_user)
+            log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
+            started_fs_ns = os.fstat(log_file.fileno()).st_mtime_ns
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"could not prepare {log_path.parent}: {exc}") from exc
+        if stale is not None:
+            log.warning("job_id=%d attempt=%d: moved a stale attempt directory aside to %s",
+                        plan.job_id, plan.attempt, stale)  # fmt: skip
+        refused = self._refuse_unresolvable(plan, log_file)
+        if refused is not None:
+            return refused
+        try:
+            popen = subprocess.Popen(
+                plan.argv,
+                cwd=plan.cwd,
+                env=process_env(plan.env, self.rank_user),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=parent_death_preexec(signal.SIGTERM),
+                **popen_identity(self.rank_user),
+            )
+        except OSError as exc:
+            log_file.close()
+            raise LaunchError(f"could not start {plan.argv[0]}: {exc}") from exc
+        request = plan.request if plan.request is not None else LocalRequest()
+        handle = str(popen.pid)
+        self._runs[handle] = LocalRun(
+            plan=plan,
+            popen=popen,
+            log_file=log_file,
+            tags=attempt_tags(plan.job_id, plan.attempt, plan.env[ARTIFACT_DIR]),
+            started_mono=time.monotonic(),
+            timeout_s=request.timeout_s,
+            started_fs_ns=started_fs_ns,
+        )
+        self._prune()
+        return handle
+
+    def poll(self, handle: str) -> RunStatus:
+        """Observe the attempt: running, or how it ended (stable once ended).
+
+        Success is decided by rank 0's ``result.json``, not by the exit code. A failure's
+        reason names the earliest failing rank and its exception, else torchrun's exit code
+        and the tail of ``launcher.log``. Enforces ``resources.timeout_min``.
+        """
+        run = self._runs.get(handle)
+        if run is None and handle in self._refused:
+            return self._refused[handle]
+        if run is None:
+            return RunStatus(
+                RunPhase.FAILED,
+                f"no local run {handle} (the worker restarted?)",
+                failure=FailureReason.ERROR,
+            )
+        if run.final is not None:
+            return run.final
+        if run.popen.poll() is None:
+            now = time.monotonic()
+            if has_result(run, self.artifact_dir):
+                run.result_seen_mono = run.result_seen_mono or now
+                if now - run.result_seen_mono < self.teardown_grace_s:
+                    return RunStatus(RunPhase.RUNNING)
+                log.warning("job_id=%d teardown hangs after result.json; killing", run.plan.job_id)
+                terminate(run, self.artifact_dir, grace_s=1.0)
+            elif failure_known(run, now, self.failure_grace_s):
+                log.warning("job_id=%d attempt=%d: a rank failed and the attempt still runs "
+                            "after %.0f s; killing it", run.plan.job_id, run.plan.attempt,
+                            self.failure_grace_s)  # fmt: skip
+                kill_leftovers(run)
+            elif run.timeout_s is not None and now - run.started_mono > run.timeout_s:
+                run.timed_out = True
+                terminate(run, self.artifact_dir, grace_s=self.grace_s)
+            else:
+                return RunStatus(RunPhase.RUNNING)
+        return finish(run, self.artifact_dir)
+
+    def cancel(self, handle: str) -> None:
+        """SIGTERM the attempt's process groups, SIGKILL after ``grace_s``; reap torchrun.
+
+        Idempotent; returns once no process of the attempt is left.
+        """
+        run = self._runs.get(handle)
+        if run is None:
+            return
+        if run.final is None and run.popen.poll() is None:
+            run.cancelled = True
+        terminate(run, self.artifact_dir, grace_s=self.grace_s)
+
+    def _prune(self) -> None:
+        finished = [h for h, r in self._runs.items() if r.final is not None]
+        for handle in finished[: max(0, len(finished) - MAX_FINISHED_RUNS)]:
+            del self._runs[handle]

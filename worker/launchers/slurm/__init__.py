@@ -1,0 +1,1 @@
+"""The Slurm launcher: submitit, job arrays, sacct states."""

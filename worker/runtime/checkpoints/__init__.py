@@ -1,0 +1,1 @@
+"""Checkpoints inside the ranks: snapshot, write, upload, fetch."""

@@ -1,0 +1,413 @@
+"""Checkpoints inside the ranks: snapshot, atomic write, then record or upload.
+
+Only rank 0 writes (``make_checkpointer``). The training thread copies the state's tensors
+into reused host buffers (``worker.runtime.checkpoints.snapshot``); one background thread
+writes a temp file in the checkpoint directory and fsyncs it
+(``worker.runtime.checkpoints.files``). Then, by the transport
+(``worker.runtime.checkpoints.transport``):
+
+- ``shared`` (the API sees this directory): it records the file through the attempt API
+  (``POST /attempts/self/checkpoints``, fenced by the attempt token) and only then renames it
+  into place, so a fenced-off attempt never replaces a file;
+- ``upload``: it renames the file into place (this host's copy) and hands it to the uploader
+  thread (``worker.runtime.checkpoints.uploader``), which streams it to the API; the service
+  records it at the commit; the rank prunes the local copies the service no longer lists.
+
+Retention is the service's either way: at every record or commit it keeps the newest
+``training.keep_checkpoints`` (and the checkpoint the current attempt resumed from), marks the
+rest deleted and removes their bytes from its store.
+
+Resume: ``worker.runtime.checkpoints.fetch``.
+
+A write that fails (full disk, I/O error) publishes nothing and leaves the previous checkpoint
+as it was: the temp file is removed, the failure is logged and recorded as a job event, and
+training goes on; the next save tries again (what torchx/Determined users expect). Only when
+the newest requested checkpoint (normally the final one) could not be written does ``close``
+raise ``CheckpointWriteError``, so the end of training is not reported as a success without its
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from service.core import artifacts
+from service.core.errors import StaleAttemptError
+from service.core.wire.attempt import AttemptSelf, CheckpointFailure, CheckpointRecord
+from worker.attempt import STOP_UPLOAD_S, stop_upload_marker
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
+from worker.runtime.checkpoints.files import (
+    CheckpointWriteError,
+    describe_write_error,
+    publish_checkpoint,
+    write_temp_checkpoint,
+)
+from worker.runtime.checkpoints.reports import note_nothing_to_train, note_upload_fallback
+from worker.runtime.checkpoints.snapshot import Snapshot, SnapshotPool
+from worker.runtime.checkpoints.transport import Transport, resolve_transport
+from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
+from worker.runtime.topology import RankEnv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint that is durable on disk and recorded through the attempt API."""
+
+    step: int
+    epoch: int
+    path: Path
+    size_bytes: int
+    sha256: str
+
+
+class CheckpointSaver(Protocol):
+    """What the training loop saves checkpoints through, on every rank.
+
+    ``make_checkpointer`` builds the one for a rank: ``Checkpointer`` on rank 0, the null
+    object ``NullCheckpointer`` elsewhere; the loop never asks which rank it is.
+    """
+
+    @property
+    def last_saved(self) -> SavedCheckpoint | None:
+        """The newest checkpoint this rank wrote and recorded; None when none (yet)."""
+        ...
+
+    def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``build_state()`` at ``step``: the state is copied now, written later."""
+
+    def should_stop(self) -> bool:
+        """True when writes were fenced off (the attempt is stale)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the write in flight is done."""
+
+    def close(self) -> None:
+        """Wait for the write in flight (and fail if the newest requested one failed)."""
+
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Tell the job's events that an ``init_from`` start at ``step`` left nothing to
+        train (``step`` ≥ ``total_steps``); rank 0 only."""
+
+
+class NullCheckpointer:
+    """The null ``CheckpointSaver`` (ranks other than 0): saving does nothing (and builds no
+    state)."""
+
+    last_saved: SavedCheckpoint | None = None
+
+    def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``build_state()`` at ``step`` (rank 0 only; no-op here)."""
+
+    def should_stop(self) -> bool:
+        """True when writes were fenced off (the attempt is stale)."""
+        return False
+
+    def wait(self) -> None:
+        """Block until the write in flight is done (nothing to wait for here)."""
+
+    def close(self) -> None:
+        """Wait for the write in flight."""
+
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Rank 0 tells it (no-op here)."""
+
+
+class Checkpointer(NullCheckpointer):
+    """Rank 0's ``CheckpointSaver``: one background write at a time.
+
+    Host memory: one copy of the state's tensors (the snapshot buffers), kept until ``close``.
+
+    Args:
+        client: the attempt API client (the checkpointer closes it in ``close``).
+        keep: ``training.keep_checkpoints`` (the service applies it; kept for callers).
+        transport: ``DDPQ_CHECKPOINT_TRANSPORT`` (``shared`` | ``upload`` | ``auto``, see
+            ``worker.runtime.checkpoints.transport``). With ``upload`` the file is written and
+            published locally, then a ``CheckpointUploader`` thread sends it; the service
+            records it at the commit and owns retention (the rank prunes only its local copies).
+        attempt_self: ``GET /attempts/self`` as the rank read it at start (``auto`` reads it
+            at the first save when None).
+        stop_upload_s: when ``stopping()`` is true at ``close`` (a signal), the longest wait
+            for the stop checkpoint's upload (seconds), so the rank exits before its
+            launcher's SIGKILL; otherwise the upload's own deadline bounds the wait.
+    """
+
+    def __init__(
+        self,
+        client: AttemptClient,
+        artifact_dir: Path,
+        job_id: int,
+        attempt: int,
+        *,
+        keep: int,
+        transport: str = "shared",
+        attempt_self: AttemptSelf | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+        stop_upload_s: float = STOP_UPLOAD_S,
+    ) -> None:
+        self._client, self._artifact_dir = client, artifact_dir
+        self.job_id, self.attempt, self.keep = job_id, attempt, keep
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt")
+        self._future: Future[None] | None = None
+        self._stale = threading.Event()
+        self._pool = SnapshotPool()
+        self.last_step: int | None = None
+        self.last_saved = None
+        # Steps whose file could not be written (or uploaded), with the reason (newest last).
+        self.failed: list[tuple[int, str]] = []
+        self._transport_setting = transport
+        self.transport: Transport | None = None
+        if transport == "upload" or attempt_self is not None:  # else: asked at the first save
+            store_id = attempt_self.store_id if attempt_self is not None else None
+            self.transport = self._decide_transport(store_id)
+        self._uploader: CheckpointUploader | None = None
+        self._stopping, self._stop_upload_s = stopping, stop_upload_s
+
+    def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
+        """Copy the state into the snapshot buffers now (training thread), write it in the
+        background. Waits first if the previous write still reads those buffers. A second
+        save of the same step is ignored."""
+        if self._stale.is_set() or step == self.last_step:
+            return
+        self.wait()  # the writer must be done with the buffers before they are refilled
+        snapshot = self._pool.snapshot(build_state())
+        self.last_step = step
+        self._future = self._executor.submit(self._write, step, epoch, snapshot)
+
+    def should_stop(self) -> bool:
+        return self._stale.is_set()
+
+    def close(self) -> None:
+        """Wait for the write in flight and, with the upload transport, for its upload (bounded
+        by the upload's deadline, or ``stop_upload_s`` when stopping); free the buffers.
+
+        Raises:
+            CheckpointWriteError: the newest checkpoint asked for (normally the final one)
+                could not be written or uploaded; earlier failures were only warnings.
+        """
+        try:
+            self.wait()
+            if self._uploader is not None:
+                self._close_uploader(self._uploader)
+        finally:
+            self._executor.shutdown(wait=True)
+            self._pool.release()
+            self._client.close()
+        if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
+            step, reason = self.failed[-1]
+            raise CheckpointWriteError(f"checkpoint at step {step} could not be written: {reason}")
+
+    def wait_uploaded(self, timeout_s: float | None = None) -> bool:
+        """Block until the write in flight and every upload are done (or ``timeout_s``
+        seconds); True when nothing is left. Not for the training loop: it never waits."""
+        self.wait()
+        return self._uploader is None or self._uploader.wait_idle(timeout_s)
+
+    def _close_uploader(self, uploader: CheckpointUploader) -> None:
+        """Wait for the uploads; after a stop signal at most ``stop_upload_s``, with the
+        marker file that tells the local launcher to hold its SIGKILL meanwhile."""
+        if self._stopping() and uploader.busy:
+            marker = stop_upload_marker(self._artifact_dir, self.job_id, self.attempt)
+            with contextlib.suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            try:
+                if not uploader.wait_idle(self._stop_upload_s):
+                    step = self.last_step if self.last_step is not None else 0
+                    uploader.abandon()
+                    self._report_failure(
+                        step,
+                        f"upload of the stop checkpoint did not finish within "
+                        f"{self._stop_upload_s:g} s of the stop signal",
+                    )
+                    uploader.close(timeout_s=1.0)
+                    return
+            finally:
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+        uploader.close()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is durable and recorded, or has failed."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+
+    def _write(self, step: int, epoch: int, snapshot: Snapshot) -> None:
+        path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
+        snapshot.wait()
+        try:
+            tmp, size_bytes, sha256 = write_temp_checkpoint(snapshot.state, path)
+        except CheckpointWriteError as exc:
+            self._report_failure(step, str(exc))
+            return
+        if self._resolved_transport() == "upload":
+            self._publish_and_upload(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
+            return
+        record = CheckpointRecord(
+            step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256,
+            staged_path=str(tmp),
+        )  # fmt: skip
+        try:
+            # Recorded first, published after: the fence decides before a file is replaced.
+            self._client.record_checkpoint(record)
+            try:
+                publish_checkpoint(tmp, path)
+            except OSError as exc:  # the rename or the directory fsync
+                self._report_failure(step, describe_write_error(exc))
+                self._forget([step])  # recorded, but its file is not in place
+                return
+        except StaleAttemptError as exc:
+            log.warning("checkpoint at step %d fenced off, stopping: %s", step, exc)
+            self._stale.set()
+            return
+        except AttemptRequestError as exc:
+            # Refused (the server could not verify the file): a failed save, which the server
+            # already noted as a job event; the final save's failure fails the job at close.
+            self.failed.append((step, f"not recorded: {exc}"))
+            log.error("checkpoint at step %d not recorded: %s", step, exc)
+            return
+        except ApiUnavailableError as exc:
+            log.error("checkpoint at step %d not recorded: %s", step, exc)
+            self._report_failure(step, f"not recorded: {exc}")
+            return
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        self.last_saved = SavedCheckpoint(step, epoch, path, size_bytes, sha256)
+        log.info("checkpoint step=%d written (%d bytes) to %s", step, size_bytes, path)
+
+    # -- the upload transport ------------------------------------------------------------------
+    def _resolved_transport(self) -> Transport:
+        """The transport, asking ``GET /attempts/self`` for the store id once (``auto``, and
+        ``shared``, which falls back to upload without the API's store id). While the API
+        cannot say, this save uploads (``shared``: records) and the next one asks again."""
+        if self.transport is not None:
+            return self.transport
+        try:
+            me = self._client.self_check()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            fallback: Transport = "shared" if self._transport_setting == "shared" else "upload"
+            log.warning("checkpoint transport unknown (%s for this one): %s", fallback, exc)
+            return fallback
+        except StaleAttemptError:
+            # The record's or the upload's first call meets the fence and stops the rank.
+            return "shared" if self._transport_setting == "shared" else "upload"
+        self.transport = self._decide_transport(me.store_id)
+        return self.transport
+
+    def _decide_transport(self, store_id: str | None) -> Transport:
+        """``resolve_transport``; a ``shared`` setting that falls back to upload is told to
+        the job's events too, not only to this rank's log."""
+        transport = resolve_transport(self._transport_setting, self._artifact_dir, store_id)
+        if self._transport_setting == "shared" and transport == "upload":
+            note_upload_fallback(self._client)
+        return transport
+
+    def note_nothing_to_train(self, step: int, total_steps: int) -> None:
+        """Tell the job's events (best effort) that an ``init_from`` start left nothing to
+        train."""
+        note_nothing_to_train(self._client, step, total_steps)
+
+    def _publish_and_upload(self, item: UploadItem, tmp: Path) -> None:
+        """Publish the file locally (this host's copy, for a resume here), then hand it to the
+        uploader thread; this writer thread is free again at once."""
+        try:
+            publish_checkpoint(tmp, item.path)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            self._report_failure(item.step, describe_write_error(exc))
+            return
+        if self._uploader is None:
+            self._uploader = CheckpointUploader(
+                self._client,
+                on_committed=self._uploaded,
+                on_failed=self._report_failure,
+                on_stale=self._fenced,
+            )
+        log.info("checkpoint step=%d written (%d bytes) to %s; uploading", item.step,
+                 item.size_bytes, item.path)  # fmt: skip
+        self._uploader.submit(item)
+
+    def _uploaded(self, item: UploadItem) -> None:
+        self.last_saved = SavedCheckpoint(
+            item.step, item.epoch, item.path, item.size_bytes, item.sha256
+        )
+        self._prune_local()
+
+    def _fenced(self, reason: str) -> None:
+        log.warning("checkpoint upload fenced off, stopping: %s", reason)
+        self._stale.set()
+
+    def _prune_local(self) -> None:
+        """Delete this host's checkpoint files the service no longer lists (its retention
+        decides), except those waiting to upload. Best effort."""
+        try:
+            live = {entry.step for entry in self._client.list_checkpoints()}
+        except (ApiUnavailableError, AttemptRequestError, StaleAttemptError) as exc:
+            log.warning("local checkpoint copies not pruned: %s", exc)
+            return
+        keep = live | ({self.last_step} if self.last_step is not None else set())
+        for path in artifacts.checkpoint_dir(self._artifact_dir, self.job_id).glob("step-*.pt"):
+            step = path.stem.removeprefix("step-")
+            if step.isdigit() and int(step) not in keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    def _report_failure(self, step: int, reason: str) -> None:
+        """Log it, note it as a job event, keep training (the next save tries again)."""
+        self.failed.append((step, reason))
+        log.error(
+            "checkpoint at step %d could not be written; the previous one is intact and the "
+            "next save retries: %s",
+            step,
+            reason,
+        )
+        try:
+            self._client.record_checkpoint_failure(CheckpointFailure(step=step, reason=reason))
+        except StaleAttemptError as exc:
+            log.warning("checkpoint failure at step %d not recorded, stopping: %s", step, exc)
+            self._stale.set()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("checkpoint failure at step %d not recorded: %s", step, exc)
+
+    def _forget(self, steps: list[int]) -> None:
+        """Record ``steps`` as deleted (best effort: resume verifies every file anyway)."""
+        try:
+            self._client.record_deletions(steps, damaged=False)
+        except StaleAttemptError as exc:
+            log.warning("checkpoint deletion not recorded, stopping: %s", exc)
+            self._stale.set()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("checkpoint deletion of steps %s not recorded: %s", steps, exc)
+
+
+def make_checkpointer(
+    env: RankEnv,
+    artifact_dir: Path,
+    *,
+    keep: int,
+    transport: str = "auto",
+    attempt_self: AttemptSelf | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> CheckpointSaver:
+    """The one place that decides who writes checkpoints: a Checkpointer on rank 0 (with its
+    own ``AttemptClient`` for ``env``), else the null object NullCheckpointer. ``transport``,
+    ``attempt_self`` and ``stopping``: see ``Checkpointer``."""
+    if env.rank == 0:
+        client = AttemptClient(env.api_url, env.attempt_token)
+        return Checkpointer(
+            client, artifact_dir, env.job_id, env.attempt, keep=keep, transport=transport,
+            attempt_self=attempt_self, stopping=stopping,
+        )  # fmt: skip
+    return NullCheckpointer()

@@ -1,0 +1,1 @@
+"""Rank 0's metric sink: buffer, backlog, background writer."""
