@@ -23,8 +23,8 @@ from service.api.attempts import notes as attempt_notes
 from service.api.attempts import routes as attempts
 from service.api.attempts import uploads as attempt_uploads
 from service.api.checkpoints import routes as checkpoints
-from service.api.checkpoints.files import checkpoint_stores
 from service.api.errors import install_error_handlers
+from service.api.files import checkpoint_stores
 from service.api.jobs import goodput, logs
 from service.api.jobs import routes as jobs
 from service.api.metrics import routes as metrics

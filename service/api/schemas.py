@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticSerializationError
 
-from service.api.jobs.queue_schemas import QueueOut, queue_out
+from service.api.queue_schemas import QueueOut, queue_out
 from service.core.artifacts import artifact_relative_path
 from service.core.metrics.main_metric import main_metric_name
 from service.core.metrics.points import JsonNumber, json_safe

@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
-from service.api.jobs.routes import MAX_INT64
+from service.api.http import MAX_INT64
 from service.core.errors import NotFoundError
 from service.core.spec.model import JobSpec
 from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from service.api.checkpoints.files import checkpoint_stores
+from service.api.files import checkpoint_stores
 from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings

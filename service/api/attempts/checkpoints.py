@@ -14,6 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
+from service.api.attempts.records import refuse_unverified
 from service.api.attempts.routes import (
     ERRORS,
     AttemptInputError,
@@ -23,9 +24,8 @@ from service.api.attempts.routes import (
     _json_body,
     _storable_text,
 )
-from service.api.checkpoints.files import checkpoint_stores
-from service.api.checkpoints.records import refuse_unverified
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
+from service.api.files import checkpoint_stores
 from service.core.artifacts import artifact_relative_path
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import current_state

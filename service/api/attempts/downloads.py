@@ -14,8 +14,8 @@ from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import StreamingResponse
 
 from service.api.attempts.routes import ERRORS, _fenced
-from service.api.checkpoints.files import StoredFile, checkpoint_stores, stream_file
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
+from service.api.files import StoredFile, checkpoint_stores, stream_file
 from service.core.errors import NotFoundError
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import current_state

@@ -28,8 +28,8 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from service.api.checkpoints.files import filesystem_store_id
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
+from service.api.files import filesystem_store_id
 from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
 from service.core.wire import attempt as wire

@@ -19,11 +19,11 @@ from starlette.requests import ClientDisconnect
 
 from service.api.attempts.routes import ERRORS, AttemptInputError, _body_doc, _fenced, _json_body
 from service.api.attempts.upload_hashes import upload_hashes
-from service.api.checkpoints.files import (
+from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
+from service.api.files import (
     checkpoint_stores,
     upload_store,
 )
-from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import current_state
 from service.store.checkpoints.backends.base import (

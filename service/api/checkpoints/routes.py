@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.checkpoints.files import StoredFile, checkpoint_stores, stream_file
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
-from service.api.jobs.routes import ERRORS, MAX_INT64, JobIdPath
+from service.api.files import StoredFile, checkpoint_stores, stream_file
+from service.api.http import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
 from service.store.checkpoints.crud import get_checkpoint, list_checkpoints
 from service.store.jobs.crud import get_job

@@ -9,7 +9,7 @@ lazily: the API's only import of ``worker``; see docs/architecture.md).
 from __future__ import annotations
 
 from service.api.deps import RequestContext
-from service.api.jobs.queue_schemas import DryRunOut, InitStartOut, PlanOut, ResumeOut, queue_out
+from service.api.queue_schemas import DryRunOut, InitStartOut, PlanOut, ResumeOut, queue_out
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
 from service.store.checkpoints.crud import list_checkpoints

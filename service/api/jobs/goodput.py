@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
-from service.api.jobs.routes import ERRORS, JobIdPath
+from service.api.http import ERRORS, JobIdPath
 from service.core.goodput import PHASES
 from service.store.attempts.goodput import AttemptLedger, JobLedger, job_ledger
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from pydantic import ValidationError
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
-from service.api.jobs.routes import ERRORS, MAX_INT64, JobIdPath
+from service.api.http import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import LogsOut
 from service.core.artifacts import confine, rank_log_path
 from service.core.errors import NotFoundError

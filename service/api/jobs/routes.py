@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, Response
-from pydantic import BaseModel
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
+from service.api.http import ERRORS, MAX_INT64, JobIdPath, etag_response, json_response
 from service.api.jobs.dry_run import dry_run as dry_run_answer
-from service.api.jobs.queue_schemas import DryRunOut
+from service.api.queue_schemas import DryRunOut
 from service.api.schemas import (
     EventListOut,
     JobListOut,
     JobOut,
     SubmittedJobOut,
-    dump_json,
     event_out,
     job_out,
 )
@@ -45,9 +43,6 @@ from service.store.jobs.view import get_job_view
 
 router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
-# Largest id/step/offset a query may name (SQLite's INTEGER is 64-bit signed).
-MAX_INT64 = 2**63 - 1
-JobIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Job id.")]
 # The list's text filters: no control characters (a NUL is refused by PostgreSQL) and not
 # only blanks; names are up to 200 characters, tags up to 100.
 TEXT_FILTER_PATTERN = r"^[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f][^\x00-\x1f\x7f]*$"
@@ -57,10 +52,6 @@ SPEC_BODY: dict[str, Any] = {
         "required": True,
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
     }
-}
-ERRORS: dict[int | str, dict[str, Any]] = {
-    404: {"description": "No such job"},
-    422: {"description": "Invalid input: `detail` lists {loc, msg, type} per bad field"},
 }
 
 
@@ -87,18 +78,6 @@ def parse_json_body(raw: bytes) -> Any:
 
 def _validated(raw: bytes, settings: Settings) -> JobSpec:
     return validate_spec(parse_json_body(raw), settings)
-
-
-def etag_response(request: Request, model: BaseModel) -> Response:
-    """``model`` as JSON with a weak ETag of its bytes; 304 when ``If-None-Match`` matches."""
-    body = dump_json(model)
-    etag = f'W/"{hashlib.sha256(body).hexdigest()[:32]}"'
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if_none_match = request.headers.get("if-none-match", "")
-    candidates = {c.strip().removeprefix("W/") for c in if_none_match.split(",")}
-    if "*" in candidates or etag.removeprefix("W/") in candidates:
-        return Response(status_code=304, headers=headers)
-    return Response(body, media_type="application/json", headers=headers)
 
 
 def _store(
@@ -154,14 +133,6 @@ def _store(
             warnings = submit_warnings(session, shape, heartbeat_interval_s=heartbeat_interval_s)
         submitted = SubmittedJobOut(**dict(job_out(job)), warnings=warnings)
         return submitted, created
-
-
-def _json_response(
-    model: BaseModel, status_code: int, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(
-        dump_json(model), status_code=status_code, media_type="application/json", headers=headers
-    )
 
 
 @router.post(
@@ -245,7 +216,7 @@ async def submit(
     spec = await run_in_threadpool(_validated, await request.body(), ctx.settings)
     if dry_run:
         answer = await run_in_threadpool(dry_run_answer, ctx, spec, job_id)
-        return _json_response(answer, 200)
+        return json_response(answer, 200)
     # With auth off the one owner is the operator on their own box (a sweep script must not hit
     # 429 at job 61); the per-owner limit is for servers shared through tokens.
     per_minute = ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
@@ -259,7 +230,7 @@ async def submit(
         ctx.settings.heartbeat_interval_s,
     )
     location = f"{request.url.path.rstrip('/')}/{job.id}"
-    return _json_response(job, 201 if created else 200, {"Location": location})
+    return json_response(job, 201 if created else 200, {"Location": location})
 
 
 @router.get(
@@ -360,7 +331,7 @@ def cancel_route(job_id: JobIdPath, ctx: ContextDep) -> Response:
     worker stops it. Repeating the call is harmless; a finished job answers 409."""
     with ctx.db.session() as session:
         job = job_out(cancel_job(session, job_id, owner=ctx.owner))
-    return _json_response(job, 202)
+    return json_response(job, 202)
 
 
 @router.get(

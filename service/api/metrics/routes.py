@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
-from service.api.jobs.routes import ERRORS, MAX_INT64, JobIdPath
+from service.api.http import ERRORS, MAX_INT64, JobIdPath
 from service.api.metrics.schemas import (
     HistoryOut,
     MetricNamesOut,

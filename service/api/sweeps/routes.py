@@ -15,6 +15,7 @@ from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
 
 from service.api.bodies import body_doc, json_body
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep, RequestContext
+from service.api.http import MAX_INT64
 from service.api.sweeps.schemas import (
     SweepListOut,
     SweepOut,
@@ -40,7 +41,7 @@ from service.store.sweeps.view import list_trials
 
 router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
-MAX_INT64 = 2**63 - 1
+
 SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
 ERRORS: dict[int | str, dict[str, str]] = {
     404: {"description": "No such sweep (or not yours)"},
