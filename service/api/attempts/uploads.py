@@ -34,7 +34,7 @@ from service.api.files import checkpoint_stores
 from service.core.wire import attempt as wire
 from service.store.checkpoints import service as checkpoints
 from service.store.checkpoints import upload_service as uploads
-from service.store.checkpoints.chunks import ChunkReceiver, UploadHashes
+from service.store.checkpoints.upload_service import ChunkReceiver, UploadHashes
 from service.store.checkpoints.values import UploadStatus
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)

@@ -13,7 +13,8 @@ from service.store.attempts.tokens import current_state
 from service.store.attempts.values import AttemptRef
 from service.store.checkpoints import uploads
 from service.store.checkpoints.backends.base import CheckpointStoreError, CheckpointTooLargeError
-from service.store.checkpoints.chunks import ChunkReceiver, UploadHashes
+from service.store.checkpoints.chunks import ChunkReceiver as ChunkReceiver  # for the routes
+from service.store.checkpoints.chunks import UploadHashes as UploadHashes  # for the routes
 from service.store.checkpoints.stores import CheckpointStores, discard_partials
 from service.store.checkpoints.values import UploadBegun, UploadStatus
 from service.store.db import Database
