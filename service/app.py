@@ -24,7 +24,6 @@ from service.api.attempts import routes as attempts
 from service.api.attempts import uploads as attempt_uploads
 from service.api.checkpoints import routes as checkpoints
 from service.api.errors import install_error_handlers
-from service.api.files import checkpoint_stores
 from service.api.jobs import goodput, logs
 from service.api.jobs import routes as jobs
 from service.api.metrics import routes as metrics
@@ -35,6 +34,7 @@ from service.api.sweeps import routes as sweeps
 from service.api.workers import routes as workers
 from service.core.config import Settings, get_settings
 from service.core.wire.attempt import UPLOAD_CHUNK_PATH
+from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
 from service.store.reaper import reap_forever
@@ -80,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or get_settings()
     db = Database.from_url(settings.resolved_database_url)
+    stores = make_stores(settings, db)  # no I/O until a request or the reaper uses them
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,7 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 db,
                 settings.heartbeat_interval_s,
                 worker_retention_s=settings.worker_retention_s,
-                checkpoint_stores=checkpoint_stores(app),
+                checkpoint_stores=stores,
                 upload_stale_s=settings.checkpoint_upload_stale_s,
             )
         )
@@ -117,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = db
+    app.state.checkpoint_stores = stores
     install_error_handlers(app)
     # Chunk uploads carry their own cap (checkpoint_chunk_bytes), checked while they stream.
     app.add_middleware(

@@ -17,9 +17,10 @@ from service.core.metrics.main_metric import main_metric_name
 from service.core.metrics.points import JsonNumber, json_safe
 from service.core.spec.model import JobSpec
 from service.core.spec.text import display_text
+from service.store.checkpoints.values import CheckpointInfo
 from service.store.jobs.queue import QueueExplanation
 from service.store.jobs.view import JobRow
-from service.store.models import Checkpoint, Job, JobEvent, Worker, utcnow
+from service.store.models import Job, JobEvent, Worker, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +306,8 @@ def event_out(event: JobEvent) -> EventOut:
     )
 
 
-def checkpoint_out(ckpt: Checkpoint, artifact_dir: Path | None = None) -> CheckpointOut:
-    """A checkpoints row as the API shows it: the path only relative to ``artifact_dir``
+def checkpoint_out(ckpt: CheckpointInfo, artifact_dir: Path | None = None) -> CheckpointOut:
+    """A checkpoint as the API shows it: the path only relative to ``artifact_dir``
     (omitted without one), so the server's own directory layout stays private."""
     path = artifact_relative_path(artifact_dir, ckpt.path) if artifact_dir is not None else None
     return CheckpointOut(

@@ -1,6 +1,6 @@
 """The attempt API's checkpoint records: the job's committed checkpoints (for resume), a
 checkpoint rank 0 wrote into the API's own artifact directory (a rank sharing its
-filesystem; others upload, ``attempt_uploads``), failed saves, and deletions.
+filesystem; others upload, ``uploads``), failed saves, and deletions.
 
 Who may call it: only a holder of an attempt token, for its own job, while its attempt is the
 job's current, active one (else 409 ``attempt superseded``); a user or API token is 401
@@ -9,61 +9,30 @@ job's current, active one (else 409 ``attempt superseded``); a user or API token
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
 from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
-from service.api.attempts.records import refuse_unverified
-from service.api.attempts.routes import (
-    ERRORS,
-    AttemptInputError,
-    _body_doc,
-    _db,
-    _fenced,
-    _json_body,
-    _storable_text,
-)
+from service.api.attempts.routes import ERRORS, _body_doc, _db, _json_body
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
-from service.core.artifacts import artifact_relative_path
 from service.core.wire import attempt as wire
-from service.store.attempts.tokens import current_state
-from service.store.checkpoints.crud import (
-    list_checkpoints,
-    mark_checkpoints_deleted,
-    record_checkpoint,
-    record_checkpoint_failure,
-)
-from service.store.checkpoints.events import note_rank_deletions
-from service.store.checkpoints.retention import (
-    DoomedFile,
-    apply_retention,
-    delete_files,
-    pinned_steps,
-    replaced_files,
-)
-from service.store.workers.leases import check_attempt
+from service.store.checkpoints import service as checkpoints
+from service.store.checkpoints.values import CheckpointInfo
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 
 
-def _own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
-    """``path`` as given, once it is known to resolve inside the job's own artifact directory
-    (``jobs/<job_id>/``; symlinks followed), so a record can name no other job's file.
-
-    Raises:
-        AttemptInputError: it lies elsewhere, or cannot be stored (NUL, lone surrogates).
-    """
-    if _storable_text(path) != path:
-        raise AttemptInputError("checkpoint path holds NUL or a lone surrogate")
-    relative = artifact_relative_path(root, path)
-    if relative is None or PurePosixPath(relative).parts[:2] != ("jobs", str(job_id)):
-        raise AttemptInputError(
-            f"checkpoint path must lie inside this job's artifact directory (jobs/{job_id}/ "
-            "under the server's artifact root)"
-        )
-    return path
+def checkpoint_entry(info: CheckpointInfo) -> wire.CheckpointEntry:
+    """A checkpoint as the attempt API shows it (``path`` as stored)."""
+    return wire.CheckpointEntry(
+        step=info.step,
+        epoch=info.epoch,
+        attempt=info.attempt,
+        path=info.path,
+        size_bytes=info.size_bytes,
+        sha256=info.sha256,
+    )
 
 
 # -- routes -----------------------------------------------------------------------------------
@@ -77,21 +46,8 @@ def checkpoints_route(request: Request, ref: AttemptDep) -> wire.CheckpointList:
     Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` once
     the attempt is not current.
     """
-    with _fenced(ref), _db(request).session(write=False) as session:
-        current_state(session, ref)
-        rows = list_checkpoints(session, ref.job_id)
-        entries = [
-            wire.CheckpointEntry(
-                step=c.step,
-                epoch=c.epoch,
-                attempt=c.attempt,
-                path=c.path,
-                size_bytes=c.size_bytes,
-                sha256=c.sha256,
-            )
-            for c in rows
-        ]
-    return wire.CheckpointList(checkpoints=entries)
+    found = checkpoints.list_attempt_checkpoints(_db(request), ref)
+    return wire.CheckpointList(checkpoints=[checkpoint_entry(c) for c in found])
 
 
 @router.post(
@@ -109,38 +65,29 @@ def record_checkpoint_route(
     """Record a checkpoint file rank 0 wrote and verified into the API's own artifact
     directory (a rank that shares the API's filesystem; others upload), then apply
     retention (the server deletes what it lets go). A re-record of a step replaces it.
-    ``path`` must resolve inside this job's artifact directory.
+    ``path`` must resolve inside this job's artifact directory. The server reads the file
+    first: one it cannot verify (missing, another size or sha256, no shared filesystem
+    store) is refused and noted as a failed save in the job's events.
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
-    superseded`` when the attempt is not current (nothing recorded), 422 for a path
-    elsewhere.
+    superseded`` when the attempt is not current (nothing recorded), 422 for a file the
+    server cannot verify or a path elsewhere.
     """
-    root = request.app.state.settings.resolved_artifact_dir
-    refuse_unverified(request, ref, record)  # the file must really be there (422 + an event)
-    path = _own_checkpoint_path(root, ref.job_id, record.path)
-    location = artifact_relative_path(root, path) or path
-    with _fenced(ref), _db(request).session() as session:
-        check_attempt(session, ref.job_id, ref.attempt)
-        # An uploaded file of the same step (its own name) is let go once this row replaces it.
-        doomed = replaced_files(
-            session, ref.job_id, record.step, store="filesystem", location=location
-        )
-        record_checkpoint(
-            session,
-            ref.job_id,
-            ref.attempt,
-            step=record.step,
-            epoch=record.epoch,
-            path=path,
-            size_bytes=record.size_bytes,
-            sha256=record.sha256,
-            store="filesystem",
-            location=location,
-        )
-        doomed += apply_retention(session, ref.job_id)
-    delete_files(checkpoint_stores(request.app), doomed)
-    entry = record.model_dump(exclude={"staged_path"}) | {"path": path}
-    return wire.CheckpointEntry(attempt=ref.attempt, **entry)
+    settings = request.app.state.settings
+    info = checkpoints.record_shared(
+        _db(request),
+        checkpoint_stores(request.app),
+        ref,
+        step=record.step,
+        epoch=record.epoch,
+        path=record.path,
+        staged_path=record.staged_path,
+        size_bytes=record.size_bytes,
+        sha256=record.sha256,
+        artifact_root=settings.resolved_artifact_dir,
+        store_kind=settings.checkpoint_store,
+    )
+    return checkpoint_entry(info)
 
 
 @router.post(
@@ -161,11 +108,7 @@ def checkpoint_failure_route(
     Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
     the attempt is not current (nothing noted).
     """
-    reason = _storable_text(failure.reason)
-    with _fenced(ref), _db(request).session() as session:
-        record_checkpoint_failure(
-            session, ref.job_id, ref.attempt, step=failure.step, reason=reason
-        )
+    checkpoints.note_failed_save(_db(request), ref, step=failure.step, reason=failure.reason)
     return Response(status_code=204)
 
 
@@ -192,12 +135,11 @@ def checkpoint_deletions_route(
     ``attempt superseded`` when the attempt is not current (nothing marked): a superseded
     attempt must not rotate away what the current one relies on.
     """
-    with _fenced(ref), _db(request).session() as session:
-        job = check_attempt(session, ref.job_id, ref.attempt)  # row-locked: a requeue waits
-        steps = set(deletion.steps) - pinned_steps(session, ref.job_id)
-        marked = mark_checkpoints_deleted(session, ref.job_id, sorted(steps))
-        note_rank_deletions(session, job, ref.attempt, [m[0] for m in marked],
-                            damaged=deletion.damaged)  # fmt: skip
-    doomed = [DoomedFile(ref.job_id, step, store, location) for step, store, location in marked]
-    delete_files(checkpoint_stores(request.app), doomed)
+    checkpoints.delete_rank_checkpoints(
+        _db(request),
+        checkpoint_stores(request.app),
+        ref,
+        deletion.steps,
+        damaged=deletion.damaged,
+    )
     return Response(status_code=204)

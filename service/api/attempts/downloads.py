@@ -13,24 +13,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.attempts.routes import ERRORS, _fenced
+from service.api.attempts.routes import ERRORS, _db
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
-from service.api.files import StoredFile, checkpoint_stores, stream_file
-from service.core.errors import NotFoundError
+from service.api.files import checkpoint_stores, stream_file
 from service.core.wire import attempt as wire
-from service.store.attempts.tokens import current_state
-from service.store.checkpoints.crud import mark_resumed
-from service.store.checkpoints.init_from import init_from_checkpoint
-from service.store.db import Database
-from service.store.workers.leases import check_attempt
+from service.store.checkpoints import service as checkpoints
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 StepPath = Annotated[int, Path(ge=0, le=wire.MAX_STEP, description="Global step.")]
-
-
-def _db(request: Request) -> Database:
-    db: Database = request.app.state.db
-    return db
 
 
 FILE_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -62,11 +52,9 @@ def checkpoint_file_route(
     Caller: a rank holding the attempt token, for its own job only; 409 ``attempt
     superseded`` when the attempt is not current; 404 when no live checkpoint is at ``step``.
     """
-    with _db(request).session() as session:
-        with _fenced(ref):
-            check_attempt(session, ref.job_id, ref.attempt)
-        stored = StoredFile.of(mark_resumed(session, ref.job_id, ref.attempt, step))
-    return stream_file(checkpoint_stores(request.app), stored, range_header)
+    stores = checkpoint_stores(request.app)
+    stored = checkpoints.open_resume_checkpoint(_db(request), stores, ref, step)
+    return stream_file(stores, stored, range_header)
 
 
 @router.get(
@@ -88,16 +76,6 @@ def init_file_route(
     superseded`` when the attempt is not current; 404 when the job has no ``init_from`` or
     the checkpoint is gone.
     """
-    with _db(request).session(write=False) as session:
-        with _fenced(ref):
-            current_state(session, ref)
-        found = init_from_checkpoint(session, ref.job_id)
-        if found is None:
-            raise NotFoundError("this job has no init_from")
-        job, ckpt = found
-        if ckpt is None or ckpt.deleted_at is not None:
-            raise NotFoundError(
-                f"job {job.init_from_job_id}'s checkpoint at step {job.init_from_step} is gone"
-            )
-        stored = StoredFile.of(ckpt)
-    return stream_file(checkpoint_stores(request.app), stored, range_header)
+    stores = checkpoint_stores(request.app)
+    stored = checkpoints.open_init_from_checkpoint(_db(request), stores, ref)
+    return stream_file(stores, stored, range_header)

@@ -9,11 +9,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 
-from service.api.attempts.routes import ERRORS, _body_doc, _fenced, _json_body
+from service.api.attempts.routes import ERRORS, _body_doc, _db, _json_body
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.core.wire import attempt as wire
-from service.store.checkpoints.events import record_note
-from service.store.db import Database
+from service.store.checkpoints import service as checkpoints
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 
@@ -36,8 +35,7 @@ def note_route(
     ``attempt superseded`` when the attempt is not current (nothing written), 422 for a body
     that is not an ``AttemptNote``.
     """
-    db: Database = request.app.state.db
-    with _fenced(ref), db.session() as session:
-        record_note(session, ref.job_id, ref.attempt, note.kind, step=note.step,
-                    total_steps=note.total_steps)  # fmt: skip
+    checkpoints.record_rank_note(
+        _db(request), ref, note.kind, step=note.step, total_steps=note.total_steps
+    )
     return Response(status_code=204)

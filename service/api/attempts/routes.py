@@ -1,7 +1,9 @@
 """The attempt API: what a job's rank 0 writes while its attempt runs (metric batches and
 progress, its timeline) and reads back (its own identity), and the helpers every attempt
-router shares (the fence, body parsing). Checkpoint records and the list for resume are
-``attempt_checkpoints``; uploads ``attempt_uploads``; downloads ``attempt_downloads``.
+router shares (body parsing, the thread hop). Checkpoint records and the list for resume are
+``checkpoints``; uploads ``uploads``; downloads ``downloads``; notes ``notes``. Each route is
+one call of a use case (``service.store.{attempts,metrics,checkpoints}.service``), which
+checks the fence in its own transaction.
 
 Who may call it: only a holder of an attempt token (``Authorization: Bearer ddpqa_…``,
 minted by the worker at launch; ``deps.get_attempt``), whether the server's auth is on or
@@ -17,10 +19,7 @@ client.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
@@ -29,19 +28,14 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
-from service.api.files import filesystem_store_id
-from service.core.errors import DdpqError, NotFoundError, StaleAttemptError
+from service.api.files import checkpoint_stores
+from service.core.errors import DdpqError
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
 from service.core.wire import attempt as wire
-from service.store.attempts.timeline import TimelineUpdate, record_attempt_timeline
-from service.store.attempts.tokens import AttemptRef, current_state
-from service.store.checkpoints.events import note_fresh_start
-from service.store.checkpoints.init_from import describe_init_from
+from service.store.attempts import service as attempts
+from service.store.attempts.values import AttemptRef, TimelineUpdate
 from service.store.db import Database
-from service.store.metrics.points import record_metrics
-from service.store.workers.leases import check_attempt
-
-log = logging.getLogger(__name__)
+from service.store.metrics import service as metrics
 
 # Seconds a rank waits before it sends a batch refused for back-pressure again.
 RETRY_AFTER_S = 1
@@ -56,8 +50,8 @@ router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=
 
 
 class AttemptInputError(DdpqError):
-    """A well-formed attempt request whose content cannot be accepted (e.g. a checkpoint
-    path outside the job's artifact directory)."""
+    """A well-formed attempt request whose content cannot be accepted before it reaches a use
+    case (e.g. a chunk whose declared ``Content-Length`` exceeds ``chunk_bytes``)."""
 
     status_code = 422
     code = "invalid_attempt_input"
@@ -100,16 +94,6 @@ def ingest_limiter(app: FastAPI) -> IngestLimiter:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-@contextmanager
-def _fenced(ref: AttemptRef) -> Iterator[None]:
-    """Turn the fence's refusal into the attempt API's 409: ``attempt superseded: …``. A job
-    gone meanwhile (its tokens went with it) is superseded too: the rank must stop."""
-    try:
-        yield
-    except (StaleAttemptError, NotFoundError) as exc:
-        raise StaleAttemptError(f"{wire.ATTEMPT_SUPERSEDED}: {exc.detail}") from None
 
 
 async def _in_thread(fn: Any, *args: Any) -> Any:
@@ -175,11 +159,6 @@ def _progress(raw: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def _storable_text(text: str) -> str:
-    """``text`` without NUL and lone surrogates (neither database stores them)."""
-    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\0")
-
-
 # -- routes -----------------------------------------------------------------------------------
 
 
@@ -194,15 +173,19 @@ async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
     """
 
     def read() -> wire.AttemptSelf:
-        with _fenced(ref), _db(request).session(write=False) as session:
-            state = current_state(session, ref)
-            init = describe_init_from(session, ref.job_id)
+        info = attempts.describe_attempt(
+            _db(request),
+            checkpoint_stores(request.app),
+            ref,
+            upload_store=request.app.state.settings.checkpoint_store,
+        )
+        init = info.init_from
         return wire.AttemptSelf(
-            job_id=ref.job_id,
-            attempt=ref.attempt,
-            state=state.value,
-            store_id=filesystem_store_id(request.app),
-            init_from=wire.InitFrom(**init) if init is not None else None,
+            job_id=info.job_id,
+            attempt=info.attempt,
+            state=info.state.value,
+            store_id=info.store_id,
+            init_from=wire.InitFrom(**asdict(init)) if init is not None else None,
         )
 
     result: wire.AttemptSelf = await _in_thread(read)
@@ -258,10 +241,7 @@ def _write_batch(db: Database, ref: AttemptRef, body: bytes) -> wire.MetricBatch
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     points, refused = _checked_rows(batch.points)
-    with _fenced(ref), db.session(one_statement=True) as session:
-        inserted = record_metrics(
-            session, ref.job_id, ref.attempt, points, progress=_progress(batch.progress)
-        )
+    inserted = metrics.record_batch(db, ref, points, progress=_progress(batch.progress))
     return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
 
 
@@ -294,11 +274,5 @@ def timeline_route(
         checkpoint_stall_s=timeline.checkpoint_stall_s,
         checkpoint_saves=timeline.checkpoint_saves,
     )
-    with _fenced(ref), _db(request).session() as session:
-        moved = record_attempt_timeline(session, ref.job_id, ref.attempt, update)
-        if timeline.resume_step == 0:  # say why, when the job had checkpoints
-            note_fresh_start(session, check_attempt(session, ref.job_id, ref.attempt), ref.attempt)
-    if moved:
-        log.info("job %d attempt %d resumed from step %s: %d earlier points superseded",
-                 ref.job_id, ref.attempt, timeline.resume_step, moved)  # fmt: skip
+    attempts.record_timeline(_db(request), ref, update)
     return Response(status_code=204)

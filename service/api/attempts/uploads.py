@@ -1,6 +1,9 @@
 """The attempt API's checkpoint uploads: in chunks from rank 0 into the checkpoint store,
 committed once verified (``service.core.wire.attempt`` describes the protocol; the ranks'
-downloads are ``attempt_downloads``).
+downloads are ``downloads``). The routes move the HTTP side (the body streamed in, one
+chunk or commit of an upload at a time in this process); the use cases
+(``service.store.checkpoints.upload_service`` and ``service.commit_upload``) check, write and
+commit.
 
 Who may call it: only a holder of an attempt token, for its own job, while its attempt is the
 job's current, active one (else 409 ``attempt superseded``); a user or API token is 401
@@ -11,43 +14,28 @@ checkpoint of another job: the token names the job, no route takes one.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
 from starlette.requests import ClientDisconnect
 
-from service.api.attempts.routes import ERRORS, AttemptInputError, _body_doc, _fenced, _json_body
-from service.api.attempts.upload_hashes import upload_hashes
+from service.api.attempts.checkpoints import checkpoint_entry
+from service.api.attempts.routes import (
+    ERRORS,
+    AttemptInputError,
+    _body_doc,
+    _db,
+    _in_thread,
+    _json_body,
+)
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
-from service.api.files import (
-    checkpoint_stores,
-    upload_store,
-)
+from service.api.files import checkpoint_stores
 from service.core.wire import attempt as wire
-from service.store.attempts.tokens import current_state
-from service.store.checkpoints.backends.base import (
-    CheckpointStore,
-    CheckpointStoreError,
-    CheckpointTooLargeError,
-    ChunkWriter,
-)
-from service.store.checkpoints.crud import get_checkpoint
-from service.store.checkpoints.retention import delete_files
-from service.store.checkpoints.uploads import (
-    COMMITTED,
-    abandon_upload,
-    advance_upload,
-    begin_upload,
-    check_chunk_offset,
-    commit_upload,
-    get_upload,
-    reconcile_received,
-    upload_key,
-    upload_status,
-)
-from service.store.db import Database
-from service.store.models import Checkpoint, CheckpointUpload
+from service.store.checkpoints import service as checkpoints
+from service.store.checkpoints import upload_service as uploads
+from service.store.checkpoints.upload_service import ChunkReceiver, UploadHashes
+from service.store.checkpoints.values import UploadStatus
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 
@@ -58,25 +46,24 @@ UploadIdPath = Annotated[int, Path(ge=1, le=2**63 - 1, description="The upload's
 StepPath = Annotated[int, Path(ge=0, le=wire.MAX_STEP, description="Global step.")]
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-def _db(request: Request) -> Database:
-    db: Database = request.app.state.db
-    return db
-
-
 def _chunk_bytes(request: Request) -> int:
     return int(request.app.state.settings.checkpoint_chunk_bytes)
 
 
-def _status(upload: CheckpointUpload, chunk_bytes: int) -> wire.UploadStatus:
-    return wire.UploadStatus(**upload_status(upload, chunk_bytes))
+def _status_json(status: UploadStatus, status_code: int = 200) -> Response:
+    return _json(wire.UploadStatus(**asdict(status)), status_code)
 
 
 def _json(model: Any, status_code: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def upload_hashes(app: FastAPI) -> UploadHashes:
+    """The app's running digests of uploads (this process's), made on first use."""
+    hashes: UploadHashes | None = getattr(app.state, "upload_hashes", None)
+    if not isinstance(hashes, UploadHashes):
+        hashes = app.state.upload_hashes = UploadHashes()
+    return hashes
 
 
 def _upload_lock(app: FastAPI, upload_id: int) -> asyncio.Lock:
@@ -89,17 +76,6 @@ def _upload_lock(app: FastAPI, upload_id: int) -> asyncio.Lock:
         for key in [k for k, lock in locks.items() if not lock.locked()]:
             del locks[key]
     return locks.setdefault(upload_id, asyncio.Lock())
-
-
-def _entry(ckpt: Checkpoint) -> wire.CheckpointEntry:
-    return wire.CheckpointEntry(
-        step=ckpt.step,
-        epoch=ckpt.epoch,
-        attempt=ckpt.attempt,
-        path=ckpt.path,
-        size_bytes=ckpt.size_bytes,
-        sha256=ckpt.sha256,
-    )
 
 
 def _corrupt_if_asked(app: FastAPI, piece: bytes, first: bool) -> bytes:
@@ -141,36 +117,21 @@ async def begin_upload_route(
     Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
     the attempt is not current; 413 when the store caps files below ``size_bytes``.
     """
-    app: FastAPI = request.app
-    store = upload_store(app)
-    stores = checkpoint_stores(app)
-    chunk_bytes = _chunk_bytes(request)
-
-    def begin() -> tuple[wire.UploadStatus, bool]:
-        cap = store.max_size_bytes()
-        if cap is not None and start.size_bytes > cap:
-            raise CheckpointTooLargeError(
-                f"checkpoint of {start.size_bytes} bytes exceeds the {store.name} store's cap "
-                f"of {cap} bytes (DDPQ_CHECKPOINT_DB_MAX_BYTES): raise it, or use "
-                "DDPQ_CHECKPOINT_STORE=filesystem"
-            )
-        with _fenced(ref), _db(request).session() as session:
-            upload, created, discards = begin_upload(
-                session, ref.job_id, ref.attempt, **start.model_dump(), store=store.name
-            )
-            key = upload_key(upload)
-            if not created:
-                reconcile_received(session, upload, stores[upload.store].received_size(key))
-            status = _status(upload, chunk_bytes)
-        for d in discards:
-            if d.store in stores:
-                stores[d.store].discard(d.key)
-        if created:
-            store.begin(key)
-        return status, created
-
-    status, created = await _in_thread(begin)
-    return _json(status, 201 if created else 200)
+    settings = request.app.state.settings
+    begun = await _in_thread(
+        lambda: uploads.begin_upload(
+            _db(request),
+            checkpoint_stores(request.app),
+            ref,
+            step=start.step,
+            epoch=start.epoch,
+            size_bytes=start.size_bytes,
+            sha256=start.sha256,
+            store_name=settings.checkpoint_store,
+            chunk_bytes=settings.checkpoint_chunk_bytes,
+        )
+    )
+    return _status_json(begun.status, 201 if begun.created else 200)
 
 
 @router.get(wire.UPLOAD_PATH, response_model=wire.UploadStatus, summary="Where an upload stands")
@@ -181,15 +142,14 @@ def upload_status_route(request: Request, ref: AttemptDep, upload_id: UploadIdPa
     Caller: a rank holding the attempt token, for its own job's uploads (another job's: 404);
     409 ``attempt superseded`` when the attempt is not current.
     """
-    stores = checkpoint_stores(request.app)
-    with _db(request).session() as session:
-        with _fenced(ref):
-            current_state(session, ref)
-        upload = get_upload(session, ref.job_id, upload_id)
-        store = stores.get(upload.store)
-        if store is not None:
-            reconcile_received(session, upload, store.received_size(upload_key(upload)))
-        return _json(_status(upload, _chunk_bytes(request)))
+    status = uploads.read_upload_status(
+        _db(request),
+        checkpoint_stores(request.app),
+        ref,
+        upload_id,
+        chunk_bytes=_chunk_bytes(request),
+    )
+    return _status_json(status)
 
 
 @router.put(
@@ -234,78 +194,36 @@ async def upload_chunk_route(
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > chunk_bytes:
         raise AttemptInputError(f"chunk of {declared} bytes exceeds chunk_bytes={chunk_bytes}")
+    db = _db(request)
     stores = checkpoint_stores(app)
     hashes = upload_hashes(app)
 
-    def load() -> tuple[CheckpointUpload, CheckpointStore]:
-        with _db(request).session(write=False) as session:
-            with _fenced(ref):
-                current_state(session, ref)
-            upload = get_upload(session, ref.job_id, upload_id)
-            check_chunk_offset(upload, ref.attempt, offset, chunk_bytes)
-        store = stores.get(upload.store)
-        if store is None:
-            raise CheckpointStoreError(f"checkpoint store {upload.store!r} is not available here")
-        return upload, store
-
     async with _upload_lock(app, upload_id):
-        upload, store = await _in_thread(load)
-        limit = min(chunk_bytes, upload.size_bytes - offset)
-        writer: ChunkWriter = await _in_thread(store.open_chunk, upload_key(upload), offset)
-        digest = hashlib.sha256()
-        running = hashes.resume(upload_id, offset)  # the whole file's, so far
-
-        def put(data: bytes) -> None:
-            digest.update(data)
-            if running is not None:
-                running.update(data)
-            writer.write(data)
-
-        received = 0
+        receiver: ChunkReceiver = await _in_thread(
+            lambda: uploads.open_chunk(
+                db, stores, hashes, ref, upload_id, offset=offset, chunk_bytes=chunk_bytes
+            )
+        )
         try:
             pieces: list[bytes] = []
             pending = 0
             async for piece in request.stream():
-                piece = _corrupt_if_asked(app, piece, received == 0)
-                received += len(piece)
-                if received > limit:
-                    raise AttemptInputError(
-                        f"chunk at offset {offset} is longer than {limit} bytes (chunk_bytes="
-                        f"{chunk_bytes}, {upload.size_bytes - offset} bytes left to send)"
-                    )
+                piece = _corrupt_if_asked(app, piece, receiver.received == 0)
+                receiver.count(len(piece))  # 422 past the chunk's length, before any write
                 pieces.append(piece)
                 pending += len(piece)
                 if pending >= WRITE_BLOCK_BYTES:
-                    await _in_thread(put, b"".join(pieces))
+                    await _in_thread(receiver.write, b"".join(pieces))
                     pieces, pending = [], 0
             if pieces:
-                await _in_thread(put, b"".join(pieces))
-            if received == 0 and upload.size_bytes > offset:
-                raise AttemptInputError("empty chunk: send the bytes from received_bytes on")
-            if digest.hexdigest() != chunk_sha256:
-                raise AttemptInputError(
-                    f"chunk at offset {offset} ({received} bytes) does not match its "
-                    f"{wire.CHUNK_SHA256_HEADER}: nothing kept, send it again"
-                )
-            await _in_thread(writer.commit)
+                await _in_thread(receiver.write, b"".join(pieces))
+            status: UploadStatus = await _in_thread(
+                uploads.finish_chunk, db, ref, receiver, chunk_sha256
+            )
         except (Exception, ClientDisconnect):
-            await _in_thread(writer.abort)
+            await _in_thread(receiver.abort)  # nothing once the chunk was kept
             raise
-
-        def advance() -> wire.UploadStatus:
-            with _fenced(ref), _db(request).session() as session:
-                moved = advance_upload(
-                    session, ref.job_id, ref.attempt, upload_id, offset=offset, length=received,
-                    chunk_bytes=chunk_bytes,
-                )  # fmt: skip
-                return _status(moved, chunk_bytes)
-
-        status: wire.UploadStatus = await _in_thread(advance)
-        if running is not None:
-            hashes.keep(upload_id, offset + received, running)
-        else:  # bytes this process did not follow: the commit reads the file back
-            hashes.forget(upload_id)
-    return _json(status)
+    return _status_json(status)
 
 
 @router.post(
@@ -332,54 +250,13 @@ async def commit_upload_route(
     job event says so: begin it again).
     """
     app: FastAPI = request.app
-    stores = checkpoint_stores(app)
-    hashes = upload_hashes(app)
+    db, stores, hashes = _db(request), checkpoint_stores(app), upload_hashes(app)
     chunk_bytes = _chunk_bytes(request)
 
-    def commit() -> tuple[wire.CheckpointEntry, bool]:
-        with _db(request).session(write=False) as session:
-            with _fenced(ref):
-                current_state(session, ref)
-            upload = get_upload(session, ref.job_id, upload_id)
-            if upload.state == COMMITTED:
-                return _entry(get_checkpoint(session, ref.job_id, upload.step)), False
-            check_chunk_offset(upload, ref.attempt, upload.size_bytes, chunk_bytes)
-        store = stores[upload.store]
-        key = upload_key(upload)
-        # Hashed as the chunks arrived when this process took them all; else read back.
-        sha256 = hashes.whole(upload_id, upload.size_bytes)
-        if sha256 is not None and store.received_size(key) != upload.size_bytes:
-            sha256 = None  # the store lost bytes since: check what it holds now
-        if sha256 is None:
-            try:
-                sha256 = store.partial_sha256(key)
-            except OSError as exc:
-                raise CheckpointStoreError(f"cannot read upload {upload_id} back: {exc}") from None
-        hashes.forget(upload_id)
-        if sha256 != upload.sha256:
-            with _fenced(ref), _db(request).session() as session:
-                abandon_upload(
-                    session,
-                    ref.job_id,
-                    ref.attempt,
-                    upload_id,
-                    reason=f"the uploaded file's sha256 {sha256} is not {upload.sha256} "
-                    "(corrupted on the way): upload discarded",
-                )
-            store.discard(key)
-            raise AttemptInputError(
-                f"upload {upload_id}: the file's sha256 is {sha256}, not {upload.sha256}; "
-                "the upload is discarded: begin it again"
-            )
-        location = store.finalize(key)
-        with _fenced(ref), _db(request).session() as session:
-            ckpt, doomed = commit_upload(
-                session, ref.job_id, ref.attempt, upload_id, location=location
-            )
-            entry = _entry(ckpt)
-        delete_files(stores, doomed)
-        return entry, True
-
     async with _upload_lock(app, upload_id):
-        entry, created = await _in_thread(commit)
-    return _json(entry, 201 if created else 200)
+        done = await _in_thread(
+            lambda: checkpoints.commit_upload(
+                db, stores, hashes, ref, upload_id, chunk_bytes=chunk_bytes
+            )
+        )
+    return _json(checkpoint_entry(done.checkpoint), 201 if done.created else 200)

@@ -8,11 +8,10 @@ from fastapi import APIRouter, Header, Path, Request
 from fastapi.responses import StreamingResponse
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
-from service.api.files import StoredFile, checkpoint_stores, stream_file
+from service.api.files import checkpoint_stores, stream_file
 from service.api.http import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
-from service.store.checkpoints.crud import get_checkpoint, list_checkpoints
-from service.store.jobs.crud import get_job
+from service.store.checkpoints import service as checkpoints
 
 router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -28,11 +27,8 @@ def checkpoints_route(job_id: JobIdPath, ctx: ContextDep) -> CheckpointListOut:
     relative to the server's artifact directory. A partial upload is never listed. Caller:
     the job's owner or an admin (anyone else: 404)."""
     root = ctx.settings.resolved_artifact_dir
-    with ctx.db.session(write=False) as session:
-        get_job(session, job_id, owner=ctx.owner)
-        return CheckpointListOut(
-            checkpoints=[checkpoint_out(c, root) for c in list_checkpoints(session, job_id)]
-        )
+    found = checkpoints.list_job_checkpoints(ctx.db, job_id, owner=ctx.owner)
+    return CheckpointListOut(checkpoints=[checkpoint_out(c, root) for c in found])
 
 
 @router.get(
@@ -58,12 +54,6 @@ def checkpoint_file_route(
     (``Range: bytes=N-`` resumes); ``X-Ddpq-Sha256`` (and ``X-Checkpoint-Sha256``) carry its
     sha256. Caller: the job's owner or an admin (anyone else: 404, as for a job that does
     not exist); an attempt token is 401."""
-    with ctx.db.session(write=False) as session:
-        get_job(session, job_id, owner=ctx.owner)
-        stored = StoredFile.of(get_checkpoint(session, job_id, step))
-    return stream_file(
-        checkpoint_stores(request.app),
-        stored,
-        range_header,
-        filename=f"job-{job_id}-step-{step}.pt",
-    )
+    stores = checkpoint_stores(request.app)
+    stored = checkpoints.open_job_checkpoint(ctx.db, stores, job_id, step, owner=ctx.owner)
+    return stream_file(stores, stored, range_header, filename=f"job-{job_id}-step-{step}.pt")

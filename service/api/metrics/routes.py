@@ -15,9 +15,7 @@ from service.api.metrics.schemas import (
     history_json,
     metrics_json,
 )
-from service.store.jobs.crud import get_job
-from service.store.metrics.history import downsample_superseded, history_page
-from service.store.metrics.points import downsample_points, metric_names, query_points
+from service.store.metrics import service as metrics
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -69,28 +67,21 @@ def metrics_route(
 
     Who may call it: the job's owner or an admin (another owner: 404); an attempt token: 401.
     """
-    cap = ctx.settings.max_metric_points
-    with ctx.db.session(write=False) as session:
-        get_job(session, job_id, owner=ctx.owner)
-        if max_points is not None:
-            rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
-            next_after = rows[-1].step if rows else after_step
-            if not include_superseded:
-                body = metrics_json(name, rows, next_after)
-            else:
-                old = downsample_superseded(session, job_id, name, max_points=min(max_points, cap))
-                body = history_json(name, rows, old, next_after)
-        elif not include_superseded:
-            rows, next_after = query_points(
-                session, job_id, name, after_step=after_step, limit=min(limit, cap)
-            )
-            body = metrics_json(name, rows, next_after)
-        else:
-            # Both kinds share the page's limit; the cursor continues through both.
-            rows, old, next_after = history_page(
-                session, job_id, name, after_step=after_step, limit=min(limit, cap)
-            )
-            body = history_json(name, rows, old, next_after)
+    page = metrics.read_metric_page(
+        ctx.db,
+        job_id,
+        name,
+        owner=ctx.owner,
+        after_step=after_step,
+        limit=limit,
+        max_points=max_points,
+        include_superseded=include_superseded,
+        cap=ctx.settings.max_metric_points,
+    )
+    if page.superseded is None:
+        body = metrics_json(name, page.points, page.next_after_step)
+    else:
+        body = history_json(name, page.points, page.superseded, page.next_after_step)
     # Serialised once, here: returning a MetricsOut made FastAPI validate every point again.
     return Response(body, media_type="application/json")
 
@@ -103,6 +94,4 @@ def metrics_route(
 )
 def metric_names_route(job_id: JobIdPath, ctx: ContextDep) -> MetricNamesOut:
     """Every metric name the job reported, sorted."""
-    with ctx.db.session(write=False) as session:
-        get_job(session, job_id, owner=ctx.owner)
-        return MetricNamesOut(names=metric_names(session, job_id))
+    return MetricNamesOut(names=metrics.list_metric_names(ctx.db, job_id, owner=ctx.owner))

@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from typing_extensions import TypedDict  # pydantic needs it for TypedDict on Python < 3.12
 
 from service.core.metrics.points import JsonNumber, json_safe
-from service.store.metrics.history import SupersededRow
-from service.store.metrics.points import PointRow
+from service.store.metrics.values import PointRow, SupersededRow
 
 
 class _Out(BaseModel):

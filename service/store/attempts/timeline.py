@@ -3,31 +3,13 @@ first step, checkpoint stall), written through the attempt API's timeline route.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
-
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.store.attempts.values import TimelineUpdate
 from service.store.metrics.history import supersede_after_resume
 from service.store.models import JobAttempt
 from service.store.workers.leases import check_attempt
-
-
-@dataclass(frozen=True)
-class TimelineUpdate:
-    """Fields of one timeline report; None leaves the stored value as it is.
-
-    ``resume_step``: checkpoint step resumed from (0: from scratch); only the first one told
-    is kept. ``restore_s`` and ``checkpoint_stall_s`` in seconds; ``training_started_at``
-    tz-aware UTC.
-    """
-
-    resume_step: int | None = None
-    restore_s: float | None = None
-    training_started_at: datetime | None = None
-    checkpoint_stall_s: float | None = None
-    checkpoint_saves: int | None = None
 
 
 def record_attempt_timeline(

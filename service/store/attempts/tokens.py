@@ -11,7 +11,6 @@ once, and the rows go with their job (ON DELETE CASCADE).
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Row, select
@@ -19,17 +18,10 @@ from sqlalchemy.orm import Session
 
 from service.core.states import JobState
 from service.core.wire.attempt import ATTEMPT_TOKEN_PREFIX
+from service.store.attempts.values import AttemptRef as AttemptRef  # re-exported for callers
 from service.store.auth.tokens import MAX_TOKEN_CHARS, TOKEN_BYTES, hash_token
 from service.store.models import AttemptToken, Job
 from service.store.workers.leases import fence_attempt
-
-
-@dataclass(frozen=True)
-class AttemptRef:
-    """The attempt an attempt token stands for (not a proof that it is still current)."""
-
-    job_id: int
-    attempt: int
 
 
 def new_attempt_token() -> str:

@@ -1,6 +1,7 @@
 """What the API checks before it records a shared-filesystem checkpoint
 (``POST /attempts/self/checkpoints``): the file the rank names must really be there, in this
-job's checkpoint directory of the filesystem store, with the size and sha256 the rank claims.
+job's checkpoint directory of the filesystem store, with the size and sha256 the rank claims;
+and the error every refused checkpoint input raises (422).
 
 Without the check any attempt token could record a file that does not exist as the newest
 checkpoint, and retention would then delete the real ones. The shared path is for shared
@@ -14,8 +15,43 @@ import hashlib
 from pathlib import Path, PurePosixPath
 
 from service.core.artifacts import artifact_relative_path
+from service.core.errors import DdpqError
 
 _BLOCK = 1 << 20  # bytes read at a time while hashing
+
+
+class CheckpointInputError(DdpqError):
+    """A well-formed attempt request whose checkpoint cannot be accepted: a record whose file
+    the server cannot verify (missing, another size or sha256, outside the job's checkpoint
+    directory, no shared filesystem store), a chunk longer than allowed, empty, or not
+    matching its sha256, an uploaded file not matching its sha256."""
+
+    status_code = 422
+    code = "invalid_attempt_input"
+
+
+def storable_text(text: str) -> str:
+    """``text`` without NUL and lone surrogates (neither database stores them)."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\0")
+
+
+def own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
+    """``path`` as given, once it is known to resolve inside the job's own artifact directory
+    (``jobs/<job_id>/`` under ``root``; symlinks followed), so a record can name no other
+    job's file.
+
+    Raises:
+        CheckpointInputError: it lies elsewhere, or cannot be stored (NUL, lone surrogates).
+    """
+    if storable_text(path) != path:
+        raise CheckpointInputError("checkpoint path holds NUL or a lone surrogate")
+    relative = artifact_relative_path(root, path)
+    if relative is None or PurePosixPath(relative).parts[:2] != ("jobs", str(job_id)):
+        raise CheckpointInputError(
+            f"checkpoint path must lie inside this job's artifact directory (jobs/{job_id}/ "
+            "under the server's artifact root)"
+        )
+    return path
 
 
 def _in_checkpoint_dir(root: Path, job_id: int, path: str) -> Path | None:

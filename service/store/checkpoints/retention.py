@@ -11,37 +11,24 @@ Run in the transaction that commits (or records) a checkpoint, after its row is 
 - a checkpoint named by the ``init_from`` of a job not yet terminal is kept (pinned).
 
 Each deleted one is marked (``deleted_at``) with a job event; its bytes are removed from its
-store by the caller once the transaction committed (``delete_files``), so a rolled-back
-commit never leaves a live row without its file.
+store once the transaction committed (``stores.delete_files``, called by the use cases of
+``service.store.checkpoints.service``), so a rolled-back commit never leaves a live row
+without its file. ``record_and_retain`` is the one sequence that writes a checkpoint row:
+the file it replaces, the row, retention.
 """
 
 from __future__ import annotations
-
-import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.core.states import TERMINAL_STATES
-from service.store.checkpoints.backends.base import CheckpointStore
-from service.store.checkpoints.crud import list_checkpoints
+from service.store.checkpoints.crud import list_checkpoints, record_checkpoint
+from service.store.checkpoints.values import DoomedFile
 from service.store.models import Checkpoint, Job, JobEvent, utcnow
-
-log = logging.getLogger(__name__)
+from service.store.workers.leases import check_attempt
 
 DEFAULT_KEEP = 3  # training.keep_checkpoints's default
-
-
-@dataclass(frozen=True)
-class DoomedFile:
-    """Bytes to remove from a store after the transaction that let them go committed."""
-
-    job_id: int
-    step: int
-    store: str
-    location: str
 
 
 def pinned_steps(session: Session, job_id: int) -> set[int]:
@@ -125,15 +112,41 @@ def apply_retention(session: Session, job_id: int) -> list[DoomedFile]:
     return doomed
 
 
-def delete_files(stores: Mapping[str, CheckpointStore], doomed: Iterable[DoomedFile]) -> None:
-    """Remove the doomed files from their stores; a failure is logged, never raised (the rows
-    are already marked deleted: nothing serves the file any more)."""
-    for d in doomed:
-        store = stores.get(d.store)
-        if store is None:
-            log.warning("job_id=%d: no checkpoint store %r for step %d", d.job_id, d.store, d.step)
-            continue
-        try:
-            store.delete(d.location)
-        except Exception:
-            log.exception("job_id=%d: could not delete checkpoint step %d", d.job_id, d.step)
+def record_and_retain(
+    session: Session,
+    job_id: int,
+    attempt: int,
+    *,
+    step: int,
+    epoch: int,
+    path: str,
+    size_bytes: int,
+    sha256: str,
+    store: str,
+    location: str,
+) -> tuple[Checkpoint, list[DoomedFile]]:
+    """Write the checkpoint row of a complete, verified file (``crud.record_checkpoint``:
+    fenced, a re-record of ``step`` replaces it), then apply retention: the one sequence
+    behind a shared-filesystem record and an upload's commit.
+
+    Returns:
+        The row and every file let go: the bytes of the row it replaced at ``step`` (when
+        another file) and those retention deleted. Remove them after commit.
+    Raises:
+        StaleAttemptError / NotFoundError: the attempt is fenced off (nothing written).
+    """
+    check_attempt(session, job_id, attempt)  # row-locked first: a concurrent record waits
+    doomed = replaced_files(session, job_id, step, store=store, location=location)
+    ckpt = record_checkpoint(
+        session,
+        job_id,
+        attempt,
+        step=step,
+        epoch=epoch,
+        path=path,
+        size_bytes=size_bytes,
+        sha256=sha256,
+        store=store,
+        location=location,
+    )
+    return ckpt, doomed + apply_retention(session, job_id)

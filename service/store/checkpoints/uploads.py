@@ -9,7 +9,6 @@ fenced on the attempt (``leases.check_attempt``): a superseded attempt changes n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -22,8 +21,9 @@ from service.core.artifacts import checkpoint_path
 from service.core.errors import ConflictError, DdpqError
 from service.core.states import ACTIVE_STATES
 from service.store.checkpoints.backends.base import UploadKey
-from service.store.checkpoints.crud import record_checkpoint, record_checkpoint_failure
-from service.store.checkpoints.retention import DoomedFile, apply_retention, replaced_files
+from service.store.checkpoints.crud import record_checkpoint_failure
+from service.store.checkpoints.retention import record_and_retain
+from service.store.checkpoints.values import DoomedFile, PendingDiscard
 from service.store.models import Checkpoint, CheckpointUpload, Job, utcnow
 from service.store.workers.leases import check_attempt
 
@@ -43,14 +43,6 @@ class UploadStateError(ConflictError):
     abandoned); ``detail`` is the upload's status (``upload_status``), to resume from."""
 
     code = "upload_state"
-
-
-@dataclass(frozen=True)
-class PendingDiscard:
-    """A partial upload whose bytes its store should drop (after the transaction)."""
-
-    store: str
-    key: UploadKey
 
 
 def upload_key(upload: CheckpointUpload) -> UploadKey:
@@ -241,7 +233,7 @@ def commit_upload(
 ) -> tuple[Checkpoint, list[DoomedFile]]:
     """Mark a complete, verified upload committed and write its checkpoints row (``store`` of
     the upload, ``location`` from the store's ``finalize``) in this one transaction, then
-    apply retention.
+    apply retention (``retention.record_and_retain``).
 
     Returns:
         The row and the files retention let go (remove them after commit), the bytes of a
@@ -254,7 +246,6 @@ def commit_upload(
     check_attempt(session, job_id, attempt)
     upload = get_upload(session, job_id, upload_id)
     check_chunk_offset(upload, attempt, upload.size_bytes, 0)
-    doomed = replaced_files(session, job_id, upload.step, store=upload.store, location=location)
     # A compare-and-set: the reaper abandons only receiving uploads the same way, so an
     # upload is committed or abandoned (its bytes discarded), never both.
     moved = session.execute(
@@ -272,7 +263,7 @@ def commit_upload(
     root_relative = (
         location if upload.store == "filesystem" else checkpoint_path_name(job_id, upload.step)
     )
-    ckpt = record_checkpoint(
+    return record_and_retain(
         session,
         job_id,
         attempt,
@@ -284,7 +275,6 @@ def commit_upload(
         store=upload.store,
         location=location,
     )
-    return ckpt, doomed + apply_retention(session, job_id)
 
 
 def checkpoint_path_name(job_id: int, step: int) -> str:

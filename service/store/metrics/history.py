@@ -13,21 +13,17 @@ reads ``metrics`` alone: no join on its path.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
-from sqlalchemy import CursorResult, Row, delete, func, insert, literal, select, update
+from sqlalchemy import CursorResult, delete, func, insert, literal, select, update
 from sqlalchemy.orm import Session
 
 from service.core.metrics.points import json_safe
-from service.store.metrics.points import PointRow, query_points
+from service.store.metrics.points import query_points
+from service.store.metrics.values import PointRow, SupersededRow
 from service.store.models import Job, Metric, MetricSuperseded
 
 _MOVED_COLUMNS = ("job_id", "name", "step", "attempt", "epoch", "value", "time", "ranks")
-
-# A superseded point as readers get it: ``.step``, ``.epoch``, ``.value``, ``.time``,
-# ``.attempt``, ``.ranks`` (as ``metrics.PointRow``) and ``.superseded_by``.
-SupersededRow: TypeAlias = "Row[int, int | None, float | None, datetime, int, int | None, int]"
 
 
 def supersede_after_resume(session: Session, job_id: int, attempt: int, resume_step: int) -> int:

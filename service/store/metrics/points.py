@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, Row, and_, func, select, text, update
 from sqlalchemy.dialects import sqlite
@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
 from service.core.states import ACTIVE_STATES
+from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
 from service.store.workers.leases import fence_attempt, lock_attempt
 
@@ -204,12 +205,7 @@ def metric_names(session: Session, job_id: int) -> list[str]:
     )
 
 
-# What a reader of points gets: rows with ``.step``, ``.epoch``, ``.value`` (None for NaN),
-# ``.time``, ``.attempt`` and ``.ranks`` (``Metric.ranks``), not ORM objects (loading 1,000
-# ORM entities cost 5× the plain rows per poll). Every column is in the PostgreSQL primary
-# key's INCLUDE list, so a poll stays an index-only scan.
-# A string: ``Row[int, …]`` is SQLAlchemy 2.1's variadic form (2.0 would refuse it at import).
-PointRow: TypeAlias = "Row[int, int | None, float | None, datetime, int, int | None]"
+# What a reader of points gets (``values.PointRow``): plain rows, not ORM objects.
 _POINT_COLUMNS = (
     Metric.step, Metric.epoch, Metric.value, Metric.time, Metric.attempt, Metric.ranks,
 )  # fmt: skip

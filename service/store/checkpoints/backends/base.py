@@ -4,9 +4,10 @@ A store keeps two kinds of object: *partial uploads* (the bytes of one ``checkpo
 row received so far, keyed by its id) and *committed files* (named by a ``location`` string
 the store hands out at ``finalize`` and the ``checkpoints`` row keeps). The database rows
 are the truth about both: a store never decides what is committed or live, it only holds
-bytes. Backends: ``checkpoint_fs.FilesystemStore`` (the artifact directory) and
-``checkpoint_db.DatabaseStore`` (chunked rows). ``docs/architecture.md`` says how an object
-store (S3 multipart) maps onto these methods.
+bytes. Backends: ``filesystem.FilesystemStore`` (the artifact directory) and
+``database.DatabaseStore`` (chunked rows); ``service.store.checkpoints.stores`` builds them
+from the settings. ``docs/architecture.md`` says how an object store (S3 multipart) maps
+onto these methods.
 
 Every method is synchronous and may block on I/O: call them from a worker thread.
 """
@@ -17,9 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.core.config import Settings
 from service.core.errors import DdpqError
-from service.store.db import Database
 
 # Bytes a streamed read yields at a time.
 READ_BLOCK_BYTES = 1 << 20
@@ -108,17 +107,3 @@ class CheckpointStore(Protocol):
 
     def discard(self, key: UploadKey) -> None:
         """Remove a partial upload's bytes (idempotent)."""
-
-
-def make_stores(settings: Settings, db: Database) -> dict[str, CheckpointStore]:
-    """Every backend by name. A checkpoints row names its own ``store``, so a file stays
-    readable after ``DDPQ_CHECKPOINT_STORE`` changed; new uploads go to
-    ``stores[settings.checkpoint_store]``."""
-    # Imported here: each backend module imports this one for the interface.
-    from service.store.checkpoints.backends.database import DatabaseStore
-    from service.store.checkpoints.backends.filesystem import FilesystemStore
-
-    return {
-        "filesystem": FilesystemStore(settings.resolved_artifact_dir),
-        "database": DatabaseStore(db, max_bytes=settings.checkpoint_db_max_bytes),
-    }

@@ -1,0 +1,100 @@
+"""Metric use cases: a rank's batch in (the ingest), a job's points out (the dashboard's poll,
+downsampled history), each owning its transaction and returning plain values (``values``).
+
+Both are hot paths and stay as lean as the measurements made them: the ingest is one
+autocommit statement on PostgreSQL (``Database.session(one_statement=True)``, see
+``points.record_metrics``); the poll reads plain Core rows (``values.PointRow``), handed out
+as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from service.core.metrics.points import CheckedPoint
+from service.store.attempts.fence import superseded_on_fence
+from service.store.attempts.values import AttemptRef
+from service.store.db import Database
+from service.store.jobs.crud import get_job
+from service.store.metrics.history import downsample_superseded, history_page
+from service.store.metrics.points import (
+    downsample_points,
+    metric_names,
+    query_points,
+    record_metrics,
+)
+from service.store.metrics.values import MetricPage
+
+
+def record_batch(
+    db: Database,
+    ref: AttemptRef,
+    points: Sequence[CheckedPoint],
+    *,
+    progress: dict[str, Any] | None,
+) -> int:
+    """Store a rank's batch of checked points and, when given, the job's progress snapshot,
+    in one fenced write (one autocommit statement on PostgreSQL). Idempotent per
+    (job, name, step).
+
+    Returns:
+        The number of points inserted (0 for a resent batch).
+    Raises:
+        StaleAttemptError: the attempt is superseded (409, nothing stored).
+    """
+    with superseded_on_fence(), db.session(one_statement=True) as session:
+        return record_metrics(session, ref.job_id, ref.attempt, points, progress=progress)
+
+
+def read_metric_page(
+    db: Database,
+    job_id: int,
+    name: str,
+    *,
+    owner: str | None,
+    after_step: int,
+    limit: int,
+    max_points: int | None,
+    include_superseded: bool,
+    cap: int,
+) -> MetricPage:
+    """Points of ``name`` with ``step > after_step``, at most ``limit``; or, with
+    ``max_points``, the whole history min/max-decimated to that many (``after_step`` and
+    ``limit`` ignored). ``include_superseded`` adds the points of earlier attempts that a
+    resumed attempt trained again (sharing the page's limit and cursor). ``cap``
+    (``DDPQ_MAX_METRIC_POINTS``) bounds ``limit`` and ``max_points``.
+
+    Raises:
+        NotFoundError: no job ``job_id`` of ``owner`` (None: any owner).
+    """
+    with db.session(write=False) as session:
+        get_job(session, job_id, owner=owner)
+        if max_points is not None:
+            rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
+            next_after = rows[-1].step if rows else after_step
+            old = None
+            if include_superseded:
+                old = downsample_superseded(session, job_id, name, max_points=min(max_points, cap))
+            return MetricPage(name, rows, old, next_after)
+        if not include_superseded:
+            rows, next_after = query_points(
+                session, job_id, name, after_step=after_step, limit=min(limit, cap)
+            )
+            return MetricPage(name, rows, None, next_after)
+        # Both kinds share the page's limit; the cursor continues through both.
+        rows, old, next_after = history_page(
+            session, job_id, name, after_step=after_step, limit=min(limit, cap)
+        )
+        return MetricPage(name, rows, old, next_after)
+
+
+def list_metric_names(db: Database, job_id: int, *, owner: str | None) -> list[str]:
+    """Every metric name job ``job_id`` reported, sorted.
+
+    Raises:
+        NotFoundError: no job ``job_id`` of ``owner`` (None: any owner).
+    """
+    with db.session(write=False) as session:
+        get_job(session, job_id, owner=owner)
+        return metric_names(session, job_id)
