@@ -83,23 +83,12 @@ class PackedWorkspace:
     @property
     def exclude_with(self) -> str:
         """Where the user excludes files from this directory."""
-        return ".gitignore" if self.listing == "git" else IGNORE_FILE
+        return exclude_file(self.listing)
 
     def largest(self, n: int = LARGEST_SHOWN) -> list[WorkspaceFile]:
         """The ``n`` largest files, largest first (ties by path)."""
         ordered = sorted(self.manifest.files, key=lambda f: (-f.size_bytes, f.path))
         return ordered[:n]
-
-    def source_of(self, sha256: str) -> Path:
-        """A file on disk with content ``sha256``.
-
-        Raises:
-            KeyError: no file of the workspace has it.
-        """
-        for f in self.manifest.files:
-            if f.sha256 == sha256:
-                return self.sources[f.path]
-        raise KeyError(sha256)
 
 
 @dataclass(frozen=True)
@@ -133,7 +122,7 @@ def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> Packe
     listing: Listing = "git" if _in_git_work_tree(base) else "walk"
     paths = _git_files(base) if listing == "git" else _walk_files(base)
     entries = [e for e in (_entry(base, path, listing) for path in paths) if e is not None]
-    exclude_with = ".gitignore" if listing == "git" else IGNORE_FILE
+    exclude_with = exclude_file(listing)
     if not entries:
         why = "git lists no file there (are they all ignored?)" if listing == "git" else ""
         raise WorkspacePackError(f"nothing to ship in {base}: {why or 'it has no file'}")
@@ -145,6 +134,10 @@ def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> Packe
         manifest = Manifest(files=files)
     except ValueError as exc:  # a file/dir clash cannot come from one tree; a bug if it does
         raise WorkspacePackError(f"{base}: {exc}") from None
+    # Sizes as read: a file that grew since it was listed counts as it is now.
+    check_limits(
+        ((f.path, f.size_bytes) for f in files), max_bytes, max_files, exclude_with=exclude_with
+    )
     return PackedWorkspace(
         root=base,
         manifest=manifest,
@@ -154,6 +147,11 @@ def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> Packe
 
 
 # -- listing ------------------------------------------------------------------------------------
+
+
+def exclude_file(listing: Listing) -> str:
+    """Where a user excludes files from a directory packed with ``listing``."""
+    return ".gitignore" if listing == "git" else IGNORE_FILE
 
 
 def _git(base: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -268,7 +266,7 @@ def _entry(base: Path, path: str, listing: Listing) -> _Entry | None:
     Raises:
         WorkspacePackError: a name, symlink or file kind that cannot be shipped.
     """
-    exclude_with = ".gitignore" if listing == "git" else IGNORE_FILE
+    exclude_with = exclude_file(listing)
     problem = path_problem(path)
     if problem is not None:
         raise _refuse(path, f"its path cannot be a workspace path ({problem})", exclude_with)

@@ -103,11 +103,12 @@ def upload_packed(
     """
     started = time.monotonic()
     sent_files = sent_bytes = 0
+    path_of = {f.sha256: f.path for f in packed.manifest.files}  # one path per content
     for ref in missing_files(api, packed.manifest):
-        source = packed.source_of(ref.sha256)
+        path = path_of[ref.sha256]
         if on_file is not None:
-            on_file(str(source.relative_to(packed.root)), ref.size_bytes)
-        sent_bytes += _upload_file(api, ref, source)
+            on_file(path, ref.size_bytes)
+        sent_bytes += _upload_file(api, ref, packed.sources[path])
         sent_files += 1
     summary = api.create_workspace(packed.manifest)
     if summary.digest != packed.digest:
