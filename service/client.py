@@ -13,6 +13,7 @@ import httpx
 from service.core.config import Settings
 from service.core.errors import DdpqError
 from service.core.wire.attempt import SHA256_HEADER
+from service.workspaces.calls import WorkspaceCalls
 
 API_PREFIX = "/api/v1"
 
@@ -87,7 +88,7 @@ class ApiUrlError(DdpqError):
         )
 
 
-class DdpqClient:
+class DdpqClient(WorkspaceCalls):
     """A synchronous client of one ddpq API.
 
     Args:
@@ -95,9 +96,11 @@ class DdpqClient:
             i.e. ``DDPQ_API_URL``).
         token: sent as ``Authorization: Bearer <token>`` (default: ``DDPQ_TOKEN``).
         timeout_s: per-request timeout in seconds.
+        transport: httpx's transport (default: its own); tests pass ``httpx.MockTransport``.
 
     Every method raises ``ApiError`` for an error answer and ``ApiUnreachableError`` when
-    the API does not answer.
+    the API does not answer. Workspaces and command jobs (``run``, ``upload_workspace``, the
+    workspace routes) come from ``WorkspaceCalls``.
 
     Raises:
         ApiUrlError: ``base_url`` is not a usable URL (e.g. ``http://[::1``).
@@ -105,7 +108,12 @@ class DdpqClient:
     """
 
     def __init__(
-        self, base_url: str | None = None, token: str | None = None, timeout_s: float = 10
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 10,
+        *,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         if base_url is None or token is None:
             settings = Settings()
@@ -118,7 +126,9 @@ class DdpqClient:
             raise ApiTokenError()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+            self._http = httpx.Client(
+                base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport
+            )
         except httpx.InvalidURL as exc:
             raise ApiUrlError(self.base_url, str(exc)) from None
 

@@ -151,6 +151,26 @@ class Settings(BaseSettings):
         "receives (1-based), as a network fault would; the chunk is then refused.",
     )
 
+    # Workspaces (service.core.wire.workspace): users' working directories shipped with
+    # their command jobs. The CLI checks the limits before it sends a byte; the API again.
+    workspace_max_bytes: int = Field(
+        default=100 * 2**20,
+        ge=1,
+        description="Most bytes one workspace may hold, all its files together (default "
+        "100 MiB); a bigger one is refused, naming its largest files.",
+    )
+    workspace_max_files: int = Field(
+        default=20_000,
+        ge=1,
+        description="Most files one workspace may hold (default 20,000).",
+    )
+    workspace_retention_days: float = Field(
+        default=30,
+        gt=0,
+        description="Days a workspace is kept once no unfinished job references it (one "
+        "that an unfinished job references is never deleted).",
+    )
+
     @property
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to the embedded SQLite file under ``home``."""

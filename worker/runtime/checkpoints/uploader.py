@@ -34,6 +34,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.wire import attempt as wire
+from service.core.wire.chunks import MAX_CHUNK_REFUSALS, send_file_chunks
 from worker.runtime.attempt_client import (
     ApiUnavailableError,
     AttemptRequestError,
@@ -51,8 +52,6 @@ UPLOAD_SAFETY = 4.0
 ASSUMED_BYTES_PER_S = 12.5e6
 # Backoff between retries after an error (seconds): doubles from MIN to MAX.
 RETRY_MIN_S, RETRY_MAX_S = 0.25, 10.0
-# Damaged chunks (422) in a row before the upload fails: a link that corrupts every chunk.
-MAX_CHUNK_REFUSALS = 5
 # The uploader thread's nice value (Linux: per thread): with the CPU contended, the training
 # thread and the data loaders go first; the upload takes what is left (its deadline allows).
 UPLOADER_NICE = 10
@@ -247,37 +246,42 @@ class CheckpointUploader:
         """Send chunks from the server's ``received_bytes`` to the end; returns the last status
         and the bytes sent. A damaged chunk (422) is sent again, ``MAX_CHUNK_REFUSALS`` times
         in a row at most; after an outage the server's status says where to go on."""
-        sent = refusals = 0
-        # The status this upload began (or resumed) with sets the size; later ones only when
-        # they tell a size a server could have (a lost compare-and-set's 409 once said 0).
-        chunk = status.chunk_bytes if status.chunk_bytes > 0 else wire.MIN_CHUNK_BYTES
-        while status.state == "receiving" and status.received_bytes < item.size_bytes:
-            self._check(item)
-            offset = status.received_bytes
-            fh.seek(offset)
-            chunk = usable_chunk_bytes(status.chunk_bytes, chunk)
-            data = fh.read(min(chunk, item.size_bytes - offset))
-            try:
-                status = self._client.send_chunk(status.upload_id, offset, data)
-                sent += len(data)
-                refusals = 0
-            except UploadOffsetError as exc:
-                status = exc.status  # the server holds another offset: go on from there
-            except AttemptRequestError as exc:  # the chunk arrived damaged: send it again
+        refusals = 0
+
+        def accepted(_n: int) -> None:
+            nonlocal refusals
+            refusals = 0
+
+        def recover(exc: Exception, status: wire.UploadStatus) -> wire.UploadStatus:
+            nonlocal refusals
+            if isinstance(exc, UploadOffsetError):
+                return exc.status  # the server holds another offset: go on from there
+            if isinstance(exc, AttemptRequestError):  # the chunk arrived damaged: send it again
                 refusals += 1
                 log.warning("chunk at byte %d of step=%d refused (%d in a row): %s",
-                            offset, item.step, refusals, exc)  # fmt: skip
+                            status.received_bytes, item.step, refusals, exc)  # fmt: skip
                 if refusals >= MAX_CHUNK_REFUSALS:
                     raise UploadFailedError(
                         f"upload of checkpoint at step {item.step}: {refusals} chunks in a row "
                         f"refused: {exc}"
                     ) from None
-            except ApiUnavailableError as exc:
+                return status
+            if isinstance(exc, ApiUnavailableError):
                 self._back_off(item, exc, 0)
-                status = self._retrying(
+                return self._retrying(
                     item, functools.partial(self._client.upload_status, status.upload_id)
                 )
-        return status, sent
+            raise exc
+
+        return send_file_chunks(
+            fh,
+            status,
+            item.size_bytes,
+            self._client.send_chunk,
+            recover,
+            before_chunk=functools.partial(self._check, item),
+            on_accepted=accepted,
+        )
 
     def _check(self, item: UploadItem) -> None:
         """Raise when the upload is past its deadline, or must give way while closing."""
@@ -314,10 +318,3 @@ class CheckpointUploader:
                 raise UploadFailedError(
                     f"upload of checkpoint at step {item.step} refused: {exc}"
                 ) from None
-
-
-def usable_chunk_bytes(reported: int, known: int) -> int:
-    """The chunk size to send with: ``reported`` (a status's ``chunk_bytes``) when it is one
-    the server could be configured with (≥ ``MIN_CHUNK_BYTES``), else ``known`` (the last
-    usable one): a status saying 0 must not shrink every chunk to a byte."""
-    return reported if reported >= wire.MIN_CHUNK_BYTES else known

@@ -1,0 +1,189 @@
+"""`ddpq run`: run the user's own script as a command job. Pack the working directory, print
+what goes (file count, total size, the five largest files), upload what the API lacks, submit,
+and with --wait follow the job as `ddpq submit --wait` does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from service.cli.common import (
+    app,
+    err,
+    fail,
+    friendly_errors,
+    load_settings,
+    make_client,
+    out,
+    print_json,
+)
+from service.cli.jobs import wait_for_job, with_overrides
+from service.cli.output import cell
+from service.cli.queue_output import format_dry_run
+from service.client import ApiError, DdpqClient
+from service.core.launchers import launcher_names
+from service.core.wire.workspace import WorkspaceTooLargeError, format_size
+from service.workspaces.command import command_job_spec, plan_command
+from service.workspaces.pack import PackedWorkspace, pack_workspace
+from service.workspaces.upload import missing_files
+
+COMMAND_HELP = (
+    "What to run, as you would type it: train.py ARGS, -m pkg.train ARGS, python train.py "
+    "ARGS or torchrun [--nproc-per-node N] [--nnodes N] [--standalone] train.py ARGS. Put "
+    "it after `--` (or after ddpq run's own options: everything from the script on is the "
+    "script's)."
+)
+
+
+def _launcher(value: str | None) -> str | None:
+    if value is not None and value not in launcher_names():
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(launcher_names())}")
+    return value
+
+
+def parse_env(assignments: list[str]) -> dict[str, str]:
+    """``["LR=0.1", "MODE=fast"]`` → ``{"LR": "0.1", "MODE": "fast"}`` (the last of a name
+    wins); exits 2 for one without ``=`` or a name. Which names are allowed is the API's
+    call (its 422 names the field)."""
+    env: dict[str, str] = {}
+    for assignment in assignments:
+        name, eq, value = assignment.partition("=")
+        if not eq or not name:
+            fail(f"--env {assignment!r}: write NAME=VALUE", "e.g. --env LR=0.1 (repeatable)")
+        env[name] = value
+    return env
+
+
+def print_pack_summary(console: Console, packed: PackedWorkspace) -> None:
+    """The pack's file count, total size, digest and five largest files."""
+    how = "the files git lists" if packed.listing == "git" else "all files, less .ddpqignore's"
+    manifest = packed.manifest
+    console.print(cell(f"workspace {packed.root} ({how})"))
+    console.print(
+        cell(
+            f"  {manifest.file_count} files, {format_size(manifest.total_bytes)}, "
+            f"digest {packed.digest[:12]}"
+        )
+    )
+    console.print("  largest:")
+    for f in packed.largest():
+        console.print(cell(f"    {format_size(f.size_bytes):>10}  {f.path}"))
+
+
+def _print_missing(console: Console, client: DdpqClient, packed: PackedWorkspace) -> None:
+    """What an upload would send (a dry run asks, and sends nothing)."""
+    try:
+        missing = missing_files(client, packed.manifest)
+    except ApiError as exc:  # an API without workspaces: the plan below says the rest
+        console.print(cell(f"  (the API did not say which files it lacks: HTTP {exc.status_code})"))
+        return
+    size = sum(ref.size_bytes for ref in missing)
+    console.print(cell(f"  would upload {len(missing)} files ({format_size(size)}); the API has "
+                       "the rest"))  # fmt: skip
+
+
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run_command(
+    command: Annotated[
+        list[str] | None, typer.Argument(metavar="COMMAND", help=COMMAND_HELP, show_default=False)
+    ] = None,
+    nproc_per_node: Annotated[
+        int | None, typer.Option("-n", "--nproc-per-node", min=1, help="Ranks per node.")
+    ] = None,
+    nnodes: Annotated[int | None, typer.Option(min=1, help="Nodes.")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(min=0, help="GPUs per node.")] = None,
+    launcher: Annotated[
+        str | None,
+        typer.Option(callback=_launcher, help=f"{' | '.join(launcher_names())} (default local)."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="The job's name (default: the script's).")
+    ] = None,
+    workdir: Annotated[
+        Path, typer.Option(help="The directory shipped and run in (default: this one).")
+    ] = Path("."),
+    set_values: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="PATH=VALUE",
+            help="Set a spec field by dotted path, e.g. --set max_restarts=2. Repeatable.",
+        ),
+    ] = None,
+    env_values: Annotated[
+        list[str] | None,
+        typer.Option("--env", metavar="NAME=VALUE", help="Environment of the ranks. Repeatable."),
+    ] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Pack and show the plan; upload and store nothing."),
+    ] = False,
+    poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 1.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the API's answer (the job, or the dry run).")
+    ] = False,
+) -> None:
+    """Run your own training script (unchanged) as a job: ships the working directory (the
+    files git lists there, else all but .ddpqignore's), runs it under torchrun on a worker.
+    E.g. `ddpq run -n 2 -- train.py --epochs 3`. With --wait: exit 0 if it succeeds, 1 if
+    not."""
+    console = err if as_json else out  # with --json, stdout is the API's answer alone
+    settings = load_settings()
+    with friendly_errors():
+        plan = plan_command(
+            command or [],
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            gpus_per_node=gpus_per_node,
+        )
+        try:
+            packed = pack_workspace(
+                workdir,
+                max_bytes=settings.workspace_max_bytes,
+                max_files=settings.workspace_max_files,
+            )
+        except WorkspaceTooLargeError as exc:
+            largest = "".join(f"\n  {format_size(size):>10}  {path}" for path, size in exc.largest)
+            fail(f"{exc.summary}; its largest files:{largest}", exc.fix)
+        print_pack_summary(console, packed)
+        spec: dict[str, Any] = command_job_spec(
+            plan, packed, name=name, launcher=launcher, env=parse_env(env_values or [])
+        )
+        spec = with_overrides(spec, set_values or [])
+        client = make_client(settings)
+        if dry_run:
+            _print_missing(console, client, packed)
+            answer = client.dry_run(spec)
+            if as_json:
+                print_json(answer)
+            else:
+                out.print(format_dry_run(answer))
+            return
+        try:
+            sent = client.upload_workspace(packed)
+        except KeyboardInterrupt:
+            err.print("upload stopped: run the same command again to resume it")
+            raise typer.Exit(130) from None
+        if sent.sent_files:
+            size = format_size(sent.sent_bytes)
+            console.print(cell(f"  uploaded {sent.sent_files} files ({size}) in "
+                               f"{sent.elapsed_s:.1f} s"))  # fmt: skip
+        else:
+            console.print("  uploaded nothing: the API has every file")
+        job = client.submit(spec)
+        if as_json:
+            print_json(job)
+            return
+        url = f"{client.base_url}/jobs/{job['id']}"
+        out.print(cell(f"job {job['id']} {job['name']!r} {job['state']}  {url}"))
+        for warning in job.get("warnings") or []:
+            err.print(cell(f"warning: {warning}"))
+        if wait:
+            raise typer.Exit(wait_for_job(client, job["id"], poll_s, settings=settings))

@@ -1,0 +1,181 @@
+"""Uploading a packed workspace: ask which files the API lacks, send only those (each with the
+checkpoint uploads' chunk protocol and loop, ``service.core.wire.chunks``), then store the
+manifest. An unchanged directory sends no file; after editing one file, only that one goes.
+
+The HTTP calls are ``WorkspaceApi``'s (``DdpqClient`` implements it); this module decides
+what to send and in which order, and how to go on after a refused or misplaced chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from service.core.errors import DdpqError
+from service.core.wire.chunks import MAX_CHUNK_REFUSALS, send_file_chunks
+from service.core.wire.workspace import (
+    MAX_MISSING_FILES,
+    FileRef,
+    FileUploadStart,
+    FileUploadStatus,
+    Manifest,
+    WorkspaceSummary,
+    format_size,
+)
+from service.workspaces.calls import FileOffsetError
+from service.workspaces.pack import PackedWorkspace
+
+COMMITTED, ABANDONED = "committed", "abandoned"
+# Commits of one file that found bytes missing (the API lost some), before giving up.
+MAX_COMMIT_TRIES = 5
+
+
+class WorkspaceUploadError(DdpqError):
+    """A file could not be uploaded (refused chunks, an abandoned upload, a server whose
+    digest differs); the message says which file and that running again resumes."""
+
+    status_code = 502
+    code = "workspace_upload_failed"
+
+
+class WorkspaceApi(Protocol):
+    """The workspace routes, as ``DdpqClient`` calls them (``service.workspaces.calls``).
+    ``send_workspace_chunk``/``commit_workspace_file`` raise ``FileOffsetError`` for a 409
+    that carries the upload's status; any other error answer is the client's own error
+    (a ``DdpqError`` whose ``status_code`` is the answer's)."""
+
+    def workspace_missing(self, files: Sequence[FileRef]) -> list[str]: ...
+    def begin_workspace_file(self, start: FileUploadStart) -> FileUploadStatus: ...
+    def send_workspace_chunk(
+        self, upload_id: int, offset: int, data: bytes
+    ) -> FileUploadStatus: ...
+    def commit_workspace_file(self, upload_id: int) -> FileUploadStatus: ...
+    def create_workspace(self, manifest: Manifest) -> WorkspaceSummary: ...
+
+
+@dataclass(frozen=True)
+class WorkspaceUpload:
+    """What an upload did: the workspace (``digest``, ``file_count``, ``total_bytes``) and
+    what was sent (``sent_files``, ``sent_bytes``; 0 and 0 when the API had every file) in
+    ``elapsed_s`` seconds."""
+
+    digest: str
+    file_count: int
+    total_bytes: int
+    sent_files: int
+    sent_bytes: int
+    elapsed_s: float
+
+
+def missing_files(api: WorkspaceApi, manifest: Manifest) -> list[FileRef]:
+    """The distinct files (by sha256) of ``manifest`` the API lacks for the caller, asked in
+    requests of at most ``MAX_MISSING_FILES``, in manifest order."""
+    refs = {f.sha256: FileRef(sha256=f.sha256, size_bytes=f.size_bytes) for f in manifest.files}
+    wanted = list(refs.values())
+    missing: set[str] = set()
+    for i in range(0, len(wanted), MAX_MISSING_FILES):
+        missing.update(api.workspace_missing(wanted[i : i + MAX_MISSING_FILES]))
+    return [ref for ref in wanted if ref.sha256 in missing]
+
+
+def upload_packed(
+    api: WorkspaceApi,
+    packed: PackedWorkspace,
+    *,
+    on_file: Callable[[str, int], None] | None = None,
+) -> WorkspaceUpload:
+    """Send what the API lacks of ``packed``, then store its manifest.
+
+    Args:
+        api: the workspace routes (``DdpqClient``).
+        packed: from ``pack_workspace`` (limits already checked).
+        on_file: called with ``(path, size_bytes)`` before each file is sent.
+
+    Raises:
+        WorkspaceUploadError: a file's chunks refused ``MAX_CHUNK_REFUSALS`` times in a row,
+            an upload the API abandoned, or a digest that is not ours.
+        FileShrankError: a file shrank since it was packed.
+        The client's errors (unreachable API, refusals): running again resumes, the files
+        already sent are not sent twice.
+    """
+    started = time.monotonic()
+    sent_files = sent_bytes = 0
+    path_of = {f.sha256: f.path for f in packed.manifest.files}  # one path per content
+    for ref in missing_files(api, packed.manifest):
+        path = path_of[ref.sha256]
+        if on_file is not None:
+            on_file(path, ref.size_bytes)
+        sent_bytes += _upload_file(api, ref, packed.sources[path])
+        sent_files += 1
+    summary = api.create_workspace(packed.manifest)
+    if summary.digest != packed.digest:
+        raise WorkspaceUploadError(
+            f"the API stored the workspace as {summary.digest}, not {packed.digest}: client and "
+            "server disagree on the digest (different ddpq versions?)"
+        )
+    return WorkspaceUpload(
+        digest=summary.digest,
+        file_count=summary.file_count,
+        total_bytes=summary.total_bytes,
+        sent_files=sent_files,
+        sent_bytes=sent_bytes,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def _upload_file(api: WorkspaceApi, ref: FileRef, source: Path) -> int:
+    """Begin (or resume) one file's upload, send its missing chunks, commit; the bytes sent."""
+    path = str(source)
+    status = api.begin_workspace_file(FileUploadStart(sha256=ref.sha256, size_bytes=ref.size_bytes))
+    refusals = sent = 0
+
+    def accepted(_n: int) -> None:
+        nonlocal refusals
+        refusals = 0
+
+    def recover(exc: Exception, status: FileUploadStatus) -> FileUploadStatus:
+        nonlocal refusals
+        if isinstance(exc, FileOffsetError):
+            return exc.status
+        if isinstance(exc, DdpqError) and exc.status_code == 422:  # arrived damaged: again
+            refusals += 1
+            if refusals >= MAX_CHUNK_REFUSALS:
+                raise WorkspaceUploadError(
+                    f"upload of {path}: {refusals} chunks in a row refused ({exc}); run again "
+                    "to resume"
+                ) from None
+            return status
+        raise exc
+
+    with open(path, "rb") as fh:
+        for _ in range(MAX_COMMIT_TRIES + 1):  # the last round only looks
+            if status.state == COMMITTED:
+                return sent
+            if status.state == ABANDONED:
+                raise WorkspaceUploadError(
+                    f"the API abandoned the upload of {path} ({format_size(ref.size_bytes)}): "
+                    "run again to start it over"
+                )
+            status, n = send_file_chunks(
+                fh, status, ref.size_bytes, api.send_workspace_chunk, recover, on_accepted=accepted
+            )
+            sent += n
+            if status.state != "receiving":
+                continue
+            try:
+                status = api.commit_workspace_file(status.upload_id)
+            except FileOffsetError as exc:  # bytes went missing (an API restart): resend
+                status = exc.status
+            except DdpqError as exc:
+                if exc.status_code == 422:
+                    raise WorkspaceUploadError(
+                        f"the API refused {path}: its content is not what was packed (it "
+                        f"changed meanwhile?): {exc}; run again"
+                    ) from None
+                raise
+    raise WorkspaceUploadError(
+        f"upload of {path}: the API did not commit it after {MAX_COMMIT_TRIES} tries; run again"
+    )
