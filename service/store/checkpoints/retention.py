@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.core.events import EventKind
 from service.core.states import TERMINAL_STATES
 from service.store.checkpoints.backends.base import CheckpointStore
 from service.store.checkpoints.crud import list_checkpoints
-from service.store.models import Checkpoint, Job, JobEvent, utcnow
+from service.store.events import record_event
+from service.store.models import Checkpoint, Job, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +112,10 @@ def apply_retention(session: Session, job_id: int) -> list[DoomedFile]:
         if ckpt.step in protected:
             continue
         ckpt.deleted_at = now
-        session.add(
-            JobEvent(
-                job_id=job_id,
-                attempt=job.attempt,
-                from_state=job.state,
-                to_state=job.state,
-                reason=f"checkpoint at step {ckpt.step} deleted: keep_checkpoints={keep} keeps "
-                "newer ones",
-            )
-        )
+        record_event(
+            session, job_id, job.attempt, EventKind.CHECKPOINT_DELETED,
+            {"step": ckpt.step, "keep": keep}, from_state=job.state, to_state=job.state,
+        )  # fmt: skip
         doomed.append(DoomedFile(job_id, ckpt.step, ckpt.store, ckpt.location))
     session.flush()
     return doomed
