@@ -28,21 +28,17 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def oversubscription_note(spec: JobSpec, cpus: int) -> str | None:
-    """The note for a CPU job whose ``nproc_per_node`` ranks outnumber the ``cpus`` cores of
-    the worker's host, else None. The ranks still run (torchrun starts them all), but they
-    share cores, and the global batch (ranks × batch_size) is what the spec says — a run
-    sized for fewer cores would see another batch, learning dynamics and accuracy."""
+def oversubscription_note(spec: JobSpec, cpus: int) -> dict[str, int] | None:
+    """The data of the ``more_ranks_than_cores`` note (``service.core.events`` words it) for
+    a CPU job whose ``nproc_per_node`` ranks outnumber the ``cpus`` cores of the worker's
+    host, else None. The ranks still run (torchrun starts them all), but they share cores,
+    and the global batch (ranks × batch_size) is what the spec says — a run sized for fewer
+    cores would see another batch, learning dynamics and accuracy."""
     r = spec.resources
     if r.gpus_per_node or r.nproc_per_node <= cpus:
         return None
-    n, batch = r.nproc_per_node, spec.training.batch_size
-    return (
-        f"{n} ranks on {cpus} CPU core{'s' if cpus != 1 else ''} of this worker: the ranks "
-        f"share cores, so each step is slower; the global batch is {n} × batch_size {batch} "
-        f"= {n * batch} samples per step, which changes learning and accuracy against a run "
-        f"with fewer ranks (lower resources.nproc_per_node to {cpus} to match the cores)"
-    )
+    batch = spec.training.batch_size
+    return {"nproc_per_node": r.nproc_per_node, "cpus": cpus, "batch_size": batch}
 
 
 @dataclass

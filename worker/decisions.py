@@ -11,18 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.core.events import EventKind
 from service.core.states import TERMINAL_STATES, JobState
-from service.store.jobs.crud import CANCEL_REQUESTED_REASON, Transition
+from service.store.jobs.crud import Transition
 from service.store.workers.leases import AdoptedJob
 from service.store.workers.registry import HeldJob
 from worker.attempt import FailureReason
 from worker.launchers.base import RunPhase, RunStatus
 
-REASON_LAUNCHED = "launched"
-REASON_SUCCEEDED = "succeeded"
-REASON_CANCELLED = CANCEL_REQUESTED_REASON
-REASON_WORKER_STOPPED = "worker stopped"
-REASON_ORPHANED = "held by this worker but not running here"
 SUMMARY_CHARS = 300
 # Failure reasons (``RunStatus.failure``) never retried: a resume replays the same data, seed
 # and weights into the same non-finite loss, and a failure before the first step (bad config,
@@ -85,8 +81,14 @@ def summarize(text: str | None, limit: int = SUMMARY_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _to(run: HeldRun, target: JobState, reason: str, **kw: Any) -> Decision:
-    return Decision(Transition(run.job_id, run.state, target, reason), **kw)
+def _to(
+    run: HeldRun,
+    target: JobState,
+    kind: EventKind,
+    data: Mapping[str, Any] | None = None,
+    **kw: Any,
+) -> Decision:
+    return Decision(Transition.of(run.job_id, run.state, target, kind, data), **kw)
 
 
 def _on_pending(run: HeldRun, status: RunStatus) -> Decision | None:
@@ -95,40 +97,48 @@ def _on_pending(run: HeldRun, status: RunStatus) -> Decision | None:
 
 def _on_running(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.state == JobState.STARTING:
-        return _to(run, JobState.RUNNING, REASON_LAUNCHED)
+        return _to(run, JobState.RUNNING, EventKind.LAUNCHED)
     return None
 
 
 def _on_succeeded(run: HeldRun, status: RunStatus) -> Decision | None:
-    return _to(run, JobState.SUCCEEDED, REASON_SUCCEEDED)
+    return _to(run, JobState.SUCCEEDED, EventKind.SUCCEEDED)
 
 
 def _on_cancelled(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.cancel_requested:
-        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
-    reason = status.reason or "cancelled outside ddpq"
-    return _to(run, JobState.CANCELLED, reason, error=reason)
+        return _to(run, JobState.CANCELLED, EventKind.CANCELLED)
+    # Slurm's words ("Slurm job 12 cancelled"), else "cancelled outside ddpq": also the error.
+    t = Transition.of(
+        run.job_id, run.state, JobState.CANCELLED, EventKind.CANCELLED_OUTSIDE,
+        _detail(status.reason),
+    )  # fmt: skip
+    return Decision(t, error=t.reason)
+
+
+def _detail(text: str | None) -> dict[str, str]:
+    return {"detail": text} if text else {}
 
 
 def _on_failed(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.cancel_requested:
-        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
+        return _to(run, JobState.CANCELLED, EventKind.CANCELLED)
     error = status.reason or "failed"
     # The policy reads the reason as a value, never the message: rewording one must not change
     # whether a job is retried.
     failure = status.failure or FailureReason.ERROR
     if run.restarts < run.max_restarts and failure not in NOT_RETRIED_REASONS:
         n = run.restarts + 1
-        reason = f"retry {n}/{run.max_restarts}: {summarize(error)}"
-        return _to(run, JobState.QUEUED, reason, values={"restarts": n})
-    return _to(run, JobState.FAILED, summarize(error), error=error)
+        retry = {"restart": n, "max_restarts": run.max_restarts, "error": summarize(error)}
+        return _to(run, JobState.QUEUED, EventKind.RETRIED, retry, values={"restarts": n})
+    return _to(run, JobState.FAILED, EventKind.FAILED, {"error": summarize(error)}, error=error)
 
 
 def _on_preempted(run: HeldRun, status: RunStatus) -> Decision | None:
     if run.cancel_requested:
-        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
-    reason = "preempted" + (f": {summarize(status.reason)}" if status.reason else "")
-    return _to(run, JobState.QUEUED, reason)
+        return _to(run, JobState.CANCELLED, EventKind.CANCELLED)
+    detail = _detail(summarize(status.reason) if status.reason else None)
+    return _to(run, JobState.QUEUED, EventKind.PREEMPTED, detail)
 
 
 PHASE_DECISIONS: dict[RunPhase, Callable[[HeldRun, RunStatus], Decision | None]] = {
@@ -151,7 +161,7 @@ def decide_on_launch_error(run: HeldRun, message: str) -> Decision:
     reason is ``FailureReason.ERROR``)."""
     status = RunStatus(RunPhase.FAILED, message, failure=FailureReason.ERROR)
     return decide_on_status(run, status) or _to(
-        run, JobState.FAILED, summarize(message), error=message
+        run, JobState.FAILED, EventKind.FAILED, {"error": summarize(message)}, error=message
     )
 
 
@@ -159,10 +169,10 @@ def decide_on_shutdown(run: HeldRun, status: RunStatus | None) -> Decision:
     """After the worker stopped a job's processes at shutdown: keep a finished job's real
     outcome, honour a pending cancel, otherwise requeue it (no restart counted)."""
     if status is not None and status.phase == RunPhase.SUCCEEDED:
-        return _to(run, JobState.SUCCEEDED, REASON_SUCCEEDED)
+        return _to(run, JobState.SUCCEEDED, EventKind.SUCCEEDED)
     if run.cancel_requested:
-        return _to(run, JobState.CANCELLED, REASON_CANCELLED)
-    return _to(run, JobState.QUEUED, REASON_WORKER_STOPPED)
+        return _to(run, JobState.CANCELLED, EventKind.CANCELLED)
+    return _to(run, JobState.QUEUED, EventKind.WORKER_STOPPED)
 
 
 @dataclass(frozen=True)
@@ -185,7 +195,7 @@ def reconcile(runs: Mapping[int, HeldRun], held: Sequence[HeldJob]) -> Reconcili
     )
     kept = {h.job_id: h for h in held if h.job_id in runs and h.job_id not in lost}
     orphans = tuple(
-        Decision(Transition(h.job_id, JobState(h.state), JobState.QUEUED, REASON_ORPHANED))
+        Decision(Transition.of(h.job_id, JobState(h.state), JobState.QUEUED, EventKind.ORPHANED))
         for h in held
         if h.job_id not in runs
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import DdpqError
+from service.core.events import EventKind, render
 from service.core.spec.model import JobSpec
 from worker.attempt_notes import oversubscription_note
 from worker.decisions import GpuPool, HeldRun
@@ -111,8 +112,8 @@ class Launches:
             plan = self.launcher.plan(spec, run.job_id, run.attempt)
             note = oversubscription_note(spec, self.cpus) if self.host_gpus else None
             if note is not None:
-                _jlog(logging.WARNING, run, "%s", note)
-                self.records().note(run, note)
+                _jlog(logging.WARNING, run, "%s", render(EventKind.MORE_RANKS_THAN_CORES, note))
+                self.records().note(run, EventKind.MORE_RANKS_THAN_CORES, note)
             if run.gpus:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
             # The ranks' only credential: this attempt's token, minted once the plan stands.

@@ -8,10 +8,12 @@ reads as orchestration and every write is one transaction of ``service.store``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from service.core.errors import NotFoundError, StaleAttemptError
+from service.core.events import EventKind
 from service.core.states import JobState
 from service.store.attempts import tokens as attempt_tokens
 from service.store.db import Database
@@ -178,13 +180,13 @@ class WorkerRecords:
             )
         return [HeldRun.adopted(job) for job in adopted]
 
-    def note(self, run: HeldRun, text: str) -> bool:
-        """Add ``text`` to the job's events for ``run``'s attempt (no state change); False
-        when the attempt moved on meanwhile (nothing written)."""
+    def note(self, run: HeldRun, kind: EventKind, data: Mapping[str, Any]) -> bool:
+        """Add a note of ``kind`` with ``data`` to the job's events for ``run``'s attempt (no
+        state change); False when the attempt moved on meanwhile (nothing written)."""
         try:
             with self.db.session() as s:
                 job_notes.record_job_note(
-                    s, run.job_id, run.attempt, text, worker_id=self.worker_id
+                    s, run.job_id, run.attempt, kind, data, worker_id=self.worker_id
                 )
         except (StaleAttemptError, NotFoundError):
             return False

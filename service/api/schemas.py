@@ -13,6 +13,7 @@ from pydantic_core import PydanticSerializationError
 
 from service.api.queue_schemas import QueueOut, queue_out
 from service.core.artifacts import artifact_relative_path
+from service.core.events import EventKind, describe_kinds
 from service.core.metrics.main_metric import main_metric_name
 from service.core.metrics.points import JsonNumber, json_safe
 from service.core.spec.model import JobSpec
@@ -114,13 +115,23 @@ class JobListOut(_Out):
 
 
 class EventOut(_Out):
-    """One state change of a job."""
+    """One state change of a job, or a note about it (``from_state == to_state``)."""
 
     id: int
     attempt: int
     from_state: str | None
     to_state: str
-    reason: str | None
+    kind: EventKind = Field(
+        description="What happened; branch on this (and data), never on reason. Each kind "
+        "with the fields of its data (?: optional):\n" + describe_kinds()
+    )
+    data: dict[str, Any] = Field(
+        description='The kind\'s details (see kind), e.g. {"step": 40, "keep": 2} for '
+        "checkpoint_deleted; {} for a kind without any."
+    )
+    reason: str | None = Field(
+        description="kind and data in words, for people (null for submitted)."
+    )
     worker_id: str | None
     created_at: datetime
 
@@ -300,6 +311,8 @@ def event_out(event: JobEvent) -> EventOut:
         attempt=event.attempt,
         from_state=event.from_state,
         to_state=event.to_state,
+        kind=EventKind(event.kind),
+        data=event.data or {},
         reason=event.reason,
         worker_id=event.worker_id,
         created_at=event.created_at,

@@ -1,18 +1,14 @@
-"""Why a batch scheduler keeps a submitted job pending: Slurm's reason codes in plain words,
-and how a worker records one as a job event that the API reads back.
+"""Why a batch scheduler keeps a submitted job pending: Slurm's reason codes in plain words.
 
 The Slurm worker asks ``squeue -o %r`` for its pending jobs and records each new reason as a
-job event (``pending_event_reason``); ``GET /jobs/{id}`` finds the newest one of the current
-attempt (``parse_pending_event``) and explains it with ``describe_slurm_reason``.
+``scheduler_pending`` job event (``service.core.events``, data ``{code, words}``);
+``GET /jobs/{id}`` finds the newest one of the current attempt and explains its code with
+``describe_slurm_reason``.
 """
 
 from __future__ import annotations
 
-# Event reasons that carry a scheduler's pending reason start with this; the code follows,
-# then " — " and the plain words (codes never hold an em dash).
-PENDING_EVENT_PREFIX = "scheduler pending: "
-_WORDS_SEPARATOR = " — "
-MAX_REASON_CODE_CHARS = 200
+MAX_REASON_CODE_CHARS = 200  # a pending reason code is stored cut to this
 
 # squeue's JOB REASON CODES (man squeue) that people meet most, in plain words.
 SLURM_PENDING_REASONS: dict[str, str] = {
@@ -62,17 +58,3 @@ def describe_slurm_reason(code: str) -> str:
     if head.startswith("Assoc"):
         return f"a limit of its account (association) is reached ({code})"
     return f"Slurm's reason {code!r} (see JOB REASON CODES in `man squeue`)"
-
-
-def pending_event_reason(code: str, words: str) -> str:
-    """The job event text that records a scheduler's pending reason ``code`` (with
-    ``words``, its plain-words explanation, for people reading the events)."""
-    return f"{PENDING_EVENT_PREFIX}{code[:MAX_REASON_CODE_CHARS]}{_WORDS_SEPARATOR}{words}"
-
-
-def parse_pending_event(reason: str | None) -> str | None:
-    """The pending reason code an event text made by ``pending_event_reason`` holds; None
-    for any other event."""
-    if not reason or not reason.startswith(PENDING_EVENT_PREFIX):
-        return None
-    return reason[len(PENDING_EVENT_PREFIX) :].split(_WORDS_SEPARATOR, 1)[0]

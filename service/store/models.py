@@ -28,6 +28,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -136,7 +137,9 @@ Index("ix_jobs_sweep_id_state", Job.sweep_id, Job.state)
 
 
 class JobEvent(Base):
-    """One row per state change (and other notable moments) of a job."""
+    """One row per state change (and other notable moments) of a job: its ``kind`` (a
+    ``service.core.events.EventKind``) and ``data`` say what happened; ``reason`` is the same
+    rendered for people. Written only through ``service.store.events``."""
 
     __tablename__ = "job_events"
 
@@ -145,11 +148,18 @@ class JobEvent(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, server_default=text("'{}'"))
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
-    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+    __table_args__ = (
+        Index("ix_job_events_job_id_id", "job_id", "id"),
+        # Readers look for one kind of a job's events (the newest scheduler pending reason,
+        # a rank note already written, the claim to undo).
+        Index("ix_job_events_job_id_kind", "job_id", "kind"),
+    )
 
 
 class Worker(Base):

@@ -10,8 +10,10 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
+from service.core.events import EventKind
 from service.store.db import Database
-from service.store.models import Job, JobEvent
+from service.store.events import record_event
+from service.store.models import Job
 
 API = "/api/v1"
 BIG_IDS = [2**31, 3_000_000_000, 2**53 + 1, 2**63 - 1]
@@ -56,7 +58,7 @@ def test_big_job_ids_are_stored(api: TestClient, db: Database) -> None:
         copy = {c.key: getattr(job, c.key) for c in Job.__table__.columns if c.key != "id"}
         s.add(Job(id=big, **copy))
         s.flush()
-        s.add(JobEvent(job_id=big, attempt=1, from_state=None, to_state="queued"))
+        record_event(s, big, 1, EventKind.SUBMITTED, from_state=None, to_state="queued")
     r = api.get(f"{API}/jobs/{big}")
     assert r.status_code == 200 and r.json()["id"] == big, r.text
     r = api.get(f"{API}/jobs/{big}/events")

@@ -254,8 +254,10 @@ def test_events_are_the_state_history(api: TestClient, db: Database) -> None:
     ]
     assert events[1]["worker_id"] == "w1" and events[2]["reason"] == "launched"
     assert set(events[0]) == {
-        "id", "attempt", "from_state", "to_state", "reason", "worker_id", "created_at"
+        "id", "attempt", "from_state", "to_state", "kind", "data", "reason", "worker_id",
+        "created_at",
     }  # fmt: skip
+    assert [e["kind"] for e in events] == ["submitted", "claimed", "state_changed"]
     assert api.get(f"{API}/jobs/5555/events").status_code == 404
 
 

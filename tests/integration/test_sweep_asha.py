@@ -121,6 +121,14 @@ def test_asha_stops_the_worse_trials_at_the_rungs(db: Database, settings: Settin
                 )
             ).all()
         }
+        stop_kinds = {
+            (job_id, kind, data["rung"])
+            for job_id, kind, data in s.execute(
+                select(JobEvent.job_id, JobEvent.kind, JobEvent.data).where(
+                    JobEvent.job_id.in_(job_ids), JobEvent.kind == "early_stopped"
+                )
+            ).all()
+        }
         curves = dict(
             s.execute(
                 select(Metric.job_id, func.count())
@@ -138,6 +146,8 @@ def test_asha_stops_the_worse_trials_at_the_rungs(db: Database, settings: Settin
         assert msg.startswith(f"stopped at rung {rung}, step {step}: loss "), msg
         assert f"{loss(LRS[pos], step):.4g} not in the top 1/3 (cut " in msg, msg
         assert trials[pos].state == "cancelled", "a stopped trial's job is cancelled, not failed"
+        assert (job_ids[pos], "early_stopped", rung) in stop_kinds, stop_kinds
         assert curves[job_ids[pos]] == step, "a stopped trial keeps its curve"
+    assert len(stop_kinds) == len(EXPECTED_STOPS), "one early_stopped event per stopped trial"
     assert "of 9 trials" in stop_events[job_ids[3]], "the last arrival at rung 0 saw all 9"
     assert len(stop_events) == len(EXPECTED_STOPS), "one stop event per stopped trial"

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core.config import Settings
-from service.core.pending_reasons import describe_slurm_reason, parse_pending_event
+from service.core.events import EventKind
+from service.core.pending_reasons import describe_slurm_reason
 from service.core.spec.model import JobSpec
 from service.store.db import Database
+from service.store.jobs import crud as jobs
 from tests.unit.test_loop_worker import ScriptedLauncher, _job, _loop, _reasons, _submit
 from worker.attempt_notes import oversubscription_note
 from worker.launchers.base import RunPhase, RunStatus
@@ -66,7 +68,9 @@ def test_pending_reasons_are_asked_at_once_and_recorded_on_change(
     assert launcher.queries[-1] == sorted([f"{a}.1", f"{b}.1"]), "one query for all pending"
 
     def codes(job_id: int) -> list[str]:
-        return [c for _, _, r in _reasons(db, job_id) if (c := parse_pending_event(r))]
+        with db.session(write=False) as s:
+            events = jobs.list_events(s, job_id)
+        return [e.data["code"] for e in events if e.kind == EventKind.SCHEDULER_PENDING]
 
     assert codes(a) == ["Priority"] and codes(b) == ["Resources"]
     loop.pending.next_poll_mono = 0.0

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from service.core.events import EventKind, render
+
 
 def rung_step(rung_steps: int, reduction_factor: int, rung: int) -> int:
     """The step of rung ``rung`` (0-based): ``rung_steps × reduction_factor^rung``."""
@@ -43,14 +45,21 @@ class RungDecision:
     n: int  # trials that reached the rung, this one included
     keep: int  # how many of them go on: ceil(n / reduction_factor)
 
+    def event_data(self, metric: str, reduction_factor: int) -> dict[str, object]:
+        """The data of the ``early_stopped`` job event of a stop (``service.core.events``)."""
+        return {
+            "rung": self.rung, "step": self.step, "metric": metric, "value": self.value,
+            "cut": self.cut, "n": self.n, "reduction_factor": reduction_factor,
+        }  # fmt: skip
+
     def message(self, metric: str, reduction_factor: int) -> str:
         """``stopped at rung 2, step 400: eval_loss 0.41 not in the top 1/3 (cut 0.37) of 9
-        trials`` (or the "goes on" wording)."""
-        verdict = "not in" if self.stop else "in"
-        head = "stopped" if self.stop else "continues"
+        trials`` (the ``early_stopped`` event's wording), or the "goes on" wording."""
+        if self.stop:
+            return str(render(EventKind.EARLY_STOPPED, self.event_data(metric, reduction_factor)))
         return (
-            f"{head} at rung {self.rung}, step {self.step}: {metric} {self.value:.4g} "
-            f"{verdict} the top 1/{reduction_factor} (cut {self.cut:.4g}) of {self.n} trials"
+            f"continues at rung {self.rung}, step {self.step}: {metric} {self.value:.4g} "
+            f"in the top 1/{reduction_factor} (cut {self.cut:.4g}) of {self.n} trials"
         )
 
 

@@ -40,8 +40,9 @@ _TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 @dataclass(frozen=True)
 class AttemptLedger:
-    """One attempt's line of the ledger: its moments (None when unknown), how it ended, the
-    steps it trained and the phases (``service.core.goodput.AttemptPhases``)."""
+    """One attempt's line of the ledger: its moments (None when unknown), how it ended (in
+    words; ``requeued``: by a requeue, whatever its kind), the steps it trained and the phases
+    (``service.core.goodput.AttemptPhases``)."""
 
     attempt: int
     outcome: str
@@ -54,6 +55,7 @@ class AttemptLedger:
     last_step: int | None
     superseded_by: int | None
     phases: AttemptPhases
+    requeued: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class _Marks:
     claimed: datetime | None = None
     ended: datetime | None = None
     outcome: str = "queued"
+    requeued: bool = False
 
 
 def _attempt_marks(job: Job, events: list[JobEvent], as_of: datetime) -> dict[int, _Marks]:
@@ -91,6 +94,7 @@ def _attempt_marks(job: Job, events: list[JobEvent], as_of: datetime) -> dict[in
         if ev.to_state == JobState.QUEUED.value:  # a requeue: attempt ev.attempt - 1 ended
             before = marks.setdefault(ev.attempt - 1, _Marks(job.created_at))
             before.ended, before.outcome = ev.created_at, f"requeued: {ev.reason or 'requeue'}"
+            before.requeued = True
             marks[ev.attempt] = _Marks(ev.created_at)
             continue
         m = marks.setdefault(ev.attempt, _Marks(ev.created_at))
@@ -203,6 +207,7 @@ def job_ledger(session: Session, job_id: int, *, owner: str | None = None) -> Jo
                 last_step=last_step,
                 superseded_by=superseded_by if phases.lost_steps else None,
                 phases=phases,
+                requeued=m.requeued,
             )
         )
     totals = {p: sum(getattr(line.phases, p) for line in lines) for p in PHASES}
@@ -227,8 +232,7 @@ def _interval(
     until both were measured (a save, an attempt that did not finish)."""
     saves = sum(r.checkpoint_saves or 0 for r in rows)
     stall = sum(r.checkpoint_stall_s or 0.0 for r in rows)
-    failures = sum(1 for line in lines if line.outcome.startswith("requeued") or
-                   line.outcome == JobState.FAILED.value)  # fmt: skip
+    failures = sum(1 for line in lines if line.requeued or line.outcome == JobState.FAILED.value)
     held = sum(line.phases.total - line.phases.queued for line in lines)
     if not saves or not failures or held <= 0:
         return None

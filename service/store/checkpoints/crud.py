@@ -10,7 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.core.errors import NotFoundError
-from service.store.models import Checkpoint, JobEvent, utcnow
+from service.core.events import EventKind
+from service.store.events import record_event
+from service.store.models import Checkpoint, utcnow
 from service.store.workers.leases import check_attempt
 
 
@@ -63,15 +65,10 @@ def record_checkpoint_failure(
         StaleAttemptError / NotFoundError: the attempt is fenced off (see ``check_attempt``).
     """
     job = check_attempt(session, job_id, attempt)
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            attempt=attempt,
-            from_state=job.state,
-            to_state=job.state,
-            reason=f"checkpoint at step {step} not written: {reason}"[:2000],
-        )
-    )
+    record_event(
+        session, job_id, attempt, EventKind.CHECKPOINT_FAILED, {"step": step, "reason": reason},
+        from_state=job.state, to_state=job.state,
+    )  # fmt: skip
 
 
 def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:

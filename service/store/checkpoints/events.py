@@ -1,32 +1,28 @@
 """Job events for what happens to checkpoints at resume, so ``ddpq show`` tells it and not
 only the rank's log: a checkpoint rank 0 found damaged and deleted, and an attempt that starts
-from step 0 although the job had checkpoints (all damaged or gone)."""
+from step 0 although the job had checkpoints (all damaged or gone); plus rank 0's notes."""
 
 from __future__ import annotations
-
-import re
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.store.models import Checkpoint, Job, JobEvent
+from service.core.events import EventKind
+from service.store.events import events_of_kinds, record_event
+from service.store.models import Checkpoint, Job
 from service.store.workers.leases import check_attempt
 
-_DAMAGED = "found damaged at resume and deleted"
-_DAMAGED_STEP = re.compile(r"^checkpoint at step (\d+) " + re.escape(_DAMAGED))
-_FRESH = "starts from step 0: no intact checkpoint"
+# A rank's ``AttemptNote.kind`` → the event it is written as.
+NOTE_KINDS = {
+    "upload_fallback": EventKind.UPLOAD_FALLBACK,
+    "nothing_to_train": EventKind.NOTHING_TO_TRAIN,
+}
 
 
-def _event(session: Session, job: Job, attempt: int, reason: str) -> None:
-    session.add(
-        JobEvent(
-            job_id=job.id,
-            attempt=attempt,
-            from_state=job.state,
-            to_state=job.state,
-            reason=reason[:2000],
-        )
-    )
+def _event(
+    session: Session, job: Job, attempt: int, kind: EventKind, data: dict[str, object]
+) -> None:
+    record_event(session, job.id, attempt, kind, data, from_state=job.state, to_state=job.state)
 
 
 def note_rank_deletions(
@@ -36,12 +32,12 @@ def note_rank_deletions(
 
     Args:
         job: the job's row, as the fence returned it (row-locked by the caller).
-        damaged: True: found damaged at resume; False: its file could not be put in place
-            after the save was recorded.
+        damaged: True: found damaged at resume (``checkpoint_damaged``); False: its file
+            could not be put in place after the save was recorded (``checkpoint_unplaced``).
     """
+    kind = EventKind.CHECKPOINT_DAMAGED if damaged else EventKind.CHECKPOINT_UNPLACED
     for step in sorted(steps):
-        why = _DAMAGED if damaged else "deleted: its file could not be put in place"
-        _event(session, job, attempt, f"checkpoint at step {step} {why}")
+        _event(session, job, attempt, kind, {"step": step})
 
 
 def note_fresh_start(session: Session, job: Job, attempt: int) -> None:
@@ -55,30 +51,14 @@ def note_fresh_start(session: Session, job: Job, attempt: int) -> None:
     )
     if had is None:
         return
-    reasons = list(
-        session.scalars(
-            select(JobEvent.reason).where(JobEvent.job_id == job.id, JobEvent.attempt == attempt)
-        )
+    seen = events_of_kinds(
+        session, job.id, attempt, (EventKind.FRESH_START, EventKind.CHECKPOINT_DAMAGED)
     )
-    if any(r and f"attempt {attempt} {_FRESH}" in r for r in reasons):
+    if any(e.kind == EventKind.FRESH_START for e in seen):
         return
-    damaged = sorted(
-        {int(m.group(1)) for r in reasons if r and (m := _DAMAGED_STEP.match(r)) is not None}
-    )
-    detail = ", ".join(f"step {s}" for s in damaged[:20]) + " damaged" if damaged else "none usable"
-    _event(session, job, attempt, f"attempt {attempt} {_FRESH} ({detail})")
-
-
-def note_text(kind: str, step: int | None, total_steps: int | None) -> str:
-    """The job event for a rank's ``AttemptNote`` (``kind`` as the wire allows)."""
-    if kind == "upload_fallback":
-        return (
-            "checkpoint transport: DDPQ_CHECKPOINT_TRANSPORT=shared, but rank 0's artifact "
-            "root does not hold the API's store id (not the API's directory): uploading instead"
-        )
-    return (
-        f"init_from step {step} ≥ this job's {total_steps} steps: nothing to train "
-        "(raise training.max_steps or epochs, or use init_from.mode weights_only)"
+    damaged = sorted({int(e.data["step"]) for e in seen if e.kind == EventKind.CHECKPOINT_DAMAGED})
+    _event(
+        session, job, attempt, EventKind.FRESH_START, {"attempt": attempt, "damaged_steps": damaged}
     )
 
 
@@ -86,18 +66,17 @@ def record_note(
     session: Session, job_id: int, attempt: int, kind: str, *, step: int | None,
     total_steps: int | None,
 ) -> None:  # fmt: skip
-    """Write a rank's note as a job event, behind the attempt fence; the same note twice in
-    one attempt (a resend) is one event.
+    """Write a rank's note (``kind`` as the wire allows: a key of ``NOTE_KINDS``) as a job
+    event, behind the attempt fence; the same note twice in one attempt (a resend) is one
+    event.
 
     Raises:
         StaleAttemptError / NotFoundError: the attempt is fenced off (nothing written).
     """
     job = check_attempt(session, job_id, attempt)
-    text = note_text(kind, step, total_steps)
-    seen = session.scalar(
-        select(JobEvent.id)
-        .where(JobEvent.job_id == job_id, JobEvent.attempt == attempt, JobEvent.reason == text)
-        .limit(1)
-    )
-    if seen is None:
-        _event(session, job, attempt, text)
+    event_kind = NOTE_KINDS[kind]
+    data: dict[str, object] = {}
+    if event_kind == EventKind.NOTHING_TO_TRAIN:
+        data = {"step": step, "total_steps": total_steps}
+    if all(e.data != data for e in events_of_kinds(session, job_id, attempt, (event_kind,))):
+        _event(session, job, attempt, event_kind, data)

@@ -22,10 +22,12 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.core.events import EventKind
 from service.core.states import TERMINAL_STATES
 from service.store.checkpoints.crud import list_checkpoints, record_checkpoint
 from service.store.checkpoints.values import DoomedFile
-from service.store.models import Checkpoint, Job, JobEvent, utcnow
+from service.store.events import record_event
+from service.store.models import Checkpoint, Job, utcnow
 from service.store.workers.leases import check_attempt
 
 DEFAULT_KEEP = 3  # training.keep_checkpoints's default
@@ -97,16 +99,10 @@ def apply_retention(session: Session, job_id: int) -> list[DoomedFile]:
         if ckpt.step in protected:
             continue
         ckpt.deleted_at = now
-        session.add(
-            JobEvent(
-                job_id=job_id,
-                attempt=job.attempt,
-                from_state=job.state,
-                to_state=job.state,
-                reason=f"checkpoint at step {ckpt.step} deleted: keep_checkpoints={keep} keeps "
-                "newer ones",
-            )
-        )
+        record_event(
+            session, job_id, job.attempt, EventKind.CHECKPOINT_DELETED,
+            {"step": ckpt.step, "keep": keep}, from_state=job.state, to_state=job.state,
+        )  # fmt: skip
         doomed.append(DoomedFile(job_id, ckpt.step, ckpt.store, ckpt.location))
     session.flush()
     return doomed

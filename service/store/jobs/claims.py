@@ -9,10 +9,12 @@ import functools
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import String, bindparam, delete, exists, func, insert, or_, select, text, update
+from sqlalchemy import bindparam, delete, exists, func, or_, select, text, update
 from sqlalchemy.orm import Session, aliased
 
+from service.core.events import EventKind
 from service.core.states import JobState
+from service.store import events
 from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
 
 # The states that hold one of a sweep's max_concurrent places.
@@ -161,7 +163,7 @@ def _within_sweep_limit(session: Session, job: Job) -> Job | None:
         delete(JobEvent).where(
             JobEvent.job_id == job.id,
             JobEvent.attempt == job.attempt,
-            JobEvent.reason == "claimed",
+            JobEvent.kind == EventKind.CLAIMED.value,
             JobEvent.id == select(func.max(JobEvent.id)).where(JobEvent.job_id == job.id)
             .scalar_subquery(),
         )
@@ -170,16 +172,7 @@ def _within_sweep_limit(session: Session, job: Job) -> Job | None:
     return None
 
 
-_CLAIM_EVENT_VALUES = {
-    "from_state": bindparam("claim_from_state", JobState.QUEUED.value, type_=String()),
-    "to_state": bindparam("claim_to_state", JobState.STARTING.value, type_=String()),
-    "reason": bindparam("claim_reason", "claimed", type_=String()),
-    "worker_id": bindparam("claim_worker_id", type_=String()),
-    "created_at": bindparam("claim_now", type_=UTCDateTime()),
-}
-_CLAIM_EVENT = insert(JobEvent).values(
-    job_id=bindparam("claim_job_id"), attempt=bindparam("claim_attempt"), **_CLAIM_EVENT_VALUES
-)
+_CLAIM_EVENT = events.CLAIM_EVENT
 
 
 @functools.cache
@@ -219,12 +212,5 @@ def claim_update_statements(picked: Any, *ctes: Any) -> tuple[Any, Any]:
         updated_at=bindparam("claim_now", type_=UTCDateTime()),
     )
     claimed = claim.returning(*Job.__table__.c).cte("claimed")
-    add_events = (
-        insert(JobEvent)
-        .from_select(
-            ["job_id", "attempt", *_CLAIM_EVENT_VALUES],
-            select(claimed.c.id, claimed.c.attempt, *_CLAIM_EVENT_VALUES.values()),
-        )
-        .cte("claim_events")
-    )
+    add_events = events.claim_events_from(claimed)
     return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_events)

@@ -8,8 +8,8 @@ Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select, update
@@ -17,23 +17,56 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from service.core.errors import ConflictError, NotFoundError, StaleStateError
+from service.core.events import EventKind, render
 from service.core.spec.model import JobSpec
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+from service.store.events import record_event
 from service.store.jobs.filters import has_tag, name_or_tag
 from service.store.models import Job, JobEvent, utcnow
 
-CANCEL_REQUESTED_REASON = "cancel requested"
+CANCEL_REQUESTED_REASON = render(EventKind.CANCELLED)  # "cancel requested"
 CANCEL_TRIES = 5  # cancel_job's compare-and-set rounds against a job that keeps moving
 
 
 @dataclass(frozen=True)
 class Transition:
-    """A planned state change: printable, testable, applied by ``apply_transition``."""
+    """A planned state change: printable, testable, applied by ``apply_transition``.
+
+    ``kind`` and ``data`` are its event's (``service.core.events``), ``reason`` their
+    wording (``Transition.of`` renders it); a transition planned with a ``reason`` only is
+    written as a ``state_changed`` event carrying that text.
+    """
 
     job_id: int
     expected: JobState
     target: JobState
     reason: str | None = None
+    # Not compared: two transitions are equal when they change the same job alike and say so
+    # in the same words (a test may plan one with its text alone).
+    kind: EventKind | None = field(default=None, compare=False)
+    data: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(
+        cls,
+        job_id: int,
+        expected: JobState,
+        target: JobState,
+        kind: EventKind,
+        data: Mapping[str, Any] | None = None,
+    ) -> Transition:
+        """The transition whose event is ``kind`` with ``data``, its reason rendered.
+
+        Raises:
+            KeyError: ``data`` lacks a field the kind's wording needs.
+        """
+        return cls(job_id, expected, target, render(kind, data), kind, dict(data or {}))
+
+    def event(self) -> tuple[EventKind, Mapping[str, Any]]:
+        """The kind and data its event is written with."""
+        if self.kind is not None:
+            return self.kind, self.data
+        return EventKind.STATE_CHANGED, {"reason": self.reason} if self.reason else {}
 
 
 def submit_job(
@@ -77,7 +110,7 @@ def submit_job(
         if existing is None:
             raise
         return existing, False
-    session.add(JobEvent(job_id=job.id, attempt=1, from_state=None, to_state=JobState.QUEUED))
+    record_event(session, job.id, 1, EventKind.SUBMITTED, from_state=None, to_state=JobState.QUEUED)
     return job, True
 
 
@@ -208,11 +241,15 @@ def apply_transition_where(
         job = _compare_and_set(session, t, worker_id, error, values, not_cancelled)
         if job is not None:
             return job, t
-        cancel = Transition(
+        instead: dict[str, Any] = {"instead_of": t.reason or "requeue"}
+        if t.kind is not None:
+            instead["requeue_kind"] = t.kind.value
+        cancel = Transition.of(
             t.job_id,
             t.expected,
             JobState.CANCELLED,
-            f"{CANCEL_REQUESTED_REASON} (instead of: {t.reason or 'requeue'})",
+            EventKind.CANCELLED_INSTEAD_OF_REQUEUE,
+            instead,
         )
         cancelled = [*where, Job.cancel_requested.is_(True)]
         job = _compare_and_set(session, cancel, worker_id, None, None, cancelled)
@@ -259,16 +296,11 @@ def _compare_and_set(
     ).one_or_none()
     if row is None:
         return None
-    session.add(
-        JobEvent(
-            job_id=t.job_id,
-            attempt=row.attempt,
-            from_state=t.expected.value,
-            to_state=t.target.value,
-            reason=t.reason,
-            worker_id=worker_id,
-        )
-    )
+    kind, data = t.event()
+    record_event(
+        session, t.job_id, row.attempt, kind, data, from_state=t.expected.value,
+        to_state=t.target.value, worker_id=worker_id,
+    )  # fmt: skip
     session.flush()
     job = session.get(Job, t.job_id, populate_existing=True)
     assert job is not None
@@ -298,7 +330,9 @@ def cancel_job(session: Session, job_id: int, *, owner: str | None = None) -> Jo
             with contextlib.suppress(StaleStateError):  # claimed meanwhile: flag it instead
                 return apply_transition(
                     session,
-                    Transition(job_id, state, JobState.CANCELLED, "cancelled while queued"),
+                    Transition.of(
+                        job_id, state, JobState.CANCELLED, EventKind.CANCELLED_WHILE_QUEUED
+                    ),
                 )
         else:
             row = session.execute(
@@ -333,7 +367,7 @@ def cancel_flagged_queued_jobs(session: Session, *, limit: int = 100) -> list[Tr
     ).all()
     done: list[Transition] = []
     for job_id in ids:
-        t = Transition(job_id, JobState.QUEUED, JobState.CANCELLED, CANCEL_REQUESTED_REASON)
+        t = Transition.of(job_id, JobState.QUEUED, JobState.CANCELLED, EventKind.CANCELLED)
         if _compare_and_set(session, t, None, None, None, [Job.cancel_requested.is_(True)]):
             done.append(t)
     return done

@@ -4,60 +4,50 @@ of the newest pending reason that ``GET /jobs/{id}`` explains."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from collections.abc import Mapping
+from typing import Any
+
 from sqlalchemy.orm import Session
 
-from service.core.pending_reasons import (
-    PENDING_EVENT_PREFIX,
-    parse_pending_event,
-    pending_event_reason,
-)
+from service.core.events import EventKind
+from service.core.pending_reasons import MAX_REASON_CODE_CHARS
+from service.store.events import newest_event, record_event
 from service.store.jobs.queue import SchedulerPending
-from service.store.models import JobEvent
 from service.store.workers.leases import check_attempt
-
-MAX_NOTE_CHARS = 2000
 
 
 def record_job_note(
-    session: Session, job_id: int, attempt: int, reason: str, *, worker_id: str | None = None
+    session: Session,
+    job_id: int,
+    attempt: int,
+    kind: EventKind,
+    data: Mapping[str, Any] | None = None,
+    *,
+    worker_id: str | None = None,
 ) -> None:
-    """Add an event to the job's history without changing its state (from_state = to_state),
-    fenced on ``attempt``, so ``ddpq show`` and ``GET /jobs/{id}/events`` show it.
+    """Add an event of ``kind`` (a note: ``service.core.events.NOTE_KINDS``) to the job's
+    history without changing its state (from_state = to_state), fenced on ``attempt``, so
+    ``ddpq show`` and ``GET /jobs/{id}/events`` show it.
 
     Raises:
         StaleAttemptError / NotFoundError: the attempt is not the job's current active one.
+        KeyError: ``data`` lacks a field the kind's wording needs.
     """
     job = check_attempt(session, job_id, attempt)
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            attempt=attempt,
-            from_state=job.state,
-            to_state=job.state,
-            reason=reason[:MAX_NOTE_CHARS],
-            worker_id=worker_id,
-        )
-    )
+    record_event(
+        session, job_id, attempt, kind, data, from_state=job.state, to_state=job.state,
+        worker_id=worker_id,
+    )  # fmt: skip
 
 
 def latest_scheduler_pending(
     session: Session, job_id: int, attempt: int
 ) -> SchedulerPending | None:
     """The newest scheduler pending reason recorded for ``attempt`` of the job; None when a
-    worker recorded none (two indexed reads at most: the job's events, newest first)."""
-    row = session.execute(
-        select(JobEvent.reason, JobEvent.created_at)
-        .where(
-            JobEvent.job_id == job_id,
-            JobEvent.attempt == attempt,
-            JobEvent.reason.startswith(PENDING_EVENT_PREFIX, autoescape=True),
-        )
-        .order_by(JobEvent.id.desc())
-        .limit(1)
-    ).one_or_none()
-    code = parse_pending_event(row.reason) if row is not None else None
-    return SchedulerPending(code, row.created_at) if row is not None and code else None
+    worker recorded none (one read on the job's events of that kind)."""
+    event = newest_event(session, job_id, attempt, EventKind.SCHEDULER_PENDING)
+    code = event.data.get("code") if event is not None else None
+    return SchedulerPending(str(code), event.created_at) if event is not None and code else None
 
 
 def record_scheduler_pending(
@@ -78,10 +68,12 @@ def record_scheduler_pending(
     Raises:
         StaleAttemptError / NotFoundError: the attempt is not the job's current active one.
     """
+    code = code[:MAX_REASON_CODE_CHARS]
     newest = latest_scheduler_pending(session, job_id, attempt)
     if newest is not None and newest.code == code:
         return False
     record_job_note(
-        session, job_id, attempt, pending_event_reason(code, words), worker_id=worker_id
-    )
+        session, job_id, attempt, EventKind.SCHEDULER_PENDING, {"code": code, "words": words},
+        worker_id=worker_id,
+    )  # fmt: skip
     return True

@@ -18,11 +18,13 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import ConflictError, NotFoundError
+from service.core.events import EventKind, render
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
 from service.core.sweeps.spec import PlannedTrial, ResolvedObjective, SweepSpec
+from service.store.events import event_values, record_events
 from service.store.jobs.claims import lock_sweep_claims
 from service.store.jobs.rate_limits import check_jobs_rate
-from service.store.models import Job, JobEvent, Sweep, SweepTrial, utcnow
+from service.store.models import Job, Sweep, SweepTrial, utcnow
 from service.store.sweeps.init_from import init_from_columns, retry_start
 
 SWEEP_RUNNING = "running"
@@ -132,17 +134,18 @@ def insert_trials(session: Session, sweep: Sweep, planned: Sequence[PlannedTrial
     ids = session.scalars(
         insert(Job).returning(Job.id, sort_by_parameter_order=True), job_rows
     ).all()
-    session.execute(
-        insert(JobEvent),
+    record_events(
+        session,
         [
-            {
-                "job_id": i,
-                "attempt": 1,
-                "from_state": None,
-                "to_state": JobState.QUEUED.value,
-                "reason": f"trial {t.position} of sweep {sweep.id}",
-                "created_at": now,
-            }
+            event_values(
+                i,
+                1,
+                EventKind.TRIAL_SUBMITTED,
+                {"sweep_id": sweep.id, "position": t.position},
+                from_state=None,
+                to_state=JobState.QUEUED.value,
+                created_at=now,
+            )
             for i, t in zip(ids, planned, strict=True)
         ],
     )
@@ -190,10 +193,14 @@ def list_sweeps(
     return sweeps, None
 
 
-def cancel_sweep_jobs(session: Session, sweep_id: int, reason: str) -> tuple[int, int]:
+def cancel_sweep_jobs(
+    session: Session, sweep_id: int, kind: EventKind, data: dict[str, Any]
+) -> tuple[int, int]:
     """End every unfinished trial job of a sweep: queued ones cancelled at once (a set-wise
     compare-and-set on ``state = 'queued'`` with an event each), started ones flagged
-    ``cancel_requested`` for their workers (with an event saying why).
+    ``cancel_requested`` for their workers (with an event saying why). The events are of
+    ``kind`` (``sweep_cancelled`` or ``sweep_stopped``) with ``data``; a flag's carries
+    ``cancel_requested: true`` too.
 
     Returns:
         ``(cancelled_now, cancel_requested)`` counts.
@@ -218,29 +225,23 @@ def cancel_sweep_jobs(session: Session, sweep_id: int, reason: str) -> tuple[int
         .returning(Job.id, Job.attempt, Job.state)
         .execution_options(synchronize_session=False)
     ).all()
+    flag = {**data, "cancel_requested": True}
     events = [
-        {
-            "job_id": i,
-            "attempt": a,
-            "from_state": JobState.QUEUED.value,
-            "to_state": JobState.CANCELLED.value,
-            "reason": reason,
-            "created_at": now,
-        }
+        event_values(
+            i,
+            a,
+            kind,
+            data,
+            from_state=JobState.QUEUED.value,
+            to_state=JobState.CANCELLED.value,
+            created_at=now,
+        )
         for i, a in cancelled
     ] + [
-        {
-            "job_id": i,
-            "attempt": a,
-            "from_state": s,
-            "to_state": s,
-            "reason": f"cancel requested: {reason}",
-            "created_at": now,
-        }
+        event_values(i, a, kind, flag, from_state=s, to_state=s, created_at=now)
         for i, a, s in flagged
     ]
-    if events:
-        session.execute(insert(JobEvent), events)
+    record_events(session, events)
     session.expire_all()
     return len(cancelled), len(flagged)
 
@@ -258,8 +259,9 @@ def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str)
     sweep = get_sweep(session, sweep_id, owner=owner)
     if sweep.state in ("succeeded", "failed"):
         raise ConflictError(f"sweep {sweep_id} already {sweep.state}; nothing to cancel")
-    reason = f"sweep {sweep_id} cancelled by {by}"
-    cancel_sweep_jobs(session, sweep_id, reason)
+    why = {"sweep_id": sweep_id, "by": by}
+    reason = render(EventKind.SWEEP_CANCELLED, why)
+    cancel_sweep_jobs(session, sweep_id, EventKind.SWEEP_CANCELLED, why)
     if sweep.state != "cancelled":
         sweep.state, sweep.stop_reason = "cancelled", reason
     finish_cancelled(session, sweep)
@@ -347,18 +349,19 @@ def retry_failed(
         for (t, j), spec in zip(failed, specs, strict=True)
     ]
     ids = session.scalars(insert(Job).returning(Job.id, sort_by_parameter_order=True), rows).all()
-    session.execute(
-        insert(JobEvent),
+    record_events(
+        session,
         [
-            {
-                "job_id": new,
-                "attempt": 1,
-                "from_state": None,
-                "to_state": JobState.QUEUED.value,
-                "reason": f"retry of failed job {j.id} (trial {t.position} of sweep {sweep_id})"
-                + _continuing(spec, j.id),
-                "created_at": now,
-            }
+            event_values(
+                new,
+                1,
+                EventKind.TRIAL_RETRIED,
+                {"sweep_id": sweep_id, "position": t.position, "failed_job_id": j.id}
+                | _continuing(spec, j.id),
+                from_state=None,
+                to_state=JobState.QUEUED.value,
+                created_at=now,
+            )
             for new, (t, j), spec in zip(ids, failed, specs, strict=True)
         ],
     )
@@ -369,11 +372,13 @@ def retry_failed(
     return len(ids)
 
 
-def _continuing(spec: dict[str, object], failed_id: int) -> str:
+def _continuing(spec: dict[str, object], failed_id: int) -> dict[str, object]:
+    """``{"continuing_from_step": step}`` when the retry starts from the failed job's
+    checkpoint (its event says so), else nothing."""
     init = spec.get("init_from")
     if isinstance(init, dict) and init.get("job") == failed_id:
-        return f", continuing from its checkpoint at step {init.get('step')}"
-    return ""
+        return {"continuing_from_step": init.get("step")}
+    return {}
 
 
 def trial_keys(session: Session, sweep_id: int) -> tuple[frozenset[str], int]:

@@ -13,13 +13,15 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from service.core.events import EventKind, render
 from service.core.states import ACTIVE_STATES, JobState
 from service.core.sweeps.asha import decide_at_rung, rung_step, rungs_up_to
 from service.core.sweeps.spec import SweepSpec
-from service.store.models import Job, JobEvent, Metric, Sweep, SweepTrial, utcnow
+from service.store.events import record_event
+from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
 from service.store.sweeps.crud import (
     SWEEP_RUNNING,
     cancel_sweep_jobs,
@@ -83,11 +85,9 @@ def advance_sweep(session: Session, sweep: Sweep) -> list[str]:
     outcomes = [trial_outcome(state, outcome) for outcome, state in rows]
     failed = outcomes.count(JobState.FAILED.value)
     if sweep.max_failed is not None and failed >= sweep.max_failed and sweep.stop_reason is None:
-        reason = (
-            f"sweep {sweep.id} stopped: {failed} trial(s) failed "
-            f"(max_failed {sweep.max_failed}); the rest cancelled"
-        )
-        now_, flagged = cancel_sweep_jobs(session, sweep.id, reason)
+        why = {"sweep_id": sweep.id, "failed": failed, "max_failed": sweep.max_failed}
+        reason = render(EventKind.SWEEP_STOPPED, why)
+        now_, flagged = cancel_sweep_jobs(session, sweep.id, EventKind.SWEEP_STOPPED, why)
         sweep.stop_reason = reason
         done.append(f"{reason} ({now_} queued, {flagged} running)")
         session.flush()
@@ -177,8 +177,9 @@ def evaluate_asha(session: Session, sweep: Sweep, spec: SweepSpec) -> list[str]:
         recorded.setdefault(a.rung, []).append(a.value)
         a.trial.rungs = {**(a.trial.rungs or {}), str(a.rung): _json_number(a.value)}
         if decision.stop and a.job_state in {s.value for s in ACTIVE_STATES}:
+            data = decision.event_data(metric, asha.reduction_factor)
             message = decision.message(metric, asha.reduction_factor)
-            if _stop_trial(session, a, message):
+            if _stop_trial(session, a, data):
                 stopped.add(a.job_id)
                 done.append(f"job_id={a.job_id} {message}")
     session.flush()
@@ -207,9 +208,10 @@ def _value_at(
     return newest[0], _float(newest[1])
 
 
-def _stop_trial(session: Session, a: _Arrival, message: str) -> bool:
+def _stop_trial(session: Session, a: _Arrival, data: dict[str, object]) -> bool:
     """Flag the trial's job ``cancel_requested`` (compare-and-set on its active state) with an
-    event carrying ``message``; the trial's outcome becomes ``stopped_early``."""
+    ``early_stopped`` event of ``data`` (``RungDecision.event_data``); the trial's outcome
+    becomes ``stopped_early``."""
     row = session.execute(
         update(Job)
         .where(
@@ -223,16 +225,10 @@ def _stop_trial(session: Session, a: _Arrival, message: str) -> bool:
     ).one_or_none()
     if row is None:
         return False
-    session.execute(
-        insert(JobEvent).values(
-            job_id=a.job_id,
-            attempt=row.attempt,
-            from_state=row.state,
-            to_state=row.state,
-            reason=message,
-            created_at=utcnow(),
-        )
-    )
+    record_event(
+        session, a.job_id, row.attempt, EventKind.EARLY_STOPPED, data, from_state=row.state,
+        to_state=row.state,
+    )  # fmt: skip
     a.trial.outcome = STOPPED_EARLY
     return True
 

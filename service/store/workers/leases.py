@@ -21,6 +21,7 @@ from sqlalchemy import ColumnElement, CursorResult, Row, and_, not_, or_, select
 from sqlalchemy.orm import Session
 
 from service.core.errors import NotFoundError, StaleAttemptError, StaleStateError
+from service.core.events import EventKind, render
 from service.core.launchers import adopting_launchers, launcher_traits
 from service.core.states import ACTIVE_STATES, JobState
 from service.store.jobs.crud import Transition, apply_transition_where, cancel_flagged_queued_jobs
@@ -29,7 +30,7 @@ from service.store.workers.registry import HeldJob
 
 log = logging.getLogger(__name__)
 
-WORKER_LOST_REASON = "worker lost: lease expired"
+WORKER_LOST_REASON = render(EventKind.WORKER_LOST)  # "worker lost: lease expired"
 _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 
 
@@ -105,7 +106,7 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
     ).all()
     done: list[Transition] = []
     for job_id, state in rows:
-        t = Transition(job_id, JobState(state), JobState.QUEUED, WORKER_LOST_REASON)
+        t = Transition.of(job_id, JobState(state), JobState.QUEUED, EventKind.WORKER_LOST)
         try:
             _, applied = apply_transition_where(
                 session, t, where=[Job.lease_expires_at < now, not_adoptable]

@@ -182,7 +182,7 @@
       list.append(
         d.el(
           "li",
-          { "data-to-state": ev.to_state },
+          { "data-to-state": ev.to_state, "data-kind": ev.kind },
           d.el(
             "span",
             { class: "when", title: ev.created_at },
