@@ -11,12 +11,8 @@ from sqlalchemy.orm import Session
 from service.core.errors import NotFoundError
 from service.core.states import JobState
 from service.store.jobs.notes import latest_scheduler_pending
-from service.store.jobs.queue import (
-    JobShape,
-    QueueExplanation,
-    explain_queue,
-    explain_scheduler_wait,
-)
+from service.store.jobs.queue import explain_queue, explain_scheduler_wait
+from service.store.jobs.values import JobShape, QueueExplanation
 from service.store.models import Job
 
 # What GET /jobs/{id} shows (schemas.JobOut), plus gpus_per_node for the queue explanation. Built
