@@ -134,7 +134,7 @@ def describe_job(
             heartbeat_interval_s=heartbeat_interval_s,
             max_gpus_per_node=max_gpus_per_node,
         )
-        return JobView.of(row, explanation)
+        return JobView.from_view_row(row, explanation)
 
     return db.read(read)
 
@@ -145,7 +145,7 @@ def get_job(db: Database, job_id: int, *, owner: str | None) -> JobView:
     Raises:
         NotFoundError: no such job (or not the owner's).
     """
-    return db.read(lambda conn: JobView.of(get_job_row(conn, job_id, owner=owner)))
+    return db.read(lambda conn: JobView.from_view_row(get_job_row(conn, job_id, owner=owner)))
 
 
 def list_jobs(
