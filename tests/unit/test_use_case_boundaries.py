@@ -6,13 +6,20 @@ A scan of the source (no database, no import of the modules): no module under
 anything, touches ``.read`` of a database (``db.read``, ``ctx.db.read``, ``_db(request).read``:
 the Core read scope, called or passed to an executor), or imports ``sqlalchemy``'s ``Session``.
 The import-linter contracts in pyproject.toml keep the imports themselves in their layers.
+And the use cases keep their shape: the database in, values (frozen dataclasses) out.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
+import inspect
 import re
+import typing
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +114,52 @@ def test_the_scan_sees_a_session_opened_outside_the_store(snippet: str) -> None:
 )
 def test_the_scan_ignores_file_reads_and_use_case_calls(snippet: str) -> None:
     assert session_uses(snippet) == []
+
+
+# ---- the use cases' own shape ------------------------------------------------------------
+
+
+def use_case_modules() -> list[str]:
+    found = sorted((ROOT / "service/store").glob("*/service.py"))
+    assert len(found) >= 4, f"expected a service.py per resource, found {found}"
+    return [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in found]
+
+
+def _names_in(hint: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """``hint``, its type arguments and, for a dataclass, its fields' types, recursively."""
+    seen = set() if seen is None else seen
+    if id(hint) in seen:
+        return
+    seen.add(id(hint))
+    yield hint
+    inner = list(typing.get_args(hint))
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        inner += typing.get_type_hints(hint).values()
+    for arg in inner:
+        yield from _names_in(arg, seen)
+
+
+@pytest.mark.parametrize("module_name", use_case_modules())
+def test_use_cases_take_the_database_and_return_values_not_rows(module_name: str) -> None:
+    """``verb_object(db: Database, …) -> value``: never a session in, never an ORM row,
+    Core row or session out, and every dataclass that comes out is frozen."""
+    from service.store.db import Database
+    from service.store.models import Base
+
+    module = importlib.import_module(module_name)
+    functions = [
+        f
+        for name, f in inspect.getmembers(module, inspect.isfunction)
+        if not name.startswith("_") and f.__module__ == module_name
+    ]
+    assert functions, f"{module_name} defines no use case"
+    for f in functions:
+        hints = typing.get_type_hints(f)
+        first = next(iter(inspect.signature(f).parameters))
+        assert hints.get(first) is Database, f"{module_name}.{f.__name__}: first parameter db"
+        for out in _names_in(hints["return"]):
+            where = f"{module_name}.{f.__name__} returns {out!r}"
+            assert not (isinstance(out, type) and issubclass(out, Base)), f"{where}: an ORM row"
+            assert getattr(out, "__module__", "").split(".")[0] != "sqlalchemy", where
+            if dataclasses.is_dataclass(out):
+                assert out.__dataclass_params__.frozen, f"{where}: make it frozen"  # type: ignore[union-attr]

@@ -14,10 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from sqlalchemy import Connection
 
-from service.core.artifacts import confine, rank_log_path
 from service.core.errors import NotFoundError, SpecValidationError, StaleAttemptError
 from service.core.events import EventKind
 from service.core.holds import ClaimedJob, ClaimedJobs, SchedulerHandle, Transition
@@ -30,7 +28,7 @@ from service.store.checkpoints.crud import list_checkpoints
 from service.store.checkpoints.init_from import resolve_init_from, same_submission
 from service.store.db import Database
 from service.store.jobs import batch_claims, claims, crud, notes
-from service.store.jobs.logs import read_log_chunk
+from service.store.jobs.logs import read_rank_log
 from service.store.jobs.queue import explain_queue, submit_warnings
 from service.store.jobs.rate_limits import check_submission_rate
 from service.store.jobs.values import (
@@ -262,34 +260,14 @@ def read_job_log(
     artifact_dir: Path,
 ) -> LogChunk:
     """A slice of one rank's log of the job (``attempt`` None: the current one) from byte
-    ``offset`` (``logs.read_log_chunk``), under ``artifact_dir``.
+    ``offset``, under ``artifact_dir`` (``logs.read_rank_log``).
 
     Raises:
         NotFoundError: no such job (or not the owner's); an attempt after its current one, or
             a rank it does not have (the message names its attempts or ranks).
     """
     job = get_job(db, job_id, owner=owner)
-    if attempt is not None and attempt > job.attempt:
-        attempts = "only attempt 1" if job.attempt == 1 else f"attempts 1–{job.attempt}"
-        raise NotFoundError(f"job {job_id} has {attempts}; there is no attempt {attempt}")
-    attempt = attempt or job.attempt
-    world_size = _world_size(job.spec)
-    if world_size is not None and rank >= world_size:
-        ranks = "only rank 0" if world_size == 1 else f"ranks 0–{world_size - 1}"
-        raise NotFoundError(f"job {job_id} has {ranks}; there is no rank {rank}")
-    path = confine(
-        artifact_dir, rank_log_path(artifact_dir, job_id, attempt, rank), must_exist=False
-    )
-    text, next_offset, eof = read_log_chunk(path, offset)
-    return LogChunk(text, next_offset, rank, attempt, eof)
-
-
-def _world_size(stored_spec: Any) -> int | None:
-    """The ranks of a stored spec; None if it no longer validates (then no rank is refused)."""
-    try:
-        return JobSpec.model_validate(stored_spec).world_size
-    except ValidationError:
-        return None
+    return read_rank_log(artifact_dir, job, rank=rank, attempt=attempt, offset=offset)
 
 
 # -- the worker's (``worker.records.DatabaseRecords``) ------------------------------------
