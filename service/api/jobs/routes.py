@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -153,15 +152,13 @@ async def submit(
     # 429 at job 61); the per-owner limit is for servers shared through tokens.
     per_minute = ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
     submitted = await run_in_threadpool(
-        partial(
-            jobs.submit_job,
-            ctx.db,
-            spec,
-            ctx.caller,
-            idempotency_key=idempotency_key,
-            per_minute=per_minute,
-            heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
-        )
+        jobs.submit_job,
+        ctx.db,
+        spec,
+        ctx.caller,
+        idempotency_key=idempotency_key,
+        per_minute=per_minute,
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
     )
     job = SubmittedJobOut(**dict(job_out(submitted.job)), warnings=list(submitted.warnings))
     location = f"{request.url.path.rstrip('/')}/{job.id}"
