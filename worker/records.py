@@ -7,7 +7,8 @@ adopt, note, stop). Plain values in and out (``service.core.holds``, ``JobState`
 ``EventKind`` with its data): no ORM row, no session, nothing a JSON body could not carry,
 so the same interface can be served over HTTP (the worker API) as well as by
 ``DatabaseRecords``, which calls the store's use cases (``service.store.workers.service``,
-``service.store.jobs.service``) and opens no session itself.
+``service.store.jobs.service``, ``service.store.attempts.service``) and opens no session
+itself.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from service.core.holds import (
     Transition,
 )
 from service.core.states import JobState
+from service.store.attempts import service as attempts
 from service.store.db import Database
 from service.store.jobs import service as jobs
 from service.store.workers import service as workers
@@ -188,7 +190,7 @@ class DatabaseRecords:
 
     def mint_token(self, job_id: int, attempt: int) -> str:
         """See ``WorkerRecords.mint_token``."""
-        return workers.mint_attempt_token(self.db, job_id, attempt)
+        return attempts.mint_token(self.db, job_id, attempt)
 
     def record_handles(self, handles: Sequence[SchedulerHandle]) -> None:
         """See ``WorkerRecords.record_handles``."""

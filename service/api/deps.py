@@ -3,9 +3,10 @@ caller is), checked once per request; and the attempt a rank's token stands for.
 
 Two kinds of bearer token, never interchangeable: API tokens (``ddpq_…``) open the user
 routes, attempt tokens (``ddpqa_…``, ``service.store.attempts.tokens``) open only the attempt
-routes (``/api/v1/attempts/self/…``). Both are looked up through
-``service.store.auth.service``. A user route answers 401 to an attempt token whether
-auth is on or off, so a rank's token grants nothing else even on the embedded default."""
+routes (``/api/v1/attempts/self/…``); each is looked up through its use case
+(``service.store.auth.service``, ``service.store.attempts.service``). A user route answers
+401 to an attempt token whether auth is on or off, so a rank's token grants nothing else
+even on the embedded default."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from service.core.config import Settings
 from service.core.tokens import hash_token
 from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
-from service.store.attempts.tokens import AttemptRef
+from service.store.attempts import service as attempts
+from service.store.attempts.values import AttemptRef
 from service.store.auth import service as auth
 from service.store.auth.values import Caller
 from service.store.db import Database
@@ -178,7 +180,7 @@ async def get_attempt(
     if ref is not None:
         return ref
     db: Database = request.app.state.db
-    ref = await asyncio.get_running_loop().run_in_executor(None, auth.find_attempt, db, token)
+    ref = await asyncio.get_running_loop().run_in_executor(None, attempts.find_attempt, db, token)
     if ref is None:
         raise _unauthorized("unknown attempt token", "invalid_token")
     if len(cache) >= MAX_CACHED_ATTEMPTS:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.http import ERRORS, JobIdPath
 from service.core.goodput import PHASES
-from service.store.attempts.goodput import AttemptLedger, JobLedger
+from service.store.attempts.values import AttemptLedger, JobLedger
 from service.store.jobs import service as jobs
 
 router = APIRouter(tags=["goodput"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)

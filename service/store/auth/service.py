@@ -1,11 +1,9 @@
-"""The auth resource's use cases, each opening its own session: who an API token or an attempt
-token stands for (looked up on every request that is not cached), and the operator's token
-commands (create, list, revoke)."""
+"""The auth resource's use cases, each opening its own session: who an API token stands for
+(looked up on every request), and the operator's token commands (create, list, revoke). An
+attempt token is the attempts resource's (``service.store.attempts.service.find_attempt``)."""
 
 from __future__ import annotations
 
-from service.store.attempts.tokens import AttemptRef
-from service.store.attempts.tokens import find_attempt as find_attempt_in
 from service.store.auth import tokens
 from service.store.auth.values import Caller, CreatedToken, TokenInfo
 from service.store.db import Database
@@ -21,18 +19,6 @@ def find_caller(db: Database, token: str) -> Caller | None:
     """
     with db.session(write=False) as session:
         return tokens.find_caller(session, token)
-
-
-def find_attempt(db: Database, token: str) -> AttemptRef | None:
-    """The (job, attempt) an attempt token was minted for; None for an unknown, malformed or
-    non-attempt token (an API token included). It says which attempt the caller speaks for,
-    not that the attempt is still current (every write fences that itself).
-
-    Raises:
-        DatabaseUnavailableError: the token could not be looked up (503).
-    """
-    with db.session(write=False) as session:
-        return find_attempt_in(session, token)
 
 
 def create_token(db: Database, *, owner: str, admin: bool = False) -> CreatedToken:

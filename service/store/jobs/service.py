@@ -22,7 +22,8 @@ from service.core.holds import ClaimedJob, ClaimedJobs, SchedulerHandle, Transit
 from service.core.spec.model import JobSpec
 from service.core.spec.text import display_text
 from service.core.states import JobState
-from service.store.attempts.goodput import JobLedger, job_ledger
+from service.store.attempts.goodput import job_ledger
+from service.store.attempts.values import JobLedger
 from service.store.auth.values import Caller
 from service.store.checkpoints.crud import list_checkpoints
 from service.store.checkpoints.init_from import resolve_init_from, same_submission

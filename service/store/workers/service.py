@@ -1,15 +1,14 @@
 """The worker resource's use cases, each opening its own session: what a worker does with its
-own row and the jobs it holds (register, heartbeat, stop, adopt, requeue lost workers' jobs,
-mint an attempt's token), and the list of workers the API shows. The worker reaches them
-through ``worker.records`` (its typed interface); ``service.store.jobs.service`` holds the
-claims and transitions."""
+own row and the jobs it holds (register, heartbeat, stop, adopt, requeue lost workers' jobs),
+and the list of workers the API shows. The worker reaches them through ``worker.records``
+(its typed interface); ``service.store.jobs.service`` holds the claims and transitions,
+``service.store.attempts.service`` the attempt tokens."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from service.core.holds import AdoptedJob, HeldJob, Transition
-from service.store.attempts.tokens import mint_attempt_token as mint_in
 from service.store.db import Database
 from service.store.jobs.crud import owned_job_ids
 from service.store.models import Worker
@@ -87,17 +86,6 @@ def adopt_detached_jobs(
         return leases.adopt_detached_jobs(
             session, worker_id=worker_id, launcher=launcher, lease_s=lease_s
         )
-
-
-def mint_attempt_token(db: Database, job_id: int, attempt: int) -> str:
-    """A new attempt token for ``attempt`` of the job (stored hashed) for its ranks: valid for
-    that attempt's own writes through the attempt API while it is the job's current one.
-
-    Raises:
-        ConflictError: the job is gone (409).
-    """
-    with db.session() as session:
-        return mint_in(session, job_id, attempt)
 
 
 def prune_stopped_workers(db: Database, *, retention_s: float) -> list[str]:
