@@ -303,14 +303,14 @@ def job_out(
 
 
 def event_out(event: JobEventView) -> EventOut:
-    """A job_events row as the API's event."""
+    """A job's event as the API shows it."""
     return EventOut(
         id=event.id,
         attempt=event.attempt,
         from_state=event.from_state,
         to_state=event.to_state,
-        kind=EventKind(event.kind),
-        data=event.data or {},
+        kind=event.kind,
+        data=event.data,
         reason=event.reason,
         worker_id=event.worker_id,
         created_at=event.created_at,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from service.core.events import EventKind
 from service.core.spec.model import JobSpec
 
 
@@ -167,13 +168,16 @@ class JobPage:
 @dataclass(frozen=True, slots=True)
 class JobEventView:
     """One ``job_events`` row: a state change (``from_state`` None for the submission), or a
-    note (``from_state == to_state``)."""
+    note (``from_state == to_state``); what happened is ``kind`` with its ``data``
+    (``service.core.events``), ``reason`` their wording."""
 
     id: int
     job_id: int
     attempt: int
     from_state: str | None
     to_state: str
+    kind: EventKind
+    data: dict[str, Any]
     reason: str | None
     worker_id: str | None
     created_at: datetime
@@ -182,8 +186,9 @@ class JobEventView:
     def of(cls, row: Any) -> JobEventView:
         """The view of a ``job_events`` ORM object."""
         return cls(
-            row.id, row.job_id, row.attempt, row.from_state, row.to_state, row.reason,
-            row.worker_id, row.created_at,
+            row.id, row.job_id, row.attempt, row.from_state, row.to_state,
+            EventKind(row.kind), dict(row.data or {}), row.reason, row.worker_id,
+            row.created_at,
         )  # fmt: skip
 
 
