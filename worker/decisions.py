@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.core.events import EventKind
+from service.core.holds import AdoptedJob, ClaimedJob, HeldJob, Transition
 from service.core.states import TERMINAL_STATES, JobState
-from service.store.jobs.crud import Transition
-from service.store.workers.leases import AdoptedJob
-from service.store.workers.registry import HeldJob
 from worker.attempt import FailureReason
 from worker.launchers.base import RunPhase, RunStatus
 
@@ -40,6 +38,17 @@ class HeldRun:
     launch_error: str | None = None
     cancel_requested: bool = False
     cancel_sent: bool = False
+
+    @classmethod
+    def claimed(cls, job: ClaimedJob) -> HeldRun:
+        """The run of a job this worker just claimed (``starting``, not launched yet)."""
+        return cls(
+            job_id=job.job_id,
+            attempt=job.attempt,
+            state=JobState.STARTING,
+            restarts=job.restarts,
+            max_restarts=job.max_restarts,
+        )
 
     @classmethod
     def adopted(cls, job: AdoptedJob) -> HeldRun:

@@ -16,6 +16,7 @@ from typing import Any
 
 from service.core.errors import DdpqError
 from service.core.events import EventKind, render
+from service.core.holds import SchedulerHandle
 from service.core.spec.model import JobSpec
 from worker.attempt_notes import oversubscription_note
 from worker.decisions import GpuPool, HeldRun
@@ -39,8 +40,8 @@ def _failed(run: HeldRun, exc: BaseException) -> None:
 class Launches:
     """Starts claimed runs on ``launcher``: sets each run's ``handle`` (recorded as the job's
     ``scheduler_job_id`` when ``detached``) or its ``launch_error``. ``records`` gives the
-    worker's database side as it is now (tests swap the database); ``pool`` is the worker's
-    GPU pool, drawn from when ``host_gpus``."""
+    worker's records as they are now (tests swap them); ``pool`` is the worker's GPU pool,
+    drawn from when ``host_gpus``."""
 
     launcher: Launcher
     records: Callable[[], WorkerRecords]
@@ -113,11 +114,11 @@ class Launches:
             note = oversubscription_note(spec, self.cpus) if self.host_gpus else None
             if note is not None:
                 _jlog(logging.WARNING, run, "%s", render(EventKind.MORE_RANKS_THAN_CORES, note))
-                self.records().note(run, EventKind.MORE_RANKS_THAN_CORES, note)
+                self.records().note(run.job_id, run.attempt, EventKind.MORE_RANKS_THAN_CORES, note)
             if run.gpus:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
             # The ranks' only credential: this attempt's token, minted once the plan stands.
-            return with_attempt_token(plan, self.records().mint_token(run))
+            return with_attempt_token(plan, self.records().mint_token(run.job_id, run.attempt))
         except Exception as exc:
             _failed(run, exc)
             return None
@@ -126,7 +127,9 @@ class Launches:
         """Store detached handles on their jobs, so that any worker can adopt and follow them;
         a failure is logged, not fatal (the jobs run on, this worker follows them)."""
         try:
-            self.records().record_handles(handles)
+            self.records().record_handles(
+                [SchedulerHandle(run.job_id, run.attempt, handle) for run, handle in handles]
+            )
         except DdpqError as exc:
             for run, handle in handles:
                 _jlog(logging.WARNING, run, "could not record %s job %s: %s",

@@ -2,7 +2,7 @@
 
 Plan, then act: every state change is first a ``Decision`` made by a pure function of what
 the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
-applies it through ``worker.records`` (one store call per session). The loop knows a
+applies it through its ``worker.records.WorkerRecords`` (one store call each). The loop knows a
 launcher only through the ``worker.launchers.base.Launcher`` interface and the launcher's row in
 ``service.core.launchers.LAUNCHER_TRAITS``: ``host_gpus`` (hand out this host's GPUs, bound
 to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
@@ -25,7 +25,6 @@ from typing import Any
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
 from service.core.launchers import launcher_traits
-from service.store.db import Database
 from worker.attempt_notes import PendingReasons, usable_cpus
 from worker.decisions import (
     Decision,
@@ -55,7 +54,8 @@ def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
 
 
 class WorkerLoop:
-    """One worker: holds up to ``slots`` jobs at once on one launcher.
+    """One worker (``records.worker_id``): holds up to ``slots`` jobs at once on one launcher,
+    and reaches the control plane only through ``records``.
 
     The launcher's traits (``service.core.launchers``) decide whether this worker hands out
     its own ``gpus`` to jobs (``host_gpus``: the local launcher); otherwise GPU placement is
@@ -69,10 +69,9 @@ class WorkerLoop:
     def __init__(
         self,
         settings: Settings,
-        db: Database,
+        records: WorkerRecords,
         launcher: Launcher,
         *,
-        worker_id: str,
         host: str,
         pid: int,
         slots: int = 1,
@@ -80,9 +79,9 @@ class WorkerLoop:
         cpus: int | None = None,
     ) -> None:
         self.settings = settings
-        self.db = db
+        self.records = records
         self.launcher = launcher
-        self.worker_id = worker_id
+        self.worker_id = records.worker_id
         self.host = host
         self.pid = pid
         self.slots = max(1, slots)
@@ -101,11 +100,6 @@ class WorkerLoop:
         self.registered = False
         self.stopping = False
         self._next_reap = 0.0
-
-    @property
-    def records(self) -> WorkerRecords:
-        """This worker's reads and writes, on whatever ``db`` is now (tests swap it)."""
-        return WorkerRecords(self.db, self.worker_id, self.launcher.name, self.settings.lease_s)
 
     @property
     def tick_s(self) -> float:
@@ -298,12 +292,12 @@ class WorkerLoop:
         detached job must keep running. None when the job was requeued or ended instead."""
         if not self.detached or run.handle is None:
             return None
-        return self.records.adopter_of(run)
+        return self.records.adopter_of(run.job_id, run.attempt)
 
     def _adopt(self) -> None:
         """Follow the detached jobs of lost or stopped workers (by their scheduler_job_id)."""
-        for run in self.records.adopt():
-            self.runs[run.job_id] = run
+        for job in self.records.adopt():
+            self.runs[job.job_id] = HeldRun.adopted(job)
 
     def _watch_all(self) -> None:
         """Watch every held job; pending cancels first, then one batched poll where the
@@ -345,12 +339,13 @@ class WorkerLoop:
         while len(self.runs) < self.slots:
             if isinstance(self.launcher, ArrayStarter):
                 batch = self.records.claim_batch(self._max_gpus, self.slots - len(self.runs))
-                claimed = batch.claimed if batch is not None else []
+                jobs = batch.jobs if batch is not None else ()
             else:
                 one = self.records.claim(self._max_gpus)
-                batch, claimed = None, [one] if one is not None else []
-            if not claimed:
+                batch, jobs = None, (one,) if one is not None else ()
+            if not jobs:
                 return
+            claimed = [(HeldRun.claimed(job), job.spec) for job in jobs]
             for run, _ in claimed:
                 self._hold(run)
             if batch is not None and batch.sweep_id is not None:
@@ -373,7 +368,7 @@ class WorkerLoop:
         """Apply ``decision``; False when the job had moved on (logged, not fatal)."""
         t = decision.transition
         try:
-            applied = self.records.apply(decision)
+            applied = self.records.apply(t, error=decision.error, values=decision.values)
         except StaleStateError as exc:
             log.warning("job_id=%d: %s; the next heartbeat reconciles", t.job_id, exc)
             return False

@@ -24,6 +24,7 @@ from service.store.db import Database
 from worker.launchers.registry import make_launcher
 from worker.loop import WorkerLoop
 from worker.processes import make_undumpable
+from worker.records import DatabaseRecords
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,12 @@ def run_worker(
     if gpus is None:
         gpus = detect_gpus() if uses_host_gpus(launcher) else []
     db = Database.from_url(settings.resolved_database_url)
+    built = make_launcher(launcher, settings)
+    records = DatabaseRecords(db, make_worker_id(), built.name, settings.lease_s)
     loop = WorkerLoop(
         settings,
-        db,
-        make_launcher(launcher, settings),
-        worker_id=make_worker_id(),
+        records,
+        built,
         host=socket.gethostname(),
         pid=os.getpid(),
         slots=slots,

@@ -1,60 +1,141 @@
-"""What a worker reads and writes in the database, one short session per call.
+"""What a worker reads and writes about itself and the jobs it holds: one typed interface,
+``WorkerRecords``, and its database implementation, ``DatabaseRecords``.
 
-``WorkerLoop`` decides; this module holds the store calls it makes (register, heartbeat,
-claim, mint an attempt's token, record a detached handle, apply a transition, reap, adopt,
-stop), so that the loop
-reads as orchestration and every write is one transaction of ``service.store``.
+``WorkerLoop`` decides; every store call it makes goes through ``WorkerRecords`` (register,
+heartbeat, claim, mint an attempt's token, record detached handles, apply a transition, reap,
+adopt, note, stop). Plain values in and out (``service.core.holds``, ``JobState``,
+``EventKind`` with its data): no ORM row, no session, nothing a JSON body could not carry,
+so the same interface can be served over HTTP (the worker API) as well as by
+``DatabaseRecords``, which calls the store's use cases (``service.store.workers.service``,
+``service.store.jobs.service``, ``service.store.attempts.service``) and opens no session
+itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from service.core.errors import NotFoundError, StaleAttemptError
 from service.core.events import EventKind
+from service.core.holds import (
+    AdoptedJob,
+    ClaimedJob,
+    ClaimedJobs,
+    HeldJob,
+    SchedulerHandle,
+    Transition,
+)
 from service.core.states import JobState
-from service.store.attempts import tokens as attempt_tokens
+from service.store.attempts import service as attempts
 from service.store.db import Database
-from service.store.jobs import batch_claims, claims
-from service.store.jobs import crud as jobs
-from service.store.jobs import notes as job_notes
-from service.store.models import Job
-from service.store.workers import leases
-from service.store.workers import registry as workers
-from service.store.workers.registry import HeldJob
-from worker.decisions import Decision, HeldRun
+from service.store.jobs import service as jobs
+from service.store.workers import service as workers
 
 
-@dataclass(frozen=True)
-class ClaimedRuns:
-    """A batch claim as the loop sees it: each job's run and stored spec (best first), the
-    sweep they belong to (None: one plain job) and its ``max_concurrent``."""
+class WorkerRecords(Protocol):
+    """The control plane as one worker sees it: its own row and the jobs it holds.
 
-    claimed: list[tuple[HeldRun, dict[str, Any]]]
-    sweep_id: int | None
-    max_concurrent: int | None
-
-
-def _claimed_run(job: Job) -> tuple[HeldRun, dict[str, Any]]:
-    run = HeldRun(
-        job_id=job.id,
-        attempt=job.attempt,
-        state=JobState.STARTING,
-        restarts=job.restarts,
-        max_restarts=int(job.spec.get("max_restarts", 0)),
-    )
-    return run, job.spec
-
-
-@dataclass(frozen=True)
-class WorkerRecords:
-    """The database side of one worker: ``worker_id``'s rows and the jobs it holds.
-
-    Every method opens its own session; ``DatabaseUnavailableError`` (and the store's other
-    ``DdpqError``s) pass through to the loop, which retries or logs them.
+    Every call is one transaction on the other side. ``DatabaseUnavailableError`` (and the
+    other ``DdpqError``s named below) pass through to the loop, which retries or logs them.
     """
+
+    @property
+    def worker_id(self) -> str:
+        """The worker these records speak for."""
+        ...
+
+    def register(self, *, host: str, pid: int, capacity: dict[str, Any]) -> None:
+        """Insert (or revive) this worker's row; ``capacity``: ``{"slots": int, "gpus":
+        [int], "cpus": int}``."""
+        ...
+
+    def heartbeat(self) -> list[HeldJob]:
+        """Renew this worker's leases; the jobs it holds.
+
+        Raises:
+            NotFoundError: the worker has no row (register again).
+        """
+        ...
+
+    def stop(self) -> None:
+        """Mark this worker stopped (its detached jobs become adoptable at once)."""
+        ...
+
+    def claimable(self, max_gpus_per_node: int) -> bool:
+        """Whether a job this worker could run is queued (a cheap read, no lock)."""
+        ...
+
+    def claim(self, max_gpus_per_node: int) -> ClaimedJob | None:
+        """Claim the next job (now ``starting``, leased to this worker); None when nothing
+        claimable is queued."""
+        ...
+
+    def claim_batch(self, max_gpus_per_node: int, limit: int) -> ClaimedJobs | None:
+        """Claim up to ``limit`` queued trials of one sweep (within its ``max_concurrent``),
+        or one plain job; None when nothing is claimable."""
+        ...
+
+    def mint_token(self, job_id: int, attempt: int) -> str:
+        """A new attempt token for the ranks of ``attempt`` of the job: valid for that
+        attempt's own writes through the attempt API while it is the job's current one.
+
+        Raises:
+            ConflictError: the job is gone.
+        """
+        ...
+
+    def record_handles(self, handles: Sequence[SchedulerHandle]) -> None:
+        """Store detached launchers' handles as their jobs' ``scheduler_job_id`` (each fenced
+        on its attempt), all at once."""
+        ...
+
+    def apply(
+        self,
+        transition: Transition,
+        *,
+        error: str | None = None,
+        values: Mapping[str, Any] | None = None,
+    ) -> JobState:
+        """Apply ``transition`` (one compare-and-set with its event; ``error``: the job's
+        error text, ``values``: side columns such as ``restarts``); the state it produced
+        (a requeue of a job flagged for cancel ends ``cancelled``).
+
+        Raises:
+            StaleStateError: the job had moved on.
+        """
+        ...
+
+    def requeue_expired(self) -> list[Transition]:
+        """Requeue (or cancel, if flagged) every job whose lease expired; what was applied."""
+        ...
+
+    def adopter_of(self, job_id: int, attempt: int) -> str | None:
+        """The other worker that adopted ``attempt`` of the job and still holds it, if any."""
+        ...
+
+    def adopt(self) -> list[AdoptedJob]:
+        """Take over the detached jobs of lost or stopped workers of this launcher."""
+        ...
+
+    def note(self, job_id: int, attempt: int, kind: EventKind, data: Mapping[str, Any]) -> bool:
+        """Add a note of ``kind`` with ``data`` (``service.core.events``) to the job's events
+        for ``attempt`` (no state change); False when the attempt moved on meanwhile
+        (nothing written)."""
+        ...
+
+    def note_pending_reason(self, job_id: int, attempt: int, code: str, words: str) -> bool:
+        """Record the batch scheduler's pending reason ``code`` (in plain ``words``) for the
+        attempt unless it is the newest one recorded already; False when the attempt moved
+        on meanwhile."""
+        ...
+
+
+@dataclass(frozen=True)
+class DatabaseRecords:
+    """``WorkerRecords`` on the database: worker ``worker_id`` of ``launcher``, whose leases
+    last ``lease_s`` seconds from each heartbeat or claim. Each method is one use case of
+    ``service.store`` (which opens its session)."""
 
     db: Database
     worker_id: str
@@ -62,144 +143,91 @@ class WorkerRecords:
     lease_s: float
 
     def register(self, *, host: str, pid: int, capacity: dict[str, Any]) -> None:
-        """Insert (or revive) this worker's row."""
-        with self.db.session() as s:
-            workers.register_worker(
-                s,
-                worker_id=self.worker_id,
-                host=host,
-                pid=pid,
-                launcher=self.launcher,
-                capacity=capacity,
-            )
+        """See ``WorkerRecords.register``."""
+        workers.register_worker(
+            self.db,
+            worker_id=self.worker_id,
+            host=host,
+            pid=pid,
+            launcher=self.launcher,
+            capacity=capacity,
+        )
 
     def heartbeat(self) -> list[HeldJob]:
-        """Renew this worker's leases (``lease_s`` seconds from now); the jobs it holds.
-
-        Raises:
-            NotFoundError: the worker has no row (register again).
-        """
-        with self.db.session() as s:
-            return leases.heartbeat(s, self.worker_id, lease_s=self.lease_s)
+        """See ``WorkerRecords.heartbeat``."""
+        return workers.record_heartbeat(self.db, self.worker_id, lease_s=self.lease_s)
 
     def stop(self) -> None:
-        """Mark this worker stopped (its detached jobs become adoptable at once)."""
-        with self.db.session() as s:
-            workers.stop_worker(s, self.worker_id)
+        """See ``WorkerRecords.stop``."""
+        workers.stop_worker(self.db, self.worker_id)
 
     def claimable(self, max_gpus_per_node: int) -> bool:
-        """Whether a job this worker could run is queued (one indexed read, no lock)."""
-        with self.db.session(write=False) as s:
-            return claims.has_claimable_job(
-                s, launcher=self.launcher, max_gpus_per_node=max_gpus_per_node
-            )
+        """See ``WorkerRecords.claimable``."""
+        return jobs.has_claimable_job(
+            self.db, launcher=self.launcher, max_gpus_per_node=max_gpus_per_node
+        )
 
-    def claim(self, max_gpus_per_node: int) -> tuple[HeldRun, dict[str, Any]] | None:
-        """Claim the next job (now ``starting``, leased to this worker): its run and its stored
-        spec; None when nothing claimable is queued."""
-        with self.db.session() as s:
-            job = claims.claim_next_job(
-                s,
-                worker_id=self.worker_id,
-                launcher=self.launcher,
-                max_gpus_per_node=max_gpus_per_node,
-                lease_s=self.lease_s,
-            )
-            return None if job is None else _claimed_run(job)
+    def claim(self, max_gpus_per_node: int) -> ClaimedJob | None:
+        """See ``WorkerRecords.claim``."""
+        return jobs.claim_next_job(
+            self.db,
+            worker_id=self.worker_id,
+            launcher=self.launcher,
+            max_gpus_per_node=max_gpus_per_node,
+            lease_s=self.lease_s,
+        )
 
-    def claim_batch(self, max_gpus_per_node: int, limit: int) -> ClaimedRuns | None:
-        """Claim up to ``limit`` queued trials of one sweep (within its ``max_concurrent``),
-        or one plain job (``service.store.jobs.batch_claims``); None when nothing is claimable."""
-        with self.db.session() as s:
-            batch = batch_claims.claim_trial_batch(
-                s,
-                worker_id=self.worker_id,
-                launcher=self.launcher,
-                max_gpus_per_node=max_gpus_per_node,
-                lease_s=self.lease_s,
-                limit=limit,
-            )
-            if batch is None:
-                return None
-            runs = [_claimed_run(job) for job in batch.jobs]
-            return ClaimedRuns(runs, batch.sweep_id, batch.max_concurrent)
+    def claim_batch(self, max_gpus_per_node: int, limit: int) -> ClaimedJobs | None:
+        """See ``WorkerRecords.claim_batch``."""
+        return jobs.claim_job_batch(
+            self.db,
+            worker_id=self.worker_id,
+            launcher=self.launcher,
+            max_gpus_per_node=max_gpus_per_node,
+            lease_s=self.lease_s,
+            limit=limit,
+        )
 
-    def mint_token(self, run: HeldRun) -> str:
-        """A new attempt token for ``run``'s attempt (stored hashed), for its ranks: valid for
-        that attempt's own writes through the attempt API while it is the job's current one.
+    def mint_token(self, job_id: int, attempt: int) -> str:
+        """See ``WorkerRecords.mint_token``."""
+        return attempts.mint_token(self.db, job_id, attempt)
 
-        Raises:
-            ConflictError: the job is gone.
-        """
-        with self.db.session() as s:
-            return attempt_tokens.mint_attempt_token(s, run.job_id, run.attempt)
+    def record_handles(self, handles: Sequence[SchedulerHandle]) -> None:
+        """See ``WorkerRecords.record_handles``."""
+        jobs.record_scheduler_job_ids(self.db, handles)
 
-    def record_handle(self, run: HeldRun, handle: str) -> None:
-        """Store a detached launcher's handle as the job's ``scheduler_job_id``."""
-        with self.db.session() as s:
-            jobs.set_scheduler_job_id(s, run.job_id, run.attempt, handle)
+    def apply(
+        self,
+        transition: Transition,
+        *,
+        error: str | None = None,
+        values: Mapping[str, Any] | None = None,
+    ) -> JobState:
+        """See ``WorkerRecords.apply``."""
+        return jobs.apply_transition(
+            self.db, transition, worker_id=self.worker_id, error=error, values=values
+        )
 
-    def record_handles(self, handles: list[tuple[HeldRun, str]]) -> None:
-        """``record_handle`` for many runs (an array's elements) in one transaction."""
-        with self.db.session() as s:
-            for run, handle in handles:
-                jobs.set_scheduler_job_id(s, run.job_id, run.attempt, handle)
+    def requeue_expired(self) -> list[Transition]:
+        """See ``WorkerRecords.requeue_expired``."""
+        return workers.requeue_expired_jobs(self.db)
 
-    def apply(self, decision: Decision) -> JobState:
-        """Apply ``decision`` (one compare-and-set with its event); the state it produced (a
-        requeue of a job flagged for cancel ends ``cancelled``).
+    def adopter_of(self, job_id: int, attempt: int) -> str | None:
+        """See ``WorkerRecords.adopter_of``."""
+        return workers.find_adopter(self.db, job_id, attempt, worker_id=self.worker_id)
 
-        Raises:
-            StaleStateError: the job had moved on.
-        """
-        with self.db.session() as s:
-            job = jobs.apply_transition(
-                s,
-                decision.transition,
-                worker_id=self.worker_id,
-                error=decision.error,
-                values=dict(decision.values) or None,
-            )
-            return JobState(job.state)
+    def adopt(self) -> list[AdoptedJob]:
+        """See ``WorkerRecords.adopt``."""
+        return workers.adopt_detached_jobs(
+            self.db, worker_id=self.worker_id, launcher=self.launcher, lease_s=self.lease_s
+        )
 
-    def requeue_expired(self) -> list[jobs.Transition]:
-        """Requeue (or cancel, if flagged) every job whose lease expired."""
-        with self.db.session() as s:
-            return leases.requeue_expired_jobs(s)
-
-    def adopter_of(self, run: HeldRun) -> str | None:
-        """The other worker that adopted ``run``'s attempt, if any."""
-        with self.db.session(write=False) as s:
-            return leases.adopter_of(s, run.job_id, run.attempt, self.worker_id)
-
-    def adopt(self) -> list[HeldRun]:
-        """Take over the detached jobs of lost or stopped workers; their runs."""
-        with self.db.session() as s:
-            adopted = leases.adopt_detached_jobs(
-                s, worker_id=self.worker_id, launcher=self.launcher, lease_s=self.lease_s
-            )
-        return [HeldRun.adopted(job) for job in adopted]
-
-    def note(self, run: HeldRun, kind: EventKind, data: Mapping[str, Any]) -> bool:
-        """Add a note of ``kind`` with ``data`` to the job's events for ``run``'s attempt (no
-        state change); False when the attempt moved on meanwhile (nothing written)."""
-        try:
-            with self.db.session() as s:
-                job_notes.record_job_note(
-                    s, run.job_id, run.attempt, kind, data, worker_id=self.worker_id
-                )
-        except (StaleAttemptError, NotFoundError):
-            return False
-        return True
+    def note(self, job_id: int, attempt: int, kind: EventKind, data: Mapping[str, Any]) -> bool:
+        """See ``WorkerRecords.note``."""
+        return jobs.note_job(self.db, job_id, attempt, kind, data, worker_id=self.worker_id)
 
     def note_pending_reason(self, job_id: int, attempt: int, code: str, words: str) -> bool:
-        """Record the scheduler's pending reason ``code`` for the attempt (unless it is the
-        newest one recorded already); False when the attempt moved on meanwhile."""
-        try:
-            with self.db.session() as s:
-                job_notes.record_scheduler_pending(
-                    s, job_id, attempt, code, words, worker_id=self.worker_id
-                )
-        except (StaleAttemptError, NotFoundError):
-            return False
-        return True
+        """See ``WorkerRecords.note_pending_reason``."""
+        return jobs.note_scheduler_pending(
+            self.db, job_id, attempt, code, words, worker_id=self.worker_id
+        )

@@ -3,8 +3,10 @@ caller is), checked once per request; and the attempt a rank's token stands for.
 
 Two kinds of bearer token, never interchangeable: API tokens (``ddpq_…``) open the user
 routes, attempt tokens (``ddpqa_…``, ``service.store.attempts.tokens``) open only the attempt
-routes (``/api/v1/attempts/self/…``). A user route answers 401 to an attempt token whether
-auth is on or off, so a rank's token grants nothing else even on the embedded default."""
+routes (``/api/v1/attempts/self/…``); each is looked up through its use case
+(``service.store.auth.service``, ``service.store.attempts.service``). A user route answers
+401 to an attempt token whether auth is on or off, so a rank's token grants nothing else
+even on the embedded default."""
 
 from __future__ import annotations
 
@@ -17,9 +19,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
+from service.core.tokens import hash_token
 from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
-from service.store.attempts.tokens import AttemptRef, find_attempt
-from service.store.auth.tokens import Caller, find_caller, hash_token
+from service.store.attempts import service as attempts
+from service.store.attempts.values import AttemptRef
+from service.store.auth import service as auth
+from service.store.auth.values import Caller
 from service.store.db import Database
 
 # auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
@@ -53,11 +58,6 @@ async def get_app_settings(request: Request) -> Settings:
     """The Settings that ``create_app`` was given."""
     settings: Settings = request.app.state.settings
     return settings
-
-
-def _find_caller(db: Database, token: str) -> Caller | None:
-    with db.session(write=False) as session:
-        return find_caller(session, token)
 
 
 def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
@@ -126,15 +126,10 @@ async def get_context(
             "missing API token: send `Authorization: Bearer <token>` (set DDPQ_TOKEN for the "
             "CLI; an operator creates one with `ddpq token create --owner NAME`)"
         )
-    caller = await run_in_threadpool(_find_caller, db, credentials.credentials)
+    caller = await run_in_threadpool(auth.find_caller, db, credentials.credentials)
     if caller is None:
         raise _unauthorized("invalid or revoked API token", "invalid_token")
     return RequestContext(db, settings, caller)
-
-
-def _find_attempt(db: Database, token: str) -> AttemptRef | None:
-    with db.session(write=False) as session:
-        return find_attempt(session, token)
 
 
 # Known attempt tokens of this process, by hash: a token's (job, attempt) never changes and
@@ -185,7 +180,7 @@ async def get_attempt(
     if ref is not None:
         return ref
     db: Database = request.app.state.db
-    ref = await asyncio.get_running_loop().run_in_executor(None, _find_attempt, db, token)
+    ref = await asyncio.get_running_loop().run_in_executor(None, attempts.find_attempt, db, token)
     if ref is None:
         raise _unauthorized("unknown attempt token", "invalid_token")
     if len(cache) >= MAX_CACHED_ATTEMPTS:

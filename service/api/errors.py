@@ -1,10 +1,12 @@
 """The API's exception handlers: every ddpq error becomes ``{"detail": ...}`` with its own
-status (decided here only); request validation errors keep only loc/msg/type; 405 lists
-every allowed method."""
+status (decided here only) and a ``Retry-After`` header when it says when to retry (a rate
+limit's 429); request validation errors keep only loc/msg/type; 405 lists every allowed
+method."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +27,10 @@ async def _ddpq_error(request: Request, exc: Exception) -> JSONResponse:
     detail = exc.client_detail
     if exc.status_code >= 500 or detail is not exc.detail:
         log.warning("%s %s: %s", request.method, request.url.path, exc.detail)
-    return JSONResponse({"detail": detail}, status_code=exc.status_code)
+    headers = None
+    if exc.retry_after_s is not None:  # e.g. 429: when the next submission is accepted
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
+    return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

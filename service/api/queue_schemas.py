@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.store.jobs.queue import QueueExplanation
+from service.store.jobs.values import QueueExplanation
 
 
 class _Out(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,8 @@ from service.core.metrics.points import JsonNumber, json_safe
 from service.core.spec.model import JobSpec
 from service.core.spec.text import display_text
 from service.store.checkpoints.values import CheckpointInfo
-from service.store.jobs.queue import QueueExplanation
-from service.store.jobs.view import JobRow
-from service.store.models import Job, JobEvent, Worker, utcnow
+from service.store.jobs.values import JobEventView, JobView, QueueExplanation
+from service.store.workers.values import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -263,14 +262,13 @@ def dump_json(model: BaseModel) -> bytes:
 
 
 def job_out(
-    job: Job | JobRow,
+    job: JobView,
     queue_reason: str | None = None,
     *,
     queue: QueueExplanation | None = None,
 ) -> JobOut:
-    """A job row as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name);
-    a Core row from ``service.store.jobs.view.get_job_row`` works as well as a ``Job``. With
-    ``queue``, ``queue_reason`` is its summary."""
+    """A job as the API's Job (``latest_metrics`` flattened to ``{name: value}``, by name).
+    With ``queue`` (e.g. ``job.queue``), ``queue_reason`` is its summary."""
     latest: dict[str, JsonNumber] = {}
     metrics = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     for name, entry in sorted(metrics.items()):  # one order on both databases
@@ -304,15 +302,15 @@ def job_out(
     )
 
 
-def event_out(event: JobEvent) -> EventOut:
-    """A job_events row as the API's event."""
+def event_out(event: JobEventView) -> EventOut:
+    """A job's event as the API shows it."""
     return EventOut(
         id=event.id,
         attempt=event.attempt,
         from_state=event.from_state,
         to_state=event.to_state,
-        kind=EventKind(event.kind),
-        data=event.data or {},
+        kind=event.kind,
+        data=event.data,
         reason=event.reason,
         worker_id=event.worker_id,
         created_at=event.created_at,
@@ -336,8 +334,8 @@ def checkpoint_out(ckpt: CheckpointInfo, artifact_dir: Path | None = None) -> Ch
     )
 
 
-def worker_out(worker: Worker, running_jobs: list[int]) -> WorkerOut:
-    """A workers row plus the jobs it holds; ``heartbeat_age_s`` measured now."""
+def worker_out(worker: WorkerView) -> WorkerOut:
+    """A worker plus the jobs it holds; ``heartbeat_age_s`` measured now."""
     return WorkerOut(
         id=worker.id,
         host=worker.host,
@@ -347,8 +345,8 @@ def worker_out(worker: Worker, running_jobs: list[int]) -> WorkerOut:
         started_at=worker.started_at,
         heartbeat_at=worker.heartbeat_at,
         stopped_at=worker.stopped_at,
-        heartbeat_age_s=max(0.0, (utcnow() - worker.heartbeat_at).total_seconds()),
-        running_jobs=running_jobs,
+        heartbeat_age_s=max(0.0, (datetime.now(UTC) - worker.heartbeat_at).total_seconds()),
+        running_jobs=list(worker.running_jobs),
     )
 
 

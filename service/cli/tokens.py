@@ -15,7 +15,8 @@ from rich.table import Table
 
 from service.cli.common import app, err, fail, friendly_errors, load_settings, out
 from service.cli.output import cell, short_time
-from service.store.auth.tokens import InvalidOwnerError, create_token, list_tokens, revoke_token
+from service.store.auth import service as auth
+from service.store.auth.tokens import InvalidOwnerError
 from service.store.db import Database
 
 token_app = typer.Typer(
@@ -50,12 +51,12 @@ def token_create(
 ) -> None:
     """Create a token and print it once, alone on the last line (stdout; notes go to stderr):
     `export DDPQ_TOKEN=$(ddpq token create --owner alice)`."""
-    with _database() as db, db.session() as session:
+    with _database() as db:
         try:
-            row, token = create_token(session, owner=owner, admin=admin)
+            created = auth.create_token(db, owner=owner, admin=admin)
         except InvalidOwnerError as exc:
             fail(str(exc.detail), "pass --owner with a name like alice or team-vision")
-        token_id = row.id
+    token_id, token = created.info.id, created.token
     role = "admin token" if admin else "token"
     err.print(f"created {role} {token_id} for owner {owner}; it is shown only now:", soft_wrap=True)
     err.print(
@@ -68,8 +69,8 @@ def token_create(
 @token_app.command("ls")
 def token_ls() -> None:
     """List tokens: id, owner, admin, created, revoked (the tokens themselves are not kept)."""
-    with _database() as db, db.session(write=False) as session:
-        rows = [(t.id, t.owner, t.admin, t.created_at, t.revoked_at) for t in list_tokens(session)]
+    with _database() as db:
+        rows = [(t.id, t.owner, t.admin, t.created_at, t.revoked_at) for t in auth.list_tokens(db)]
     if not rows:
         out.print("no tokens yet: create one with `ddpq token create --owner NAME`")
         return
@@ -92,7 +93,6 @@ def token_revoke(
     token_id: Annotated[int, typer.Argument(min=1, max=2**31 - 1, help="Id from `ddpq token ls`.")],
 ) -> None:
     """Revoke a token: the API refuses it from the next request on."""
-    with _database() as db, db.session() as session:
-        row = revoke_token(session, token_id)
-        owner = row.owner
+    with _database() as db:
+        owner = auth.revoke_token(db, token_id).owner
     out.print(f"token {token_id} (owner {owner}) revoked")

@@ -10,11 +10,14 @@ class DdpqError(Exception):
 
     ``detail`` is the full message (logs, CLI); ``public``, when set, replaces it in an API
     answer: the store sets it when it translates a driver error, whose text (SQL, values,
-    server messages) stays in the server's log.
+    server messages) stays in the server's log. ``retry_after_s``, when set, becomes the
+    answer's ``Retry-After`` header.
     """
 
     status_code: int = 400
     code: str = "error"
+    # Seconds after which a retry may succeed (e.g. a rate limit): the API's ``Retry-After``.
+    retry_after_s: float | None = None
 
     def __init__(self, detail: Any = None, *, public: str | None = None) -> None:
         self.detail = detail if detail is not None else self.__class__.__doc__

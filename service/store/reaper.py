@@ -2,9 +2,9 @@
 orphaned checkpoint uploads are cleaned (``checkpoint_uploads.orphaned_uploads``).
 
 Workers reap on every tick too (``worker.loop``); the API runs the same
-``leases.requeue_expired_jobs`` every ``heartbeat_interval_s`` seconds so that a job whose only
-worker died goes back to ``queued`` (and ``ddpq show`` says so) without waiting for another
-worker to start. Both call the same compare-and-set, so running several reapers is safe.
+``workers.service.requeue_expired_jobs`` every ``heartbeat_interval_s`` seconds so that a job
+whose only worker died goes back to ``queued`` (and ``ddpq show`` says so) without waiting for
+another worker to start. Both call the same compare-and-set, so running several reapers is safe.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError
+from service.core.holds import Transition
 from service.store.checkpoints.backends.base import CheckpointStore
 from service.store.checkpoints.uploads import orphaned_uploads
 from service.store.db import Database
-from service.store.jobs import crud as jobs
-from service.store.sweeps.progress import advance_sweeps, has_running_sweeps
-from service.store.workers import leases
-from service.store.workers.pruning import prune_stopped_workers
+from service.store.sweeps import service as sweeps
+from service.store.workers import service as workers
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +37,22 @@ def reap_once(
     worker_retention_s: float = DEFAULT_WORKER_RETENTION_S,
     checkpoint_stores: Mapping[str, CheckpointStore] | None = None,
     upload_stale_s: float = DEFAULT_UPLOAD_STALE_S,
-) -> list[jobs.Transition]:
+) -> list[Transition]:
     """Requeue (or cancel, if flagged) the jobs whose lease expired; the transitions made.
     Then delete the rows of workers stopped more than ``worker_retention_s`` seconds ago
-    (``worker_rows.prune_stopped_workers``), in a transaction of its own so a failed prune
-    never undoes a requeue. Then running sweeps move on (``sweep_progress.advance_sweeps``:
-    max_failed, ASHA early stopping, end states), in a transaction of their own too. With
+    (``workers.service.prune_stopped_workers``), in a transaction of its own so a failed
+    prune never undoes a requeue. Then running sweeps move on
+    (``sweeps.service.advance_sweeps``: max_failed, ASHA early stopping, end states), in a
+    transaction of their own too. With
     ``checkpoint_stores``, abandon the uploads nobody will finish (superseded attempt,
     finished job, no chunk for ``upload_stale_s`` seconds) and drop their partial bytes from
     the stores."""
-    with db.session() as session:
-        reaped = leases.requeue_expired_jobs(session)
-    with db.session() as session:
-        pruned = prune_stopped_workers(session, retention_s=worker_retention_s)
+    reaped = workers.requeue_expired_jobs(db)
+    pruned = workers.prune_stopped_workers(db, retention_s=worker_retention_s)
     if pruned:
         log.info("reaper: deleted %d stopped worker row(s): %s", len(pruned), ", ".join(pruned))
-    with db.session(write=False) as session:
-        running = has_running_sweeps(session)
-    if running:  # a read first: no write lock on SQLite for a deployment without sweeps
-        with db.session() as session:
-            for line in advance_sweeps(session):
-                log.info("reaper: %s", line)
+    for line in sweeps.advance_sweeps(db):
+        log.info("reaper: %s", line)
     if checkpoint_stores is not None:
         reap_uploads(db, checkpoint_stores, stale_s=upload_stale_s)
     return reaped

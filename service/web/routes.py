@@ -30,8 +30,8 @@ from service.core.spec.model import JobSpec
 from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS, is_testing_field
 from service.core.spec.text import SpecTextError, display_text, parse_spec_text
 from service.core.states import JobState
-from service.store.jobs.crud import get_job
-from service.store.sweeps.crud import get_sweep
+from service.store.jobs import service as jobs
+from service.store.sweeps import service as sweeps
 
 WEB_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -285,8 +285,7 @@ def job_page(request: Request, job_id: int, db: DbDep, settings: SettingsDep) ->
     exists = 1 <= job_id <= MAX_INT64  # ids are 64-bit: no other id can exist
     if exists and not settings.auth_enabled:
         try:
-            with db.session(write=False) as session:
-                get_job(session, job_id)
+            jobs.get_job(db, job_id, owner=None)
         except NotFoundError:
             exists = False
     if not exists:
@@ -322,8 +321,7 @@ def sweep_page(request: Request, sweep_id: int, db: DbDep, settings: SettingsDep
     exists = 1 <= sweep_id <= MAX_INT64
     if exists and not settings.auth_enabled:
         try:
-            with db.session(write=False) as session:
-                get_sweep(session, sweep_id)
+            sweeps.get_sweep(db, sweep_id, owner=None)
         except NotFoundError:
             exists = False
     if not exists:

@@ -22,6 +22,7 @@ from service.store.jobs import crud as jobs
 from worker.launchers import registry
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
+from worker.records import DatabaseRecords
 
 TOY = "toy"
 
@@ -80,7 +81,8 @@ def toy_registered(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_toy_launcher_runs_a_job_to_success(settings: Settings, db: Database) -> None:
     launcher = registry.make_launcher(TOY, settings)
     assert isinstance(launcher, ToyLauncher), "make_launcher builds the class of the row"
-    loop = WorkerLoop(settings, db, launcher, worker_id="toy-w", host="h", pid=1, gpus=[0])
+    records = DatabaseRecords(db, "toy-w", launcher.name, settings.lease_s)
+    loop = WorkerLoop(settings, records, launcher, host="h", pid=1, gpus=[0])
     assert not loop.host_gpus, "the loop reads host_gpus from the toy's traits row"
     with db.session() as s:
         job, _ = jobs.submit_job(

@@ -25,6 +25,7 @@ from service.store.models import Job
 from service.store.sweeps import crud as sweeps
 from worker.launchers.base import ArrayPlan, LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
+from worker.records import DatabaseRecords
 
 BASE = {"task": "regression", "launcher": "slurm", "training": {"max_steps": 5}}
 
@@ -102,7 +103,8 @@ def _active(db: Database, job_ids: list[int]) -> int:
 
 
 def _loop(settings: Settings, db: Database, launcher: FakeArraySlurm, slots: int) -> WorkerLoop:
-    return WorkerLoop(settings, db, launcher, worker_id="w", host="h", pid=1, slots=slots)  # type: ignore[arg-type]
+    records = DatabaseRecords(db, "w", launcher.name, settings.lease_s)
+    return WorkerLoop(settings, records, launcher, host="h", pid=1, slots=slots)  # type: ignore[arg-type]
 
 
 def test_trials_start_as_arrays_within_max_concurrent(settings: Settings, db: Database) -> None:

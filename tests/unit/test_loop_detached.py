@@ -26,6 +26,7 @@ from service.store.models import Job, Worker, utcnow
 from service.store.workers.registry import register_worker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
+from worker.records import DatabaseRecords
 
 
 @dataclass
@@ -83,7 +84,8 @@ def _job(db: Database, job_id: int) -> Job:
 def _loop(
     settings: Settings, db: Database, launcher: FakeSlurm, worker_id: str, **kw: int
 ) -> WorkerLoop:
-    return WorkerLoop(settings, db, launcher, worker_id=worker_id, host="h", pid=1, **kw)  # type: ignore[arg-type]
+    records = DatabaseRecords(db, worker_id, launcher.name, settings.lease_s)
+    return WorkerLoop(settings, records, launcher, host="h", pid=1, **kw)  # type: ignore[arg-type]
 
 
 def test_clean_shutdown_leaves_the_job_running_and_the_next_worker_adopts_it(

@@ -30,6 +30,7 @@ from service.store.workers import leases
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
+from worker.records import DatabaseRecords
 
 UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 
@@ -88,15 +89,21 @@ def _reasons(db: Database, job_id: int) -> list[tuple[str | None, str, str | Non
 
 
 def _loop(settings: Settings, db: Database, launcher: ScriptedLauncher, **kw: object) -> WorkerLoop:
+    records = DatabaseRecords(db, "w-test", launcher.name, settings.lease_s)
     return WorkerLoop(
         settings,
-        db,
+        records,
         launcher,
-        worker_id="w-test",
         host="h",
         pid=1,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def _use_db(loop: WorkerLoop, db: Database) -> None:
+    """Point the loop's records at ``db`` (e.g. one that cannot be reached)."""
+    assert isinstance(loop.records, DatabaseRecords)
+    loop.records = replace(loop.records, db=db)
 
 
 def test_job_runs_to_success(settings: Settings, db: Database) -> None:
@@ -263,7 +270,7 @@ def test_database_outage_is_survived(settings: Settings, db: Database) -> None:
     job_id = _submit(db)
     loop.tick()
     down = Database.from_url(UNREACHABLE_URL)
-    loop.db = down
+    _use_db(loop, down)
     with pytest.raises(DatabaseUnavailableError):
         loop.tick()
     stop = threading.Event()
@@ -272,7 +279,7 @@ def test_database_outage_is_survived(settings: Settings, db: Database) -> None:
     try:
         time.sleep(1.5)  # ticks fail and back off; the job's processes are left alone
         assert thread.is_alive() and launcher.cancelled == []
-        loop.db = db
+        _use_db(loop, db)
         launcher.phases[f"{job_id}.1"] = RunStatus(RunPhase.SUCCEEDED)
         deadline = time.monotonic() + 30
         while _job(db, job_id).state != "succeeded" and time.monotonic() < deadline:
@@ -355,7 +362,7 @@ def test_requeued_during_an_outage_stops_the_stale_attempt(
     job_id = _submit(db)
     loop.tick()
     down = Database.from_url(UNREACHABLE_URL)
-    loop.db = down
+    _use_db(loop, down)
     stop, thread = _run_in_thread(loop)
     try:
         time.sleep(0.5)
@@ -364,7 +371,7 @@ def test_requeued_during_an_outage_stops_the_stale_attempt(
         with db.session() as s:
             assert [t.job_id for t in leases.requeue_expired_jobs(s)] == [job_id]
         assert launcher.cancelled == [], "nothing may be stopped while the database is down"
-        loop.db = db
+        _use_db(loop, db)
         _wait(lambda: f"{job_id}.1" in launcher.cancelled, 30, "attempt 1 to be stopped")
         _wait(lambda: len(launcher.started) == 2, 30, "attempt 2 to be launched")
         assert [(p.job_id, p.attempt) for p in launcher.started] == [(job_id, 1), (job_id, 2)]
@@ -386,11 +393,11 @@ def test_outage_shorter_than_the_lease_keeps_the_job(db: Database, tmp_path: Pat
     job_id = _submit(db)
     loop.tick()
     down = Database.from_url(UNREACHABLE_URL)
-    loop.db = down
+    _use_db(loop, down)
     stop, thread = _run_in_thread(loop)
     try:
         time.sleep(6.5)  # unbounded doubling would sleep past the lease from here (6.2 → 12.6)
-        loop.db = db
+        _use_db(loop, db)
         deadline = time.monotonic() + 3.0  # past the lease of the last heartbeat before
         while time.monotonic() < deadline:
             with db.session() as s:  # another worker's reaper, every 0.1 s

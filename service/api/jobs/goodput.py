@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.http import ERRORS, JobIdPath
 from service.core.goodput import PHASES
-from service.store.attempts.goodput import AttemptLedger, JobLedger, job_ledger
+from service.store.attempts.values import AttemptLedger, JobLedger
+from service.store.jobs import service as jobs
 
 router = APIRouter(tags=["goodput"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -148,5 +149,4 @@ def goodput_route(job_id: JobIdPath, ctx: ContextDep) -> GoodputOut:
     Who may call it: the job's owner or an admin (another owner: 404, as ``GET /jobs/{id}``);
     an attempt token: 401.
     """
-    with ctx.db.session(write=False) as session:
-        return goodput_out(job_ledger(session, job_id, owner=ctx.owner))
+    return goodput_out(jobs.get_goodput(ctx.db, job_id, owner=ctx.owner))

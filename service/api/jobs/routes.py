@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
@@ -24,22 +24,8 @@ from service.api.schemas import (
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
 from service.core.spec.model import JobSpec, validate_spec
-from service.core.spec.text import display_text
 from service.core.states import JobState
-from service.store.auth.tokens import Caller
-from service.store.checkpoints.init_from import resolve_init_from, same_submission
-from service.store.db import Database
-from service.store.jobs.crud import (
-    cancel_job,
-    find_job_by_idempotency_key,
-    get_job,
-    list_events,
-    list_jobs,
-    submit_job,
-)
-from service.store.jobs.queue import JobShape, submit_warnings
-from service.store.jobs.rate_limits import RateLimitedError, check_submission_rate
-from service.store.jobs.view import get_job_view
+from service.store.jobs import service as jobs
 
 router = APIRouter(tags=["jobs"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -78,61 +64,6 @@ def parse_json_body(raw: bytes) -> Any:
 
 def _validated(raw: bytes, settings: Settings) -> JobSpec:
     return validate_spec(parse_json_body(raw), settings)
-
-
-def _store(
-    db: Database,
-    spec: JobSpec,
-    caller: Caller,
-    idempotency_key: str | None,
-    per_minute: int | None,
-    heartbeat_interval_s: float,
-) -> tuple[SubmittedJobOut, bool]:
-    """Queue ``spec`` for ``caller``; a replayed ``idempotency_key`` must come with the same
-    spec. A new job counts against the owner's ``per_minute`` submissions (a replay does
-    not; None: no limit). An ``init_from`` is resolved to one committed checkpoint of a job
-    the caller may read. A new job no registered worker could ever run comes with a warning.
-
-    Raises:
-        SpecValidationError: the key was used before for a different spec (422); the
-            ``init_from`` names no job of the caller's or no committed checkpoint of it.
-        HTTPException: 429 with ``Retry-After`` (seconds): over the owner's rate limit.
-    """
-    owner = caller.owner
-    with db.session() as session:
-        replay = (
-            find_job_by_idempotency_key(session, owner, idempotency_key)
-            if idempotency_key is not None
-            else None
-        )
-        if replay is None:
-            spec = resolve_init_from(session, spec, owner=caller.owner_filter)
-        if per_minute is not None and replay is None:
-            try:
-                check_submission_rate(session, owner, per_minute=per_minute)
-            except RateLimitedError as exc:
-                headers = {"Retry-After": str(exc.retry_after_s)}
-                raise HTTPException(429, exc.detail, headers=headers) from None
-        job, created = submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)
-        if not created and not same_submission(job.spec, spec):
-            raise SpecValidationError(
-                [
-                    {
-                        "loc": ["header", "Idempotency-Key"],
-                        "msg": f"Idempotency-Key {display_text(idempotency_key or '')!r} was "
-                        f"used for a different spec (job {job.id}): send a new key for a new "
-                        f"job, or the same spec to get job {job.id} again",
-                        "type": "idempotency_key_reused",
-                    }
-                ]
-            )
-        warnings: list[str] = []
-        if created:
-            r = spec.resources
-            shape = JobShape(spec.launcher, r.gpus_per_node, r.nproc_per_node, spec.priority)
-            warnings = submit_warnings(session, shape, heartbeat_interval_s=heartbeat_interval_s)
-        submitted = SubmittedJobOut(**dict(job_out(job)), warnings=warnings)
-        return submitted, created
 
 
 @router.post(
@@ -220,17 +151,18 @@ async def submit(
     # With auth off the one owner is the operator on their own box (a sweep script must not hit
     # 429 at job 61); the per-owner limit is for servers shared through tokens.
     per_minute = ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
-    job, created = await run_in_threadpool(
-        _store,
+    submitted = await run_in_threadpool(
+        jobs.submit_job,
         ctx.db,
         spec,
         ctx.caller,
-        idempotency_key,
-        per_minute,
-        ctx.settings.heartbeat_interval_s,
+        idempotency_key=idempotency_key,
+        per_minute=per_minute,
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
     )
+    job = SubmittedJobOut(**dict(job_out(submitted.job)), warnings=list(submitted.warnings))
     location = f"{request.url.path.rstrip('/')}/{job.id}"
-    return json_response(job, 201 if created else 200, {"Location": location})
+    return json_response(job, 201 if submitted.created else 200, {"Location": location})
 
 
 @router.get(
@@ -272,21 +204,20 @@ def list_jobs_route(
 ) -> Response:
     """One page of the caller's jobs; follow ``next_cursor`` until it is null (with the same
     ``state``, ``q`` and ``tag``: the cursor is a job id, the filters are not in it)."""
-    before_id = int(cursor) if cursor is not None else None
-    with ctx.db.session(write=False) as session:
-        jobs, next_id = list_jobs(
-            session,
-            state=state,
-            owner=ctx.owner,
-            limit=min(limit, ctx.settings.max_list_limit),
-            before_id=before_id,
-            q=q,
-            tag=tag,
-        )
-        page = JobListOut(
-            jobs=[job_out(j) for j in jobs],
-            next_cursor=str(next_id) if next_id is not None else None,
-        )
+    found = jobs.list_jobs(
+        ctx.db,
+        owner=ctx.owner,
+        state=state,
+        limit=min(limit, ctx.settings.max_list_limit),
+        before_id=int(cursor) if cursor is not None else None,
+        q=q,
+        tag=tag,
+    )
+    next_id = found.next_before_id
+    page = JobListOut(
+        jobs=[job_out(j) for j in found.jobs],
+        next_cursor=str(next_id) if next_id is not None else None,
+    )
     return etag_response(request, page)
 
 
@@ -302,20 +233,21 @@ async def get_job_route(request: Request, job_id: JobIdPath, ctx: ContextDep) ->
     other owners' by id and priority only —, which workers could run it), as does a Slurm
     job that Slurm keeps pending (Slurm's reason in plain words)."""
 
-    def read(conn: Any) -> JobOut:
-        row, explanation = get_job_view(
-            conn,
+    def read() -> JobOut:
+        job = jobs.describe_job(
+            ctx.db,
             job_id,
             owner=ctx.owner,
             heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
             max_gpus_per_node=ctx.settings.max_gpus_per_node,
         )
-        return job_out(row, queue=explanation)
+        return job_out(job, queue=job.queue)
 
-    # The hottest route (dashboards and CLIs poll it): a Core read, retried once on a
-    # connection the database closed, in the loop's default executor: anyio's thread hop
-    # (FastAPI's for a sync route) cost ~80 µs of CPU against ~30 µs for this.
-    job = await asyncio.get_running_loop().run_in_executor(None, ctx.db.read, read)
+    # The hottest route (dashboards and CLIs poll it): a Core read (``describe_job``),
+    # retried once on a connection the database closed, in the loop's default executor:
+    # anyio's thread hop (FastAPI's for a sync route) cost ~80 µs of CPU against ~30 µs for
+    # this.
+    job = await asyncio.get_running_loop().run_in_executor(None, read)
     return etag_response(request, job)
 
 
@@ -329,9 +261,7 @@ async def get_job_route(request: Request, job_id: JobIdPath, ctx: ContextDep) ->
 def cancel_route(job_id: JobIdPath, ctx: ContextDep) -> Response:
     """A queued job is cancelled at once; a started one gets ``cancel_requested`` and its
     worker stops it. Repeating the call is harmless; a finished job answers 409."""
-    with ctx.db.session() as session:
-        job = job_out(cancel_job(session, job_id, owner=ctx.owner))
-    return json_response(job, 202)
+    return json_response(job_out(jobs.cancel_job(ctx.db, job_id, owner=ctx.owner)), 202)
 
 
 @router.get(
@@ -342,6 +272,5 @@ def cancel_route(job_id: JobIdPath, ctx: ContextDep) -> Response:
 )
 def events_route(job_id: JobIdPath, ctx: ContextDep) -> EventListOut:
     """Every state change of the job, oldest first."""
-    with ctx.db.session(write=False) as session:
-        get_job(session, job_id, owner=ctx.owner)
-        return EventListOut(events=[event_out(e) for e in list_events(session, job_id)])
+    events = jobs.list_job_events(ctx.db, job_id, owner=ctx.owner)
+    return EventListOut(events=[event_out(e) for e in events])

@@ -16,8 +16,8 @@ from pydantic import BaseModel, Field
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.sweeps.routes import ERRORS, MAX_INT64, SweepIdPath
 from service.core.metrics.points import json_safe
-from service.store.sweeps.crud import get_sweep
-from service.store.sweeps.metrics import TrialCurve, sweep_curves, sweep_metric_names
+from service.store.sweeps import service as sweeps
+from service.store.sweeps.values import TrialCurve
 
 router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -93,9 +93,9 @@ def sweep_metrics_route(
     trial on the server (``service.store.sweeps.metrics.sweep_curves``: one query for all
     trials); trials that have not reported it are left out."""
     points = min(max_points, ctx.settings.max_metric_points)
-    with ctx.db.session(write=False) as session:
-        get_sweep(session, sweep_id, owner=ctx.owner)
-        curves = sweep_curves(session, sweep_id, name, max_points=max(4, points))
+    curves = sweeps.get_sweep_curves(
+        ctx.db, sweep_id, name, owner=ctx.owner, max_points=max(4, points)
+    )
     return Response(sweep_metrics_json(name, curves), media_type="application/json")
 
 
@@ -107,6 +107,5 @@ def sweep_metrics_route(
 )
 def sweep_metric_names_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepMetricNamesOut:
     """Every metric name any trial's current job reported, sorted."""
-    with ctx.db.session(write=False) as session:
-        get_sweep(session, sweep_id, owner=ctx.owner)
-        return SweepMetricNamesOut(names=sweep_metric_names(session, sweep_id))
+    names = sweeps.list_sweep_metric_names(ctx.db, sweep_id, owner=ctx.owner)
+    return SweepMetricNamesOut(names=names)

@@ -7,11 +7,9 @@ sweeps only; an admin on every sweep. Someone else's sweep is 404, an attempt to
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Response
 
 from service.api.bodies import body_doc, json_body
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep, RequestContext
@@ -24,20 +22,8 @@ from service.api.sweeps.schemas import (
     trial_out,
     trials_csv,
 )
-from service.core.errors import SpecValidationError
-from service.core.spec.text import display_text
-from service.core.sweeps.spec import (
-    SweepExtension,
-    SweepSpec,
-    extended_spec,
-    plan_trials,
-    resolve_objective,
-)
-from service.store.jobs.rate_limits import RateLimitedError, check_jobs_rate
-from service.store.models import Sweep
-from service.store.sweeps import crud as store
-from service.store.sweeps.init_from import resolve_sweep_init_from
-from service.store.sweeps.view import list_trials
+from service.core.sweeps.spec import SweepExtension, SweepSpec
+from service.store.sweeps import service as sweeps
 
 router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -88,62 +74,22 @@ def submit_sweep_route(
     ``DDPQ_SUBMISSIONS_PER_MINUTE``, 422 when there are more trials than that, nothing
     stored); a replayed ``Idempotency-Key`` does not count, and answers 200 with the sweep it
     made (422 when it came with another sweep)."""
-    owner = ctx.caller.owner
-    with ctx.db.session() as session:
-        replay = (
-            store.find_sweep_by_idempotency_key(session, owner, idempotency_key)
-            if idempotency_key is not None
-            else None
-        )
-        if replay is None:
-            planned = plan_trials(spec, ctx.settings)
-            objective = resolve_objective(spec)
-            with _as_429():
-                check_jobs_rate(session, owner, per_minute=_per_minute(ctx), jobs=len(planned))
-            resolved, planned = resolve_sweep_init_from(
-                session, spec, planned, owner=ctx.caller.owner_filter
-            )
-            sweep, created = store.submit_sweep_once(
-                session, resolved, objective, planned, owner=owner, idempotency_key=idempotency_key
-            )
-        else:
-            sweep, created = replay, False
-        if not created:
-            _check_replay(sweep, spec, idempotency_key or "")
-            response.status_code = 200
-        return sweep_out(sweep, list_trials(session, sweep))
+    submitted = sweeps.submit_sweep(
+        ctx.db,
+        spec,
+        ctx.caller,
+        settings=ctx.settings,
+        idempotency_key=idempotency_key,
+        per_minute=_per_minute(ctx),
+    )
+    if not submitted.created:
+        response.status_code = 200
+    return sweep_out(submitted.detail)
 
 
 def _per_minute(ctx: RequestContext) -> int | None:
     """The owner's jobs-per-minute limit, None with auth off (as for ``POST /jobs``)."""
     return ctx.settings.submissions_per_minute if ctx.settings.auth_enabled else None
-
-
-@contextmanager
-def _as_429() -> Iterator[None]:
-    """A ``RateLimitedError`` as HTTP 429 with ``Retry-After`` (seconds)."""
-    try:
-        yield
-    except RateLimitedError as exc:
-        headers = {"Retry-After": str(exc.retry_after_s)}
-        raise HTTPException(429, exc.detail, headers=headers) from None
-
-
-def _check_replay(sweep: Sweep, spec: SweepSpec, key: str) -> None:
-    """Raise 422 unless a replayed Idempotency-Key came with the sweep it made."""
-    if store.same_sweep(sweep.spec, spec):
-        return
-    raise SpecValidationError(
-        [
-            {
-                "loc": ["header", "Idempotency-Key"],
-                "msg": f"Idempotency-Key {display_text(key)!r} was used for a different "
-                f"sweep (sweep {sweep.id}): send a new key for a new sweep, or the same "
-                f"sweep to get sweep {sweep.id} again",
-                "type": "idempotency_key_reused",
-            }
-        ]
-    )
 
 
 @router.get("/sweeps", response_model=SweepListOut, summary="List sweeps, newest first")
@@ -153,17 +99,10 @@ def list_sweeps_route(
     cursor: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="next_cursor.")] = None,
 ) -> SweepListOut:
     """One page of the caller's sweeps (an admin's: everyone's)."""
-    with ctx.db.session(write=False) as session:
-        sweeps, next_id = store.list_sweeps(
-            session,
-            owner=ctx.owner,
-            limit=min(limit, ctx.settings.max_list_limit),
-            before_id=cursor,
-        )
-        return SweepListOut(
-            sweeps=[sweep_out(s, list_trials(session, s)) for s in sweeps],
-            next_cursor=next_id,
-        )
+    page = sweeps.list_sweeps(
+        ctx.db, owner=ctx.owner, limit=min(limit, ctx.settings.max_list_limit), before_id=cursor
+    )
+    return SweepListOut(sweeps=[sweep_out(s) for s in page.sweeps], next_cursor=page.next_before_id)
 
 
 @router.get(
@@ -174,9 +113,7 @@ def list_sweeps_route(
 )
 def get_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     """State, counts of trials by outcome, and the best trial so far."""
-    with ctx.db.session(write=False) as session:
-        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
-        return sweep_out(sweep, list_trials(session, sweep))
+    return sweep_out(sweeps.describe_sweep(ctx.db, sweep_id, owner=ctx.owner))
 
 
 @router.get(
@@ -193,9 +130,7 @@ def trials_route(
     """One row per trial (newest job per key): key, overrides, job, state, outcome, attempts,
     steps done, objective value, run time. ``format=csv``: the same as CSV, one column per
     override path."""
-    with ctx.db.session(write=False) as session:
-        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
-        trials = list_trials(session, sweep)
+    trials = sweeps.list_trials(ctx.db, sweep_id, owner=ctx.owner)
     if format == "csv":
         return Response(trials_csv(trials), media_type="text/csv")
     body = TrialListOut(trials=[trial_out(t) for t in trials])
@@ -212,9 +147,7 @@ def trials_route(
 def cancel_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     """Queued trials are cancelled at once, running ones get ``cancel_requested``; the
     sweep is ``cancelled``. Repeating it is harmless; a finished sweep answers 409."""
-    with ctx.db.session() as session:
-        sweep = store.cancel_sweep(session, sweep_id, owner=ctx.owner, by=ctx.caller.owner)
-        return sweep_out(sweep, list_trials(session, sweep))
+    return sweep_out(sweeps.cancel_sweep(ctx.db, sweep_id, owner=ctx.owner, by=ctx.caller.owner))
 
 
 @router.post(
@@ -228,13 +161,9 @@ def retry_failed_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     failed job is kept), continuing from the failed job's own newest checkpoint where it
     has one (``init_from`` it, mode ``full``). ``added`` says how many. The new jobs count
     against the owner's rate limit as ``POST /sweeps``'s trials do (429/422, nothing stored)."""
-    with ctx.db.session() as session:
-        with _as_429():
-            added = store.retry_failed(
-                session, sweep_id, owner=ctx.owner, per_minute=_per_minute(ctx)
-            )
-        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
-        return sweep_out(sweep, list_trials(session, sweep), added=added)
+    return sweep_out(
+        sweeps.retry_failed_trials(ctx.db, sweep_id, owner=ctx.owner, per_minute=_per_minute(ctx))
+    )
 
 
 @router.post(
@@ -252,17 +181,7 @@ def extend_route(
     """Add grid values to existing axes, or raise samples/seeds (new totals): only trials
     whose key the sweep does not hold yet are added (``added``), each validated first. The
     added trials count against the owner's rate limit as ``POST /sweeps``'s do (429/422)."""
-    with ctx.db.session() as session:
-        # Concurrent extends would each plan the same new keys; the later ones would clash.
-        store.lock_sweep(session, sweep_id)
-        sweep = store.get_sweep(session, sweep_id, owner=ctx.owner)
-        spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
-        keys, next_position = store.trial_keys(session, sweep_id)
-        planned = plan_trials(spec, ctx.settings, skip_keys=keys, first_position=next_position)
-        spec, planned = resolve_sweep_init_from(
-            session, spec, planned, owner=ctx.caller.owner_filter
-        )
-        with _as_429():
-            check_jobs_rate(session, sweep.owner, per_minute=_per_minute(ctx), jobs=len(planned))
-        added = store.extend_sweep(session, sweep, spec, planned)
-        return sweep_out(sweep, list_trials(session, sweep), added=added)
+    detail = sweeps.extend_sweep(
+        ctx.db, sweep_id, ext, ctx.caller, settings=ctx.settings, per_minute=_per_minute(ctx)
+    )
+    return sweep_out(detail)

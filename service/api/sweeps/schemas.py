@@ -11,8 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.core.sweeps.spec import canonical_json
-from service.store.models import Sweep
-from service.store.sweeps.view import TrialView, best_trial, outcome_counts
+from service.store.sweeps.values import SweepDetail, TrialView
 
 
 class _Out(BaseModel):
@@ -85,9 +84,9 @@ class TrialListOut(_Out):
     trials: list[TrialOut]
 
 
-def sweep_out(sweep: Sweep, trials: Sequence[TrialView], added: int | None = None) -> SweepOut:
-    """A sweeps row plus its trials as the API's Sweep."""
-    best = best_trial(trials, sweep.objective.get("mode", "min"))
+def sweep_out(detail: SweepDetail) -> SweepOut:
+    """A sweep with its trials as the API's Sweep."""
+    sweep, trials, best = detail.sweep, detail.trials, detail.best
     return SweepOut(
         id=sweep.id,
         name=sweep.name,
@@ -96,7 +95,7 @@ def sweep_out(sweep: Sweep, trials: Sequence[TrialView], added: int | None = Non
         stop_reason=sweep.stop_reason,
         spec=sweep.spec,
         objective=sweep.objective,
-        counts=outcome_counts(trials),
+        counts=detail.counts,
         trials_total=len(trials),
         best=None
         if best is None or best.objective_value is None
@@ -112,7 +111,7 @@ def sweep_out(sweep: Sweep, trials: Sequence[TrialView], added: int | None = Non
         max_failed=sweep.max_failed,
         created_at=sweep.created_at,
         finished_at=sweep.finished_at,
-        added=added,
+        added=detail.added,
     )
 
 

@@ -11,8 +11,7 @@ from fastapi import APIRouter
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.schemas import WorkerListOut, worker_out
-from service.store.jobs.crud import owned_job_ids
-from service.store.workers.registry import list_workers
+from service.store.workers import service as workers
 
 router = APIRouter(tags=["workers"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
@@ -21,9 +20,5 @@ router = APIRouter(tags=["workers"], dependencies=[REQUIRE_CALLER], responses=UN
 def workers_route(ctx: ContextDep) -> WorkerListOut:
     """Every worker, newest heartbeat first, with the ids of the active jobs it holds (only
     the caller's own jobs unless the caller is an admin)."""
-    with ctx.db.session(write=False) as session:
-        rows = list_workers(session)
-        if ctx.owner is not None:
-            mine = owned_job_ids(session, [j for _, held in rows for j in held], ctx.owner)
-            rows = [(w, [j for j in held if j in mine]) for w, held in rows]
-        return WorkerListOut(workers=[worker_out(w, held) for w, held in rows])
+    found = workers.list_workers(ctx.db, owner=ctx.owner)
+    return WorkerListOut(workers=[worker_out(w) for w in found])

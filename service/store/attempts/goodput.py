@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session
 from service.core.goodput import (
     PHASES,
     AttemptMoments,
-    AttemptPhases,
     IntervalEstimate,
     attempt_phases,
     lost_from_steps,
@@ -24,6 +23,7 @@ from service.core.goodput import (
 )
 from service.core.states import TERMINAL_STATES, JobState
 from service.store.attempts.timeline import list_attempt_timelines
+from service.store.attempts.values import AttemptLedger, JobLedger
 from service.store.jobs.crud import get_job, list_events
 from service.store.models import (
     Checkpoint,
@@ -36,43 +36,6 @@ from service.store.models import (
 )
 
 _TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
-
-
-@dataclass(frozen=True)
-class AttemptLedger:
-    """One attempt's line of the ledger: its moments (None when unknown), how it ended (in
-    words; ``requeued``: by a requeue, whatever its kind), the steps it trained and the phases
-    (``service.core.goodput.AttemptPhases``)."""
-
-    attempt: int
-    outcome: str
-    enqueued_at: datetime
-    claimed_at: datetime | None
-    training_started_at: datetime | None
-    ended_at: datetime | None
-    resume_step: int | None
-    first_step: int | None
-    last_step: int | None
-    superseded_by: int | None
-    phases: AttemptPhases
-    requeued: bool = False
-
-
-@dataclass(frozen=True)
-class JobLedger:
-    """A job's ledger as of ``as_of``: every attempt, the totals per phase (seconds, they add
-    up to ``wall_s``, the seconds since submission) and goodput = productive / wall.
-    ``interval``: the Young/Daly estimate, None until a failure and a save were measured."""
-
-    job_id: int
-    state: str
-    as_of: datetime
-    wall_s: float
-    goodput: float | None
-    totals: dict[str, float]
-    lost_steps: int
-    attempts: list[AttemptLedger]
-    interval: IntervalEstimate | None
 
 
 @dataclass

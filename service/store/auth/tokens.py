@@ -6,15 +6,15 @@ table keeps ``sha256(token)`` and nothing from which the token could be rebuilt.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
-from dataclasses import dataclass
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import DdpqError, NotFoundError
+from service.core.tokens import hash_token
+from service.store.auth.values import Caller
 from service.store.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "ddpq_"  # lets secret scanners and people recognise a leaked token
@@ -28,31 +28,6 @@ class InvalidOwnerError(DdpqError):
 
     status_code = 422
     code = "invalid_owner"
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is calling the API: the owner their jobs get, and whether they see everyone's."""
-
-    owner: str
-    admin: bool
-
-    @property
-    def owner_filter(self) -> str | None:
-        """The owner whose jobs this caller may touch; None for an admin (every job)."""
-        return None if self.admin else self.owner
-
-
-def hash_token(token: str) -> str:
-    """The hex sha256 of ``token`` (64 characters), as stored in ``api_tokens.token_hash``.
-
-    No salt and no slow hash (bcrypt, argon2): those defend guessable secrets such as
-    passwords against offline guessing. A token carries 256 random bits, so guessing it from
-    its hash is as hopeless as guessing it outright, and one fast hash keeps the per-request
-    lookup a single index probe. The lookup by hash also compares no secret bytes in Python,
-    so there is no timing side channel on the token itself.
-    """
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 def new_token() -> str:

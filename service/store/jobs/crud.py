@@ -8,8 +8,7 @@ Every state change is one compare-and-set UPDATE (``WHERE id = ? AND state = ?``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select, update
@@ -17,56 +16,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from service.core.errors import ConflictError, NotFoundError, StaleStateError
-from service.core.events import EventKind, render
+from service.core.events import EventKind
+from service.core.holds import Transition
 from service.core.spec.model import JobSpec
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
 from service.store.events import record_event
 from service.store.jobs.filters import has_tag, name_or_tag
 from service.store.models import Job, JobEvent, utcnow
 
-CANCEL_REQUESTED_REASON = render(EventKind.CANCELLED)  # "cancel requested"
 CANCEL_TRIES = 5  # cancel_job's compare-and-set rounds against a job that keeps moving
-
-
-@dataclass(frozen=True)
-class Transition:
-    """A planned state change: printable, testable, applied by ``apply_transition``.
-
-    ``kind`` and ``data`` are its event's (``service.core.events``), ``reason`` their
-    wording (``Transition.of`` renders it); a transition planned with a ``reason`` only is
-    written as a ``state_changed`` event carrying that text.
-    """
-
-    job_id: int
-    expected: JobState
-    target: JobState
-    reason: str | None = None
-    # Not compared: two transitions are equal when they change the same job alike and say so
-    # in the same words (a test may plan one with its text alone).
-    kind: EventKind | None = field(default=None, compare=False)
-    data: Mapping[str, Any] = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def of(
-        cls,
-        job_id: int,
-        expected: JobState,
-        target: JobState,
-        kind: EventKind,
-        data: Mapping[str, Any] | None = None,
-    ) -> Transition:
-        """The transition whose event is ``kind`` with ``data``, its reason rendered.
-
-        Raises:
-            KeyError: ``data`` lacks a field the kind's wording needs.
-        """
-        return cls(job_id, expected, target, render(kind, data), kind, dict(data or {}))
-
-    def event(self) -> tuple[EventKind, Mapping[str, Any]]:
-        """The kind and data its event is written with."""
-        if self.kind is not None:
-            return self.kind, self.data
-        return EventKind.STATE_CHANGED, {"reason": self.reason} if self.reason else {}
 
 
 def submit_job(

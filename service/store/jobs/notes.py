@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from service.core.events import EventKind
 from service.core.pending_reasons import MAX_REASON_CODE_CHARS
 from service.store.events import newest_event, record_event
-from service.store.jobs.queue import SchedulerPending
+from service.store.jobs.values import SchedulerPending
 from service.store.workers.leases import check_attempt
 
 

@@ -1,11 +1,11 @@
-"""Why a job waits, as a value: its place among the claimable jobs (ordered as the claim takes
-them, filtered by the claim's own predicate ``claims._claimable``), which workers could run it
-and which cannot and why, and a batch scheduler's pending reason. ``summary`` is the one-line
-``queue_reason`` the API has always served."""
+"""Why a job waits, as a value (``values.QueueExplanation``): its place among the claimable jobs
+(ordered as the claim takes them, filtered by the claim's own predicate
+``claims._claimable``), which workers could run it and which cannot and why, and a batch
+scheduler's pending reason. ``summary`` is the one-line ``queue_reason`` the API has always
+served."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,108 +16,20 @@ from service.core.launchers import LAUNCHER_TRAITS, launcher_traits, uses_host_g
 from service.core.pending_reasons import describe_slurm_reason
 from service.core.states import ACTIVE_STATES
 from service.store.jobs.claims import _claimable
+from service.store.jobs.values import (
+    JobAhead,
+    JobShape,
+    QueueExplanation,
+    SchedulerPending,
+    SchedulerWait,
+    WorkerFit,
+)
 from service.store.models import Job, Worker, utcnow
 
 # A worker is live while its last heartbeat is younger than this many heartbeat intervals.
 LIVE_HEARTBEATS = 3
 # Jobs ahead listed one by one (the count covers all of them).
 MAX_AHEAD_SHOWN = 20
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What of a job the explanation needs. ``job_id`` None: a spec not stored yet (a dry
-    run or the check at submit), placed behind every queued job of its priority."""
-
-    launcher: str
-    gpus_per_node: int
-    nproc_per_node: int
-    priority: int
-    job_id: int | None = None
-    cancel_requested: bool = False
-
-
-@dataclass(frozen=True)
-class JobAhead:
-    """A queued job a worker would claim first. ``owner`` and ``name`` are None unless the
-    caller may see that job (their own, or any job for an admin)."""
-
-    id: int
-    priority: int
-    owner: str | None
-    name: str | None
-
-
-@dataclass(frozen=True)
-class WorkerFit:
-    """One registered (not stopped) worker against the job.
-
-    ``can_ever``: its launcher and capacity (GPUs per node) fit the job, whatever it holds
-    now; ``can_now``: also live with a free slot and enough free GPUs. ``why_not`` says why
-    not (ever or now); ``notes`` what would go wrong if it ran it (more ranks than cores).
-    Counts: slots and GPUs as the worker registered them, ``busy_*`` what its active jobs
-    hold; ``cpus`` None when the worker did not say. ``heartbeat_at`` only for a worker that
-    is not live (silent or stopped: its last heartbeat, which no longer moves); None for a
-    live one. Nothing here depends on the time of the read or of the latest heartbeat (no
-    ages), so a polled job's ETag changes only when something did.
-    """
-
-    id: str
-    host: str
-    launcher: str
-    live: bool
-    stopped: bool
-    heartbeat_at: datetime | None
-    slots: int
-    busy_slots: int
-    gpus: int
-    busy_gpus: int
-    cpus: int | None
-    can_ever: bool
-    can_now: bool
-    why_not: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SchedulerPending:
-    """The newest pending reason a worker recorded for an attempt (``job_notes``): Slurm's
-    ``code`` (e.g. ``Resources``) and when it was recorded (UTC)."""
-
-    code: str
-    recorded_at: datetime
-
-
-@dataclass(frozen=True)
-class SchedulerWait:
-    """A batch scheduler holding a submitted attempt: Slurm's ``code`` (``squeue -o %r``), in
-    plain words (``text``), for its job ``scheduler_job_id``."""
-
-    backend: str
-    scheduler_job_id: str | None
-    code: str
-    text: str
-
-
-@dataclass(frozen=True)
-class QueueExplanation:
-    """Why a job is not running yet.
-
-    ``position``: 1-based place among the jobs a worker that can run it would claim, None when
-    it is not claimable (not queued, or cancel requested); ``ahead_count`` of them are ahead,
-    the first ``MAX_AHEAD_SHOWN`` in ``ahead`` (claim order). ``runnable``: some live worker
-    could ever run it; ``registered_runnable``: some registered worker (live, silent or
-    stopped) could.
-    """
-
-    summary: str
-    position: int | None = None
-    ahead_count: int = 0
-    ahead: tuple[JobAhead, ...] = ()
-    workers: tuple[WorkerFit, ...] = ()
-    runnable: bool = False
-    registered_runnable: bool = False
-    scheduler: SchedulerWait | None = None
 
 
 def _capacity_int(capacity: Any, key: str, default: int | None) -> int | None:

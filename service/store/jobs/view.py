@@ -3,6 +3,7 @@ object: the hottest route), plus why a job that is not running yet waits."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from sqlalchemy import Connection, Row, bindparam, select
@@ -11,12 +12,8 @@ from sqlalchemy.orm import Session
 from service.core.errors import NotFoundError
 from service.core.states import JobState
 from service.store.jobs.notes import latest_scheduler_pending
-from service.store.jobs.queue import (
-    JobShape,
-    QueueExplanation,
-    explain_queue,
-    explain_scheduler_wait,
-)
+from service.store.jobs.queue import explain_queue, explain_scheduler_wait
+from service.store.jobs.values import JobShape, JobView, QueueExplanation
 from service.store.models import Job
 
 # What GET /jobs/{id} shows (schemas.JobOut), plus gpus_per_node for the queue explanation. Built
@@ -45,6 +42,11 @@ _JOB_VIEW = select(
     Job.trial_key,
 ).where(Job.id == bindparam("job_id"))
 
+
+# ``JobView.from_view_row`` builds a view from the row by position.
+_VIEW_FIELDS = tuple(f.name for f in fields(JobView) if f.name != "queue")
+if tuple(c.key for c in _JOB_VIEW.selected_columns) != _VIEW_FIELDS:
+    raise RuntimeError(f"_JOB_VIEW's columns must be JobView's fields in order: {_VIEW_FIELDS}")
 
 # A Core row of the columns the API shows, attribute names as on ``Job``.
 JobRow = Row[Any]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from service.store.models import Job, SweepTrial
+from service.store.sweeps.values import TrialCurve
 
 # Each trial's current job (``sweep_trials.job_id``) and its first and last point of
 # ``:name``: four probes of the metrics primary key per trial, not a scan.
@@ -106,17 +107,6 @@ _SQLITE_CURVES = text(
 MAX_SCANNED_POINTS = {"postgresql": 2_000_000, "sqlite": 200_000}
 
 
-@dataclass
-class TrialCurve:
-    """One trial's points of a metric: ``steps`` ascending, ``values`` alike (None for NaN)."""
-
-    job_id: int
-    trial_key: str
-    steps: list[int]
-    values: list[float | None]
-    sampled: bool = False  # each bucket's first point, not its min and max (see sweep_curves)
-
-
 def sweep_curves(
     session: Session,
     sweep_id: int,
@@ -179,15 +169,18 @@ def _curves(rows: Sequence[Any]) -> list[TrialCurve]:
     step) as one curve per job; a step listed twice (a bucket's minimum that is also an end,
     a sample that is the first point) once."""
     curves: list[TrialCurve] = []
+    steps: list[int] = []
+    values: list[float | None] = []
     for _position, job_id, trial_key, step, value, sampled in rows:
         if not curves or curves[-1].job_id != job_id:
-            curves.append(TrialCurve(job_id=job_id, trial_key=trial_key, steps=[], values=[]))
-        curve = curves[-1]
-        curve.sampled = curve.sampled or bool(sampled)
-        if curve.steps and curve.steps[-1] == step:
+            steps, values = [], []
+            curves.append(TrialCurve(job_id, trial_key, steps, values, bool(sampled)))
+        elif sampled and not curves[-1].sampled:
+            curves[-1] = replace(curves[-1], sampled=True)
+        if steps and steps[-1] == step:
             continue
-        curve.steps.append(int(step))
-        curve.values.append(None if value is None else float(value))
+        steps.append(int(step))
+        values.append(None if value is None else float(value))
     return curves
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,26 +13,10 @@ from sqlalchemy.orm import Session
 
 from service.core.states import JobState
 from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
+from service.store.sweeps.values import TrialView
 
 STOPPED_EARLY = "stopped_early"  # a trial's outcome when ASHA stopped it (its job: cancelled)
 OUTCOMES = (*(s.value for s in JobState), STOPPED_EARLY)
-
-
-@dataclass(frozen=True)
-class TrialView:
-    """One trial as the API's trials table shows it (newest job per key)."""
-
-    key: str
-    position: int
-    overrides: dict[str, Any]
-    job_id: int | None
-    state: str | None
-    outcome: str
-    attempts: int
-    steps_done: int | None
-    objective_value: float | None
-    run_time_s: float | None
-    cancel_requested: bool
 
 
 def trial_outcome(job_state: str | None, outcome: str | None) -> str:

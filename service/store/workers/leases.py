@@ -13,7 +13,6 @@ starting a second copy. Writes on behalf of an attempt (metrics, checkpoints) pa
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
@@ -22,11 +21,11 @@ from sqlalchemy.orm import Session
 
 from service.core.errors import NotFoundError, StaleAttemptError, StaleStateError
 from service.core.events import EventKind, render
+from service.core.holds import AdoptedJob, HeldJob, Transition
 from service.core.launchers import adopting_launchers, launcher_traits
 from service.core.states import ACTIVE_STATES, JobState
-from service.store.jobs.crud import Transition, apply_transition_where, cancel_flagged_queued_jobs
+from service.store.jobs.crud import apply_transition_where, cancel_flagged_queued_jobs
 from service.store.models import Job, Worker, utcnow
-from service.store.workers.registry import HeldJob
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +119,6 @@ def requeue_expired_jobs(session: Session, *, limit: int = 100) -> list[Transiti
 
 
 # -- adoption of detached jobs -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AdoptedJob:
-    """A detached job this worker now holds; poll it with ``scheduler_job_id`` as the
-    handle."""
-
-    job_id: int
-    attempt: int
-    state: JobState
-    scheduler_job_id: str
-    cancel_requested: bool
-    previous_worker_id: str | None
-    restarts: int = 0  # relaunches after failures so far
-    max_restarts: int = 0  # from the spec
 
 
 def adopter_of(session: Session, job_id: int, attempt: int, worker_id: str) -> str | None:

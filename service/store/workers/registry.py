@@ -3,14 +3,15 @@ leases.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from service.core.holds import HeldJob
 from service.core.states import ACTIVE_STATES
-from service.store.jobs.queue import LIVE_HEARTBEATS, JobShape, explain_queue
+from service.store.jobs.queue import LIVE_HEARTBEATS, explain_queue
+from service.store.jobs.values import JobShape
 from service.store.models import Job, Worker, utcnow
 
 __all__ = [
@@ -21,16 +22,6 @@ __all__ = [
     "register_worker",
     "stop_worker",
 ]
-
-
-@dataclass(frozen=True)
-class HeldJob:
-    """What a heartbeat tells a worker about one job it holds."""
-
-    job_id: int
-    attempt: int
-    state: str
-    cancel_requested: bool
 
 
 def register_worker(
