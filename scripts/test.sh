@@ -1,24 +1,69 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: set up, bring up what the tests need (PostgreSQL,
-# headless Chromium, a dev Slurm cluster), lint, type-check, then pytest. Extra arguments go to
-# pytest (e.g. scripts/test.sh -m "not slow" tests/unit).
+# The test suite.
+#
+#   scripts/test.sh          everything, as CI runs it: set up, bring up what the tests need
+#                            (PostgreSQL, headless Chromium, a dev Slurm cluster), lint,
+#                            type-check, then pytest in two passes: every independent test on
+#                            several processes (pytest-xdist), then the `serial` ones alone.
+#   scripts/test.sh --fast   the lane to run after every change (a few minutes): tests/unit
+#                            and tests/integration on SQLite, no slow test, no service to start.
+#
+# Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -k spec).
+# DDPQ_TEST_WORKERS=N sets the pytest processes (default 4: most tests wait on processes, the
+# network or the database, so 4 keep a 2-core box busy; 0 runs in this process).
+# DDPQ_TEST_DRY_RUN=1 prints the pytest commands and runs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
+workers=${DDPQ_TEST_WORKERS:-4}
+xdist=()
+if [ "$workers" != "0" ]; then
+  # loadgroup: tests that share the Slurm cluster or the root network namespace keep one
+  # process (their xdist_group, tests/conftest.py).
+  xdist=(-n "$workers" --dist loadgroup)
+fi
+
+if [ "$fast" = "1" ]; then
+  passes=("python -m pytest ${xdist[*]} -m 'not slow and not postgres and not serial and not slurm' tests/unit tests/integration")
+else
+  # The 15 slowest tests, so a test that got slow shows up; a later --durations=N wins.
+  passes=(
+    "python -m pytest ${xdist[*]} --durations=15 -m 'not serial'"
+    "python -m pytest --durations=5 -m serial"
+  )
+fi
+
+if [ "${DDPQ_TEST_DRY_RUN:-0}" = "1" ]; then
+  for pass in "${passes[@]}"; do
+    printf '%s' "$pass"
+    [ "$#" -eq 0 ] || printf ' %q' "$@"
+    printf '\n'
+  done
+  exit 0
+fi
+
 scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
-  if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then
-    echo "test: starting PostgreSQL"
-    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
-  else
-    echo "test: PostgreSQL is not reachable at 127.0.0.1:5432 (set DDPQ_TEST_PG_URL)" >&2
+if [ "$fast" = "0" ]; then
+  if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+    if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then
+      echo "test: starting PostgreSQL"
+      pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
+    else
+      echo "test: PostgreSQL is not reachable at 127.0.0.1:5432 (set DDPQ_TEST_PG_URL)" >&2
+    fi
   fi
-fi
-[ -x scripts/install-browser.sh ] && scripts/install-browser.sh
-if [ -x scripts/slurm-dev-cluster.sh ] && [ "${DDPQ_TEST_SLURM:-1}" = "1" ]; then
-  scripts/slurm-dev-cluster.sh up && export DDPQ_TEST_SLURM=1
+  [ -x scripts/install-browser.sh ] && scripts/install-browser.sh
+  if [ -x scripts/slurm-dev-cluster.sh ] && [ "${DDPQ_TEST_SLURM:-1}" = "1" ]; then
+    scripts/slurm-dev-cluster.sh up && export DDPQ_TEST_SLURM=1
+  fi
 fi
 
 echo "test: ruff + mypy + lint-imports"
@@ -26,13 +71,22 @@ ruff check .
 mypy
 lint-imports
 
-set +e
-# The 15 slowest tests, so a test that got slow shows up; a later --durations=N wins.
-python -m pytest --durations=15 "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "test: pytest collected no tests — that is a failure" >&2
-  exit 1
-fi
+rc=0
+for i in "${!passes[@]}"; do
+  set +e
+  eval "${passes[$i]}" '"$@"'
+  pass_rc=$?
+  set -e
+  if [ "$pass_rc" -eq 5 ]; then
+    if [ "$i" -gt 0 ] && [ "$#" -gt 0 ]; then
+      pass_rc=0  # the tests asked for include no serial one
+    else
+      echo "test: pytest collected no tests — that is a failure" >&2
+      pass_rc=1
+    fi
+  fi
+  if [ "$rc" -eq 0 ]; then
+    rc=$pass_rc
+  fi
+done
 exit "$rc"

@@ -3,25 +3,56 @@
 PostgreSQL comes from ``DDPQ_TEST_PG_URL`` (default: the local server's ``test`` database);
 each test gets its own schema, dropped afterwards. Set ``DDPQ_TEST_SKIP_PG=1`` to run the
 SQLite half alone on a machine without PostgreSQL (CI never sets it).
+
+``db`` is cloned from a database migrated once per session (``tests/databases.py``);
+``db_url`` and ``settings`` alone name an empty database. Every test that uses PostgreSQL
+carries the ``postgres`` marker (added here), so ``-m "not postgres"`` runs the SQLite half.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from service.app import create_app
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
+from tests import databases
 
 PG_URL = os.environ.get("DDPQ_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 SKIP_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"
+PG_FIXTURES = frozenset({"pg_schema_url", "pg_schema", "pg_deployment"})
+
+
+# Tests that share one thing outside the test process run one after another on one xdist
+# worker: the dev Slurm cluster's two nodes (queue lengths, max_concurrent are asserted), and
+# the root namespace's veth addresses.
+XDIST_GROUPS = {"tests/slurm/": "slurm", "tests/e2e/test_checkpoint_hosts.py": "netns"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that reaches PostgreSQL ``postgres`` (the ``[postgresql]`` half of the
+    dialect parameter, and users of the PostgreSQL fixtures), and put the tests that share a
+    cluster or the root network namespace in their ``xdist_group``."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "postgresql" in params or fixtures & PG_FIXTURES:
+            item.add_marker(pytest.mark.postgres)
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        for prefix, group in XDIST_GROUPS.items():
+            if where.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _pg_schema_url(schema: str) -> str:
@@ -30,21 +61,52 @@ def _pg_schema_url(schema: str) -> str:
 
 
 @pytest.fixture
-def pg_schema_url() -> Iterator[str]:
-    """A database URL whose search_path is a fresh, empty PostgreSQL schema."""
+def pg_schema() -> Iterator[str]:
+    """The name of a fresh, empty PostgreSQL schema, dropped after the test."""
     if SKIP_PG:
         pytest.skip("DDPQ_TEST_SKIP_PG=1")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
+    schema = databases.unique_schema_name()
     # pre-ping: a test may restart the server meanwhile (tests/e2e/test_db_outage.py)
     admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
         with admin.connect() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        yield _pg_schema_url(schema)
+        yield schema
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()
+        databases.drop_schema(PG_URL, schema)
+
+
+@pytest.fixture
+def pg_schema_url(pg_schema: str) -> str:
+    """A database URL whose search_path is a fresh, empty PostgreSQL schema."""
+    return _pg_schema_url(pg_schema)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head, once per session (and xdist worker)."""
+    return databases.migrated_sqlite_file(tmp_path_factory.mktemp("sqlite-template"))
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[tuple[str, str] | None]:
+    """(template schema name, its dump) migrated once per session; None without ``pg_dump``."""
+    if SKIP_PG:
+        yield None
+        return
+    schema = databases.unique_schema_name("ddpqtemplate")
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    finally:
+        admin.dispose()
+    try:
+        dump = databases.pg_schema_dump(PG_URL, _pg_schema_url(schema), schema)
+        yield (schema, dump) if dump is not None else None
+    finally:
+        databases.drop_schema(PG_URL, schema)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -67,9 +129,36 @@ def settings(tmp_path: Path, db_url: str) -> Settings:
 
 
 @pytest.fixture
-def db(settings: Settings) -> Iterator[Database]:
-    """A migrated database (at head) for ``settings``."""
-    database = Database.from_url(settings.resolved_database_url)
-    migrate.upgrade(database.engine)
+def db(settings: Settings, request: pytest.FixtureRequest) -> Iterator[Database]:
+    """A database at Alembic head for ``settings``: a clone of the session's template."""
+    url = settings.resolved_database_url
+    if url.startswith("sqlite"):
+        databases.clone_sqlite(request.getfixturevalue("sqlite_template"), url)
+    else:
+        template = request.getfixturevalue("pg_template")
+        if template is None:
+            migrate_db = Database.from_url(url)
+            migrate.upgrade(migrate_db.engine)
+            migrate_db.dispose()
+        else:
+            template_schema, dump = template
+            databases.replay_pg_dump(
+                url, dump, template_schema, request.getfixturevalue("pg_schema")
+            )
+    database = Database.from_url(url)
     yield database
     database.dispose()
+
+
+@pytest.fixture
+def app_settings(settings: Settings) -> Settings:
+    """The settings ``api`` serves; a module overrides this fixture to serve others (auth on,
+    a checkpoint store, a rate limit)."""
+    return settings
+
+
+@pytest.fixture
+def api(app_settings: Settings, db: Database) -> Iterator[TestClient]:
+    """The app for ``app_settings`` over a migrated ``db``, in a TestClient (lifespan run)."""
+    with TestClient(create_app(app_settings)) as client:
+        yield client

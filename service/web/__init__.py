@@ -1,0 +1,1 @@
+"""The dashboard: HTML pages, their templates and static scripts, served by the API's app."""

@@ -94,6 +94,13 @@ def resume_on_another_host(cluster: Cluster) -> None:
     log_b = cluster.rank_log(host_b, job_id, 1)
     assert "checkpoint transport: upload" in log_b, log_b[-3000:]
 
+    # Stop host B while the job still has most of its steps to go (a loaded box is slow to
+    # download); the checkpoints stay downloadable from the API.
+    worker_b.signal(signal.SIGTERM)
+    assert worker_b.popen.wait(120) == 0, worker_b.output()
+    job = cluster.job(job_id)
+    assert (job["state"], job["attempt"]) == ("queued", 2), job
+    newest = cluster.checkpoints(job_id)[0]
     entry = entries[0]
     r = cluster.http.get(f"/jobs/{job_id}/checkpoints/{entry['step']}/file")
     assert r.status_code == 200, r.text[:500]
@@ -109,11 +116,6 @@ def resume_on_another_host(cluster: Cluster) -> None:
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert hashlib.sha256(out.read_bytes()).hexdigest() == entry["sha256"], "the CLI's too"
 
-    worker_b.signal(signal.SIGTERM)
-    assert worker_b.popen.wait(120) == 0, worker_b.output()
-    job = cluster.job(job_id)
-    assert (job["state"], job["attempt"]) == ("queued", 2), job
-    newest = cluster.checkpoints(job_id)[0]
     shutil.rmtree(host_b.artifact_dir.parent)  # host B is gone, with every file it wrote
 
     cluster.start_worker(host_c)

@@ -44,6 +44,7 @@ def loss_rows(dep: Any, job_id: int) -> tuple[list[int], int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it restarts the PostgreSQL every other test uses
 def test_postgres_restart_mid_job(pg_deployment: Any) -> None:
     dep = pg_deployment
     host = make_url(dep.settings.resolved_database_url).host
@@ -101,7 +102,9 @@ def test_api_down_for_20_s_mid_job(deployment: Any) -> None:
     spec = dep.load_example(
         "regression",
         config={"sleep_per_step_ms": 100},
-        training={"epochs": 20, "max_steps": 450, "checkpoint_every_steps": 50},
+        # 450 steps (16 a epoch): the job must outlast the outage and the API's restart,
+        # which a loaded box makes slow, so its last checkpoint finds the API back.
+        training={"epochs": 30, "max_steps": 450, "checkpoint_every_steps": 50},
     )
     job_id = dep.submit(spec)
     dep.wait_state(job_id, ("running",), 120)

@@ -44,6 +44,9 @@ from worker.processes import find_tagged_processes
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_BOX_S = 180.0  # any wait on a loaded 2-core box; only reached when something is wrong
+# "Fast" is well under torchrun's 30 s SIGTERM→SIGKILL wait, with room for a loaded box (the
+# launcher's own grace is 2 s, the ranks' stop grace 1 s here).
+FAST_S = 15.0
 ALLOWED = ["examples.*:*", "ddpq_e2e_entry:*"]
 # Rank 1 sleeps in user code before its first collective; rank 0's first collective then times
 # out (DDPQ_PG_TIMEOUT_S) and rank 0 writes the attempt's error file.
@@ -186,11 +189,12 @@ def wait_end(launcher: LocalLauncher, handle: str, every_s: float = 0.1) -> RunS
 
 
 # -- the right rank, run after run ---------------------------------------------------------
-RUNS = int(os.environ.get("DDPQ_BLAME_RUNS", "20"))
+# Each run kills rank 1 at a random point of a step; DDPQ_BLAME_RUNS=50 for a longer hunt.
+RUNS = int(os.environ.get("DDPQ_BLAME_RUNS", "8"))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 20 launches: a loaded CI box needs more than the default 300 s
+@pytest.mark.timeout(600)  # 8 launches: a loaded CI box needs more than the default 300 s
 def test_a_sigkilled_rank_is_blamed_in_every_run(harness: Harness) -> None:
     """Rank 1 is SIGKILLed as soon as the first loss row is in, at a random point of a step
     (so rank 0 is sometimes in its collective, sometimes not: either its error file or
@@ -238,7 +242,7 @@ def test_a_known_failure_ends_the_attempt_while_a_peer_sleeps_in_user_code(
     harness: Harness,
 ) -> None:
     """Rank 0 times out waiting for rank 1 (asleep in user code, deaf to SIGTERM until a step
-    boundary it never reaches): the attempt fails within 5 s of rank 0's error file, not
+    boundary it never reaches): the attempt fails within seconds of rank 0's error file, not
     after torchrun's 30 s SIGTERM→SIGKILL wait."""
     launcher = harness.launcher()
     plan = _sleepy_plan(harness, launcher, DDPQ_STOP_GRACE_S="60")  # the launcher alone
@@ -246,7 +250,7 @@ def test_a_known_failure_ends_the_attempt_while_a_peer_sleeps_in_user_code(
     late_s = _seconds_after_first_error(plan, status, time.time())
     assert status.phase == RunPhase.FAILED, status
     assert (status.reason or "").startswith("setup: rank 0 failed"), status.reason
-    assert late_s < 5.0, f"failed {late_s:.1f} s after the first error file (expected < 5 s)"
+    assert late_s < FAST_S, f"failed {late_s:.1f} s after the first error file (torchrun: 30 s)"
     print(f"failed {late_s:.2f} s after rank 0's error file")
 
 
@@ -260,7 +264,7 @@ def test_a_rank_that_reaches_no_step_boundary_leaves_after_its_stop_grace(
     status = wait_end(launcher, launcher.start(plan))
     late_s = _seconds_after_first_error(plan, status, time.time())
     assert status.phase == RunPhase.FAILED, status
-    assert late_s < 5.0, f"failed {late_s:.1f} s after the first error file (expected < 5 s)"
+    assert late_s < FAST_S, f"failed {late_s:.1f} s after the first error file (torchrun: 30 s)"
     log = (Path(plan.log_dir) / "rank-1.log").read_text(errors="replace")
     assert "no step boundary within 1.0 s" in log, log[-2000:]
 

@@ -1,4 +1,5 @@
-"""Soak (issue 6): two workers, 50 short DDP jobs, one worker SIGKILLed at a random moment.
+"""Soak: two workers, 20 short DDP jobs (``DDPQ_SOAK_JOBS`` for more), one worker SIGKILLed at
+a random moment.
 
 Every job must end ``succeeded`` with each step's loss stored once, and no job may ever have
 processes of two attempts alive at the same time. The last is observed, not inferred: a
@@ -22,7 +23,7 @@ from sqlalchemy import func, select
 
 from service.store.models import Metric
 
-JOBS = 50
+JOBS = int(os.environ.get("DDPQ_SOAK_JOBS", "20"))
 STEPS = 8
 
 

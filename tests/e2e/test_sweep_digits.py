@@ -43,6 +43,7 @@ def _max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # eight real digits runs, two at a time, on a loaded box
 def test_grid_sweep_holds_max_concurrent_and_finds_the_best(deployment: Any) -> None:
     dep = deployment
     http = dep.http

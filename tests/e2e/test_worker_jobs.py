@@ -49,7 +49,7 @@ def test_failing_rank_fails_the_job_with_its_error(deployment: Any) -> None:
     spec = dep.load_example("regression", config={"fail_rank": 1, "fail_at_step": 5})
     job_id = dep.submit(spec)
     dep.wait_state(job_id, ("running", "failed"), 120)
-    job = dep.wait_state(job_id, ("failed",), 30)
+    job = dep.wait_state(job_id, ("failed",), 120)  # a loaded box; speed: test_failures_told_fast
     error = job["error"]
     assert error.startswith("rank 1 failed: RuntimeError: injected failure on rank 1 at step 5"), (
         error
@@ -88,8 +88,10 @@ def test_cancel_stops_a_running_job(deployment: Any) -> None:
     r = dep.http.post(f"/jobs/{job_id}/cancel")
     assert r.status_code == 202, r.text
     t0 = time.monotonic()
-    job = dep.wait_state(job_id, ("cancelled",), 10)
-    assert time.monotonic() - t0 < 10
+    # Within seconds (SIGTERM, the ranks' stop at a step boundary); 30 s leaves a loaded
+    # 2-core box room, and stays far below torchrun's own 30 s + SIGKILL path plus a lease.
+    job = dep.wait_state(job_id, ("cancelled",), 30)
+    assert time.monotonic() - t0 < 30
     assert dep.processes(job_id) == []
     count, last = _count_metrics(dep, job_id)
     finished = datetime.fromisoformat(job["finished_at"])

@@ -3,13 +3,9 @@ never "integer out of range" (jobs.id and every job_id are BIGINT)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.events import EventKind
 from service.store.db import Database
 from service.store.events import record_event
@@ -17,12 +13,6 @@ from service.store.models import Job
 
 API = "/api/v1"
 BIG_IDS = [2**31, 3_000_000_000, 2**53 + 1, 2**63 - 1]
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 @pytest.mark.parametrize("job_id", BIG_IDS)

@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,6 @@ from service.store.models import Job, Metric, utcnow
 from service.store.workers import registry as workers
 
 API = "/api/v1"
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def running_job(db: Database, **spec: Any) -> int:

@@ -30,12 +30,6 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
-
-
 def job_count(db: Database) -> int:
     with db.session(write=False) as s:
         return len(jobs.list_jobs(s, limit=10_000)[0])

@@ -6,7 +6,6 @@ read them."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,12 +27,6 @@ SWEEP: dict[str, Any] = {
     "base": {"name": "b", "task": "regression", "training": {"max_steps": 5}},
     "axes": {"training.lr": {"grid": [0.001, 0.01, 0.1]}},
 }
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def start(db: Database, job_id: int) -> None:

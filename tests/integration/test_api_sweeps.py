@@ -3,7 +3,6 @@ store nothing, extend, retry-failed, cancel, max_failed, and who may touch a swe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,12 +30,6 @@ SWEEP: dict[str, Any] = {
     "seeds": 2,
     "max_concurrent": 2,
 }
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def counts(db: Database) -> tuple[int, int, int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -98,9 +97,9 @@ def auth_settings(settings: Settings) -> Settings:
 
 
 @pytest.fixture
-def api(auth_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(auth_settings)) as client:
-        yield client
+def app_settings(auth_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return auth_settings
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ PostgreSQL, also under concurrent submitters."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,10 +43,9 @@ def age_jobs(db: Database, seconds: float) -> None:
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    limited = settings.model_copy(update={"auth": "on", "submissions_per_minute": LIMIT})
-    with TestClient(create_app(limited)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on", "submissions_per_minute": LIMIT})
 
 
 def test_over_the_limit_is_429_with_retry_after_and_stores_nothing(

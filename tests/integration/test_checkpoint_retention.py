@@ -6,7 +6,6 @@ orphaned partial uploads are cleaned by the API's reaper."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -48,9 +47,9 @@ def store_settings(request: pytest.FixtureRequest, settings: Settings) -> Settin
 
 
 @pytest.fixture
-def api(store_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(store_settings)) as client:
-        yield client
+def app_settings(store_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return store_settings
 
 
 def steps(api: TestClient, job_id: int) -> list[int]:

@@ -8,7 +8,6 @@ upload is refused; a row replaced at the same step lets its old bytes go."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -50,9 +49,9 @@ def store_settings(request: pytest.FixtureRequest, settings: Settings) -> Settin
 
 
 @pytest.fixture
-def api(store_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(store_settings)) as client:
-        yield client
+def app_settings(store_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return store_settings
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ downloadable before a verified commit, and only the job's own current attempt ge
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,9 +50,9 @@ def store_settings(request: pytest.FixtureRequest, settings: Settings) -> Settin
 
 
 @pytest.fixture
-def api(store_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(store_settings)) as client:
-        yield client
+def app_settings(store_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return store_settings
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from service.store.models import Checkpoint, Job, JobEvent
 from worker.launchers.preview import PLACEHOLDER_TOKEN
 
 API = "/api/v1"
-GOLDEN = Path(__file__).parents[1] / "unit" / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",
@@ -47,9 +46,9 @@ def auth_settings(settings: Settings) -> Settings:
 
 
 @pytest.fixture
-def api(auth_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(auth_settings)) as client:
-        yield client
+def app_settings(auth_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return auth_settings
 
 
 @pytest.fixture

@@ -6,15 +6,11 @@ rows written with the old texts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.events import EventKind, render
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
@@ -207,12 +203,6 @@ def test_checkpoint_events_carry_their_kind(db: Database) -> None:
         ("fresh_start", {"attempt": 2, "damaged_steps": [2]}),
     ]  # fmt: skip
     _assert_reasons_are_worded(db)
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def test_sweep_events_carry_their_kind(api: TestClient, db: Database) -> None:

@@ -35,12 +35,6 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
-
-
 def submit(api: TestClient) -> int:
     r = api.post(f"{API}/jobs", json=SPEC)
     assert r.status_code == 201, r.text

@@ -5,13 +5,11 @@ add up to the wall time, and only the owner may read it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store.attempts.tokens import mint_attempt_token
@@ -28,9 +26,9 @@ PHASES = (
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings.model_copy(update={"auth": "on"}))) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on"})
 
 
 @pytest.fixture

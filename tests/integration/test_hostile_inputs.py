@@ -74,12 +74,6 @@ def stored(db: Database, job_id: int) -> list[tuple[str, int]]:
         ]
 
 
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
-
-
 # ---- ingest: a point one database cannot hold --------------------------------------------
 
 

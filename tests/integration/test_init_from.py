@@ -5,14 +5,12 @@ streamed to them; another owner learns nothing about my job."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.core.wire import attempt as wire
 from service.store.auth.tokens import create_token
@@ -24,10 +22,9 @@ CHUNK = 64 * 1024
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    on = settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
-    with TestClient(create_app(on)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
 
 
 @pytest.fixture

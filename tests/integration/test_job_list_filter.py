@@ -4,7 +4,6 @@ owner's filter never reaching another owner's jobs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,12 +22,6 @@ API = "/api/v1"
 
 def spec(name: str, *tags: str, task: str = "regression") -> dict[str, Any]:
     return {"name": name, "task": task, "tags": list(tags), "training": {"max_steps": 10}}
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def submit(api: TestClient, body: dict[str, Any], **headers: str) -> int:

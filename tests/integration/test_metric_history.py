@@ -5,8 +5,6 @@ value was made."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
@@ -33,9 +31,9 @@ from tests.resume_api import (
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings.model_copy(update={"auth": "on"}))) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on"})
 
 
 @pytest.fixture

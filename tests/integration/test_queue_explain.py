@@ -5,13 +5,11 @@ for a spec no registered worker could ever run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.core.config import Settings
 from service.store.auth.tokens import create_token
 from service.store.db import Database
@@ -39,9 +37,9 @@ def auth_settings(settings: Settings) -> Settings:
 
 
 @pytest.fixture
-def api(auth_settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(auth_settings)) as client:
-        yield client
+def app_settings(auth_settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return auth_settings
 
 
 @pytest.fixture

@@ -4,13 +4,8 @@ write one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.wire import attempt as wire
 from service.store.auth.tokens import create_token
 from service.store.db import Database
@@ -18,12 +13,6 @@ from service.store.jobs.crud import list_events
 from tests.uploads import API, bearer, mint, requeue, running_job
 
 URL = API + wire.NOTES_PATH
-
-
-@pytest.fixture
-def api(db: Database, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def reasons(db: Database, job_id: int) -> list[str]:

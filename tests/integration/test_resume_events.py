@@ -4,24 +4,14 @@ step 0 although the job had checkpoints, naming the damaged steps."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.wire import attempt as wire
 from service.store.db import Database
 from service.store.jobs.crud import list_events
 from tests.uploads import API, mint, requeue, running_job, sha
-
-
-@pytest.fixture
-def api(db: Database, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def reasons(db: Database, job_id: int) -> list[str]:

@@ -6,10 +6,8 @@ SQLite and PostgreSQL: the server reads the named file before it writes the row,
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
@@ -23,12 +21,6 @@ from service.store.jobs.crud import list_events
 from tests.rank_api import mint_token, running_job
 
 URL = "/api/v1" + wire.CHECKPOINTS_PATH
-
-
-@pytest.fixture
-def api(db: Database, settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def bearer(token: str) -> dict[str, str]:

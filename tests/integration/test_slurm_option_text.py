@@ -4,14 +4,12 @@ or the trial (a sweep), and nothing is stored."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.store.db import Database
 from service.store.models import Job, Sweep
@@ -21,9 +19,9 @@ BASE: dict[str, Any] = {"name": "s", "task": "regression", "launcher": "slurm"}
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings.model_copy(update={"slurm_enabled": True}))) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"slurm_enabled": True})
 
 
 def stored(db: Database) -> tuple[int, int]:

@@ -4,14 +4,10 @@ labelled); ``finished_at`` waits for the last trial to end."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.states import JobState
 from service.store.db import Database
 from service.store.jobs import crud as jobs
@@ -26,12 +22,6 @@ SWEEP: dict[str, Any] = {
     "axes": {"training.lr": {"grid": [0.001, 0.01, 0.1, 0.2]}},
 }
 ORDER = [JobState.QUEUED, JobState.STARTING, JobState.RUNNING]
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def drive(db: Database, job_id: int, to: JobState, loss: float | None = None) -> None:

@@ -5,15 +5,12 @@ extends add each new trial once with no 409."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.states import JobState
 from service.store.db import Database
 from service.store.jobs import crud as jobs
@@ -28,12 +25,6 @@ SWEEP: dict[str, Any] = {
     "axes": {"training.lr": {"grid": [0.001, 0.01]}},
     "seeds": 2,
 }
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def fail_job(db: Database, job_id: int) -> None:

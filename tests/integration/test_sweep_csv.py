@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.core.config import Settings
-from service.store.db import Database
 
 API = "/api/v1"
 FORMULAS = ['=HYPERLINK("http://x","y")', "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"]
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    allowed = settings.model_copy(update={"allowed_entrypoints": ["mypkg.*"]})
-    with TestClient(create_app(allowed)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"allowed_entrypoints": ["mypkg.*"]})
 
 
 def test_formula_text_is_neutralised_and_numbers_are_not(api: TestClient) -> None:

@@ -3,14 +3,12 @@ sweep it made (never a second one), the key with another sweep is 422, keys are 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.auth.tokens import create_token
@@ -27,10 +25,9 @@ SWEEP: dict[str, Any] = {
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    on = settings.model_copy(update={"auth": "on"})
-    with TestClient(create_app(on)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on"})
 
 
 @pytest.fixture

@@ -4,14 +4,12 @@ and retry-failed continues a failed trial from its own newest checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
 from service.core.wire import attempt as wire
@@ -25,10 +23,9 @@ CHUNK = 64 * 1024
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    on = settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
-    with TestClient(create_app(on)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
 
 
 @pytest.fixture

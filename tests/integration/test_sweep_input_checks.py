@@ -4,26 +4,17 @@ from, values that validate to the same trial, a bool where a number is expected.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
-from service.core.config import Settings
 from service.store.db import Database
 from service.store.models import Job, SweepTrial
 
 API = "/api/v1"
 BASE: dict[str, Any] = {"name": "b", "task": "regression", "training": {"max_steps": 5}}
-
-
-@pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 def stored(db: Database) -> tuple[int, int]:

@@ -5,7 +5,6 @@ PostgreSQL)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -13,7 +12,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store.auth.tokens import create_token
@@ -48,10 +46,9 @@ def age_jobs(db: Database, seconds: float) -> None:
 
 
 @pytest.fixture
-def api(settings: Settings, db: Database) -> Iterator[TestClient]:
-    limited = settings.model_copy(update={"auth": "on", "submissions_per_minute": LIMIT})
-    with TestClient(create_app(limited)) as client:
-        yield client
+def app_settings(settings: Settings) -> Settings:
+    """What this module's ``api`` serves (tests/conftest.py)."""
+    return settings.model_copy(update={"auth": "on", "submissions_per_minute": LIMIT})
 
 
 def test_a_sweeps_trials_count_against_the_limit(api: TestClient, db: Database) -> None:

@@ -15,7 +15,7 @@ from service.core.config import Settings
 from service.core.states import JobState
 from service.store.db import Database
 from service.store.jobs import crud as jobs
-from service.store.models import Metric
+from service.store.models import Checkpoint, Metric
 from tests.slurm.conftest import (
     SlurmDb,
     count_losses,
@@ -43,6 +43,15 @@ def _first_step_of_attempt(db: Database, job_id: int, attempt: int) -> int | Non
         return s.scalar(
             select(func.min(Metric.step)).where(
                 Metric.job_id == job_id, Metric.name == "loss", Metric.attempt == attempt
+            )
+        )
+
+
+def _newest_checkpoint_step(db: Database, job_id: int, attempt: int) -> int | None:
+    with db.session(write=False) as s:
+        return s.scalar(
+            select(func.max(Checkpoint.step)).where(
+                Checkpoint.job_id == job_id, Checkpoint.attempt == attempt
             )
         )
 
@@ -89,4 +98,8 @@ def test_plain_requeue_resumes_from_the_newest_periodic_checkpoint(
     settings, db = slurm_db
     job_id = _run_and_interrupt(db, settings, ["scontrol", "requeue"])
     resumed_at = _first_step_of_attempt(db, job_id, 2)
-    assert resumed_at is not None and resumed_at > 10, resumed_at
+    newest = _newest_checkpoint_step(db, job_id, 1)
+    # Attempt 2 trains on from the newest checkpoint attempt 1 recorded: not from step 1, not
+    # from an older one (checkpoints every 10 steps; the requeue came after step 12).
+    assert newest is not None and newest >= 10, newest
+    assert resumed_at == newest + 1, (resumed_at, newest)

@@ -179,17 +179,6 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
     assert invoke(["worker", "--launcher", "k8s"]).exit_code == 2
 
 
-def test_service_does_not_import_worker_at_module_level() -> None:
-    import subprocess
-
-    code = (
-        "import sys, service.cli.main, service.app, service.client\n"
-        "bad = [m for m in sys.modules if m == 'worker' or m.startswith('worker.')]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
 def test_help_of_every_command() -> None:
     commands = [[], ["db"], ["db", "upgrade"], ["serve"], ["up"], ["submit"], ["logs"], ["worker"]]
     for args in commands:

@@ -18,7 +18,7 @@ from worker.attempt import API_URL, ATTEMPT_TOKEN, DATABASE_URL
 from worker.launchers.base import with_attempt_token
 from worker.launchers.local.launcher import LocalLauncher, LocalRequest
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 
 
 def _settings(tmp_path: Path) -> Settings:

@@ -32,7 +32,7 @@ from worker.launchers.slurm.rank import (
     topology_from_slurm,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 
 
 def _settings(tmp_path: Path) -> Settings:

@@ -14,13 +14,18 @@ from pathlib import Path
 from typing import IO
 
 from service.core import artifacts
-from worker.attempt import STOP_UPLOAD_S, FailureReason, stop_upload_marker
+from worker.attempt import STOP_UPLOAD_S, FailureReason, read_rank_errors, stop_upload_marker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.failure_text import attempt_failure
+from worker.launchers.failure_text import attempt_failure, is_peer_lost
 from worker.launchers.local.process_groups import kill_attempt, term_and_wait
 from worker.processes import find_tagged_processes
 
 log = logging.getLogger(__name__)
+
+# Seconds an attempt may linger when every error file only says a peer went away: the rank
+# that died wrote nothing, and torchrun's agent, which sees it die, must get to write its exit
+# summary (the dead rank and its signal) before we kill it, or the survivor gets the blame.
+PEER_LOST_GRACE_S = 20.0
 
 
 @dataclass
@@ -53,12 +58,18 @@ def has_result(run: LocalRun, artifact_dir: Path) -> bool:
 
 def failure_known(run: LocalRun, now: float, grace_s: float) -> bool:
     """Whether a rank wrote an error file at least ``grace_s`` seconds ago (by our clock:
-    first seen by a poll). Never while the worker is cancelling the attempt."""
+    first seen by a poll), or ``PEER_LOST_GRACE_S`` when every error file only says a peer
+    went away. Never while the worker is cancelling the attempt."""
     if run.error_seen_mono is None:
         if run.cancelled or not any(Path(run.plan.log_dir).glob("error-rank-*.json")):
             return False
         run.error_seen_mono = now
-    return now - run.error_seen_mono >= grace_s
+    waited_s = now - run.error_seen_mono
+    if waited_s < grace_s:
+        return False
+    if waited_s >= PEER_LOST_GRACE_S:
+        return True
+    return not all(is_peer_lost(e) for e in read_rank_errors(Path(run.plan.log_dir)))
 
 
 def terminate(run: LocalRun, artifact_dir: Path, *, grace_s: float) -> None:

@@ -1,5 +1,6 @@
-"""The test scripts' output: apt's progress stays in a log unless apt fails, and pytest
-reports the slowest tests. Run with a fake ``apt-get`` first on PATH: nothing is installed."""
+"""The test scripts: apt's progress stays in a log unless apt fails, and scripts/test.sh's
+plan (its dry run) runs the suite in two passes reporting the slowest tests, or the fast lane.
+apt runs as a fake ``apt-get`` first on PATH: nothing is installed."""
 
 from __future__ import annotations
 
@@ -59,6 +60,29 @@ def test_scripts_install_through_the_quiet_helper() -> None:
         assert "apt-get install" not in text, f"{name}: a bare apt-get install prints progress"
 
 
+def script_plan(*args: str, **env: str) -> list[str]:
+    """The pytest commands scripts/test.sh would run (its dry run: nothing is set up)."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh"), *args],
+        env={**os.environ, "DDPQ_TEST_DRY_RUN": "1", **env},
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return done.stdout.splitlines()
+
+
 def test_test_script_reports_the_slowest_tests() -> None:
-    text = (ROOT / "scripts" / "test.sh").read_text()
-    assert 'python -m pytest --durations=15 "$@"' in text, "extra arguments still reach pytest"
+    parallel, serial = script_plan("-k", "spec and not slow")
+    # The parallel pass reports the 15 slowest tests, and extra arguments reach both passes.
+    assert "--durations=15" in parallel and "-n 4 --dist loadgroup" in parallel, parallel
+    assert "-m 'not serial'" in parallel and "-m serial" in serial, serial
+    for command in (parallel, serial):
+        assert command.endswith("-k spec\\ and\\ not\\ slow"), command
+
+
+def test_fast_lane_runs_unit_and_sqlite_integration_without_services() -> None:
+    (fast,) = script_plan("--fast", DDPQ_TEST_WORKERS="2")
+    assert fast.startswith("python -m pytest -n 2 --dist loadgroup"), fast
+    assert "not slow and not postgres and not serial and not slurm" in fast, fast
+    assert fast.endswith("tests/unit tests/integration"), fast
+    (single,) = script_plan("--fast", DDPQ_TEST_WORKERS="0")
+    assert "-n" not in single.split(), single

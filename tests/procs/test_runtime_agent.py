@@ -84,6 +84,9 @@ def test_a_failing_warm_rank_is_reported_as_torchrun_reports_a_rank(tmp_path: Pa
     assert cause is not None, out
     assert cause["exitcode"] == "1"
     assert "(start_method: forkserver)" in out, out
-    # Every rank's exit code, not only the one torchrun's summary names.
+    # Every rank's exit code, not only the one torchrun's summary names: both refused (1),
+    # unless torchrun's teardown after the first failure SIGTERMed the other first (-15).
     exits = LauncherExits.parse(out)
-    assert exits.exit_codes == {0: 1, 1: 1}, out
+    assert set(exits.exit_codes) == {0, 1}, out
+    assert exits.exit_codes[int(cause["rank"])] == 1, out
+    assert set(exits.exit_codes.values()) <= {1, -15}, out

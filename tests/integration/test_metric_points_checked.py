@@ -21,8 +21,8 @@ from service.core.metrics import points as metric_points
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point, checked_report
 from service.core.spec.model import JobSpec
 from service.store.db import Database
+from tests.integration.test_runtime_sink import loss_values
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
-from tests.unit.test_runtime_sink import loss_values
 from worker.runtime.checkpoints.saver import NullCheckpointer
 from worker.runtime.distributed import DistContext
 from worker.runtime.metrics.buffer import _stacked

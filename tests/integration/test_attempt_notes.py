@@ -14,7 +14,7 @@ from service.core.pending_reasons import describe_slurm_reason
 from service.core.spec.model import JobSpec
 from service.store.db import Database
 from service.store.jobs import crud as jobs
-from tests.unit.test_loop_worker import ScriptedLauncher, _job, _loop, _reasons, _submit
+from tests.integration.test_loop_worker import ScriptedLauncher, _job, _loop, _reasons, _submit
 from worker.attempt_notes import oversubscription_note
 from worker.launchers.base import RunPhase, RunStatus
 from worker.launchers.slurm.pending import parse_squeue_reasons, squeue_pending_command

@@ -142,9 +142,16 @@ def test_failed_sacct_keeps_a_fresh_job_pending(tmp_path: Path) -> None:
     assert launcher.refresh() is False
 
 
-def test_missing_sacct_binary_is_a_failed_poll_not_a_crash(tmp_path: Path) -> None:
+def test_missing_sacct_binary_is_a_failed_poll_not_a_crash(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     launcher = _launcher(tmp_path, sacct=str(tmp_path / "no-such-sacct"), missing_grace_s=60.0)
     assert launcher.poll("123").phase == RunPhase.PENDING
+    # The poll failed (said so, in the log) rather than finding no record of the job.
+    assert launcher.refresh() is False
+    assert launcher.sacct_calls == 2
+    assert any("sacct failed" in r.getMessage() and "no-such-sacct" in r.getMessage()
+               for r in caplog.records), caplog.text  # fmt: skip
 
 
 def test_a_job_sacct_never_lists_fails_after_the_grace_period(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ cluster's MaxArraySize (read once from a stand-in ``scontrol``), sacct's array r
 a submission leaves on disk and hands sbatch (stand-in ``sbatch``/``srun`` on PATH).
 
 Regenerate the golden file after an intended change:
-``DDPQ_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_arrays.py``.
+``DDPQ_UPDATE_GOLDEN=1 pytest tests/procs/test_slurm_arrays.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from worker.launchers.slurm.states import (
     status_from_records,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 SCONTROL_CONFIG = """\
 Configuration data as of 2026-12-01T18:00:00
 AccountingStorageType   = accounting_storage/slurmdbd
