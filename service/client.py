@@ -396,7 +396,8 @@ class DdpqClient(WorkspaceCalls):
         return result
 
     def ready(self) -> dict[str, Any]:
-        """``/readyz``; ApiError 503 (with the reason) when the database is not ready."""
+        """``/readyz``; ApiError 503 (with the reason) when the database is not ready, or
+        (under ``ddpq up``) its worker has not registered yet."""
         result: dict[str, Any] = self._send("GET", "/readyz").json()
         return result
 

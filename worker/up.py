@@ -1,5 +1,7 @@
 """``ddpq up``: migrate, then run the API and one local worker as child processes until
-Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs).
+Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs). It is ready
+(its ready line, the API's /readyz) once its worker has registered, so a job submitted then
+finds a worker.
 
 Every process of it that holds the database URL is non-dumpable (``make_undumpable``): this
 one, the worker (``run_worker``) and the API server, which runs as ``python -m worker.up
@@ -29,6 +31,7 @@ from pydantic import SecretStr
 from service.core.config import Settings
 from service.store import migrate
 from service.store.db import Database
+from service.store.workers import service as workers
 from worker.attempt import API_URL
 from worker.errors import ChildExitedError, PortInUseError
 from worker.main import ensure_logging, stop_on_signals
@@ -37,6 +40,7 @@ from worker.processes import make_undumpable, parent_death_preexec
 log = logging.getLogger(__name__)
 
 API_READY_TIMEOUT_S = 60.0
+WORKER_READY_TIMEOUT_S = 60.0
 WORKER_STOP_TIMEOUT_S = 60.0  # the worker stops and requeues its jobs (grace per job: 10 s)
 API_STOP_TIMEOUT_S = 15.0
 
@@ -138,6 +142,29 @@ def wait_until_ready(child: Child, url: str, timeout_s: float) -> None:
     raise ChildExitedError(f"the {child.name} did not answer {url} within {timeout_s:.0f} s")
 
 
+def wait_until_registered(
+    child: Child, db: Database, *, heartbeat_interval_s: float, timeout_s: float
+) -> None:
+    """Poll the database until the worker ``child`` (its pid) has registered.
+
+    Raises:
+        ChildExitedError: the worker exited first, or ``timeout_s`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.popen.poll() is not None:
+            raise ChildExitedError(
+                f"the {child.name} exited with code {child.popen.returncode} before it "
+                "registered; see its output above"
+            )
+        if workers.has_live_worker(
+            db, launcher="local", heartbeat_interval_s=heartbeat_interval_s, pid=child.popen.pid
+        ):
+            return
+        time.sleep(0.2)
+    raise ChildExitedError(f"the {child.name} did not register within {timeout_s:.0f} s")
+
+
 def _print_line(text: str) -> None:
     print(text, flush=True)  # user-facing output of the `ddpq up` command
 
@@ -162,11 +189,24 @@ def run_up(
     db = Database.from_url(settings.resolved_database_url)
     try:
         migrate.upgrade(db.engine)
+        db.dispose()  # no pooled connection is inherited by the children forked next
+        check_port_free(settings.host, settings.port)
+        _run_children(settings, db, announce, stop)
     finally:
         db.dispose()
-    check_port_free(settings.host, settings.port)
-    # The worker hands this URL to its ranks: the API they report to.
-    env = {**os.environ, **settings_env(settings), API_URL: settings.resolved_api_url}
+
+
+def _run_children(
+    settings: Settings, db: Database, announce: Callable[[str], None], stop: threading.Event
+) -> None:
+    # The worker hands API_URL to its ranks: the API they report to. The API's /readyz
+    # waits for the local worker (expect_worker), as the ready line below does.
+    env = {
+        **os.environ,
+        **settings_env(settings),
+        API_URL: settings.resolved_api_url,
+        "DDPQ_EXPECT_WORKER": "local",
+    }
     py = sys.executable
     api_argv = [py, "-m", "worker.up", "serve-api", settings.host, str(settings.port)]
     children: list[Child] = []
@@ -178,6 +218,13 @@ def run_up(
             wait_until_ready(children[0], f"{url}/healthz", API_READY_TIMEOUT_S)
             worker_argv = [py, "-m", "worker.main", "--launcher", "local", "--gpus", "auto"]
             children.append(spawn("worker", worker_argv, env, WORKER_STOP_TIMEOUT_S))
+            wait_until_registered(
+                children[1],
+                db,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+                timeout_s=WORKER_READY_TIMEOUT_S,
+            )
+            db.dispose()  # read no more: hold no connection while serving
             announce(f"ddpq is up: dashboard {url}/  ·  API {url}/api/v1  ·  docs {url}/docs")
             announce("Press Ctrl-C to stop.")
             while not stop.wait(0.5):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from service.cli.common import (
     EXIT_FAILED,
@@ -131,6 +134,20 @@ def submit_command(
             raise typer.Exit(wait_for_sweep(client, sweep["id"], poll_s))
 
 
+@contextmanager
+def _live_line(first: Text) -> Iterator[Live]:
+    """A status line on ``out`` that each ``update(..., refresh=True)`` redraws in place, and
+    that ends with a newline whatever ``out`` is: rich ends it so on a terminal only, and in a
+    file or a pipe (where it writes the last state once, at the end) the next output would
+    run on from it."""
+    try:
+        with Live(first, console=out, auto_refresh=False) as live:
+            yield live
+    finally:
+        if not out.is_terminal:
+            out.line()
+
+
 def wait_for_sweep(client: DdpqClient, sweep_id: int, poll_s: float, max_misses: int = 30) -> int:
     """Show the sweep's counts live until it ends; print the summary; the exit code (0 when
     it succeeded, 1 otherwise, 130 on Ctrl-C).
@@ -140,7 +157,7 @@ def wait_for_sweep(client: DdpqClient, sweep_id: int, poll_s: float, max_misses:
     """
     misses = 0
     try:
-        with Live(cell(f"sweep {sweep_id}: waiting"), console=out, auto_refresh=False) as live:
+        with _live_line(cell(f"sweep {sweep_id}: waiting")) as live:
             while True:
                 try:
                     sweep = client.get_sweep(sweep_id)

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
         description="Seconds a stopped worker's row is kept (default 7 days): the API's reaper "
         "deletes rows whose stopped_at is older, never a live worker or one that holds a job.",
     )
+    expect_worker: str | None = Field(
+        default=None,
+        description="Launcher of a worker this deployment starts itself (`ddpq up` sets "
+        "'local'): /readyz answers 503 until one is registered and live, and a submit does not "
+        "warn that none is registered while it starts.",
+    )
     default_owner: str = Field(default="local", min_length=1, max_length=100)
     token: SecretStr | None = Field(
         default=None, description="API token the CLI and DdpqClient send (Authorization: Bearer)."

@@ -103,6 +103,10 @@ def test_sweep_submit_wait_ends_with_the_summary(
     helper.join()
     assert r.exit_code == 0, r.output
     assert "1 trials: 1 succeeded" in r.output and "best: job 1 loss 0.3" in r.output
+    # Not a terminal: the live status line's last state, then the summary on a line of its own.
+    lines = r.output.splitlines()
+    assert lines[-4] == "sweep 1 succeeded: 1 trials: 1 succeeded", r.output
+    assert lines[-3].startswith("sweep 1 'cli-grid'") and "succeeded" in lines[-3], r.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**SWEEP, "axes": {"training.lr": {"grid": [-1]}}}))
     r = ddpq(live_url, "sweep", "submit", str(bad))

@@ -239,3 +239,53 @@ def test_a_failed_trial_is_never_the_highlighted_best(
     )
     page.goto(w.base_url + "/sweeps")
     expect(page.locator("#sweeps-body tr").first.locator("td.best")).to_contain_text("(running)")
+
+
+# Each scatter's drawn points, in CSS pixels of its plot area, with that area's size.
+SCATTER_POINTS_JS = """plot => {
+  const u = plot.ddpqChart;
+  const ratio = window.devicePixelRatio || 1;
+  const width = u.bbox.width / ratio;
+  const height = u.bbox.height / ratio;
+  const points = [];
+  for (let s = 1; s < u.data.length; s += 1) {
+    u.data[s].forEach((y, i) => {
+      if (y !== null && y !== undefined)
+        points.push([u.valToPos(u.data[0][i], "x"), u.valToPos(y, "y")]);
+    });
+  }
+  return {width: width, height: height, points: points};
+}"""
+
+
+def test_scatter_points_sit_inside_the_plot(
+    open_page: OpenPage, live_server: LiveServer, tokens: dict[str, str]
+) -> None:
+    srv = live_server
+    for token in tokens.values():  # no queued trial of another test ahead in the queue
+        for old in srv.api.get("/sweeps", headers=bearer(token)).json()["sweeps"]:
+            if old["state"] == "running":
+                srv.api.post(f"/sweeps/{old['id']}/cancel", headers=bearer(token))
+    sweep = submit_sweep(srv, tokens["alice"], "scatter-edges")
+    rows = trial_rows(srv, tokens["alice"], sweep["id"])
+    # lr spans two decades (a log x axis), hidden two values (a linear one); every trial scored.
+    for pos, final in enumerate([0.9, 0.7, 0.5, 0.05, 0.3, 0.6]):
+        job_id = rows[pos]["job_id"]
+        srv.start(job_id)
+        srv.report(job_id, [1.0, final], total_steps=50)
+        srv.finish(job_id, JobState.SUCCEEDED)
+
+    w = open_page(f"/sweeps/{sweep['id']}")
+    sign_in(w, tokens["alice"])
+    page = w.page
+    for axis in ("training.lr", "config.hidden"):
+        plot = page.locator(f'.scatter[data-axis="{axis}"] .plot')
+        expect(plot).to_have_attribute("data-points", "6")
+        drawn = plot.evaluate(SCATTER_POINTS_JS)
+        assert len(drawn["points"]) == 6, drawn
+        # Strictly inside, with room for the best point's marker (11 px across).
+        margin = 6
+        for x, y in drawn["points"]:
+            assert margin < x < drawn["width"] - margin, (axis, drawn)
+            assert margin < y < drawn["height"] - margin, (axis, drawn)
+    w.screenshot("sweep-scatters")

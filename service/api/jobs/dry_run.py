@@ -36,6 +36,7 @@ def dry_run(ctx: RequestContext, spec: JobSpec, job_id: int | None) -> DryRunOut
         job_id=job_id,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         max_gpus_per_node=ctx.settings.max_gpus_per_node,
+        starting_launcher=ctx.settings.expect_worker,
     )
     spec = plan.spec
     previews = preview_plans(

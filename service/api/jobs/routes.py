@@ -159,6 +159,7 @@ async def submit(
         idempotency_key=idempotency_key,
         per_minute=per_minute,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        starting_launcher=ctx.settings.expect_worker,
     )
     job = SubmittedJobOut(**dict(job_out(submitted.job)), warnings=list(submitted.warnings))
     location = f"{request.url.path.rstrip('/')}/{job.id}"

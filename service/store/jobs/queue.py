@@ -212,14 +212,26 @@ def explain_scheduler_wait(
     )
 
 
-def submit_warnings(session: Session, job: JobShape, *, heartbeat_interval_s: float) -> list[str]:
+def submit_warnings(
+    session: Session,
+    job: JobShape,
+    *,
+    heartbeat_interval_s: float,
+    starting_launcher: str | None = None,
+) -> list[str]:
     """Warnings for a spec being queued that no registered worker (live, silent or stopped)
-    could ever run: one query. Workers come and go, so this warns, never refuses."""
+    could ever run: one query. Workers come and go, so this warns, never refuses.
+
+    ``starting_launcher``: the launcher of a worker the deployment starts itself (``ddpq up``'s
+    local worker, ``Settings.expect_worker``). Until that worker registers, "none is
+    registered" would be wrong: it is starting, and the job waits only for it."""
     fits = _workers(session, job, heartbeat_interval_s)
     if any(w.can_ever for w in fits):
         return []
     same = [w for w in fits if w.launcher == job.launcher]
     if not same:
+        if job.launcher == starting_launcher:
+            return []
         return [
             f"no worker of launcher {job.launcher} is registered: the job waits until one "
             f"starts (`ddpq worker --launcher {job.launcher}`)"

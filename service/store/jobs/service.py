@@ -56,13 +56,15 @@ def submit_job(
     idempotency_key: str | None = None,
     per_minute: int | None = None,
     heartbeat_interval_s: float,
+    starting_launcher: str | None = None,
 ) -> Submitted:
     """Queue a validated ``spec`` for ``caller``, in one transaction. A replayed
     ``idempotency_key`` returns the earlier job and must come with the same spec. A new job
     counts against the owner's ``per_minute`` submissions (a replay does not; None: no
     limit). An ``init_from`` is resolved to one committed checkpoint of a job the caller may
     read. A new job no registered worker could ever run comes with a warning (workers of
-    that launcher are live, silent or stopped: ``heartbeat_interval_s`` says which are live).
+    that launcher are live, silent or stopped: ``heartbeat_interval_s`` says which are live;
+    ``starting_launcher``: see ``queue.submit_warnings``).
 
     Raises:
         SpecValidationError: (422) the key was used before for a different spec; the
@@ -87,7 +89,12 @@ def submit_job(
         if created:
             r = spec.resources
             shape = JobShape(spec.launcher, r.gpus_per_node, r.nproc_per_node, spec.priority)
-            warnings = submit_warnings(session, shape, heartbeat_interval_s=heartbeat_interval_s)
+            warnings = submit_warnings(
+                session,
+                shape,
+                heartbeat_interval_s=heartbeat_interval_s,
+                starting_launcher=starting_launcher,
+            )
         return Submitted(JobView.of(job), created, tuple(warnings))
 
 
@@ -199,6 +206,7 @@ def plan_submission(
     job_id: int | None = None,
     heartbeat_interval_s: float,
     max_gpus_per_node: int,
+    starting_launcher: str | None = None,
 ) -> SubmissionPlan:
     """What submitting ``spec`` (validated) would do, storing nothing (a dry run): its
     ``init_from`` resolved as the submit resolves it, why it would wait, the submit's
@@ -236,7 +244,12 @@ def plan_submission(
             heartbeat_interval_s=heartbeat_interval_s,
             max_gpus_per_node=max_gpus_per_node,
         )
-        warnings = submit_warnings(session, shape, heartbeat_interval_s=heartbeat_interval_s)
+        warnings = submit_warnings(
+            session,
+            shape,
+            heartbeat_interval_s=heartbeat_interval_s,
+            starting_launcher=starting_launcher,
+        )
     return SubmissionPlan(spec, attempt, resume, explanation, tuple(warnings))
 
 

@@ -3,6 +3,7 @@ leases.py)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
@@ -17,6 +18,7 @@ from service.store.models import Job, Worker, utcnow
 __all__ = [
     "LIVE_HEARTBEATS",
     "HeldJob",
+    "has_live_worker",
     "list_workers",
     "queue_reason",
     "register_worker",
@@ -63,6 +65,22 @@ def list_workers(session: Session) -> list[tuple[Worker, list[int]]]:
     for wid, jid in rows:
         held.setdefault(str(wid), []).append(jid)
     return [(w, sorted(held.get(w.id, []))) for w in workers]
+
+
+def has_live_worker(
+    session: Session, *, launcher: str, heartbeat_interval_s: float, pid: int | None = None
+) -> bool:
+    """Whether a worker of ``launcher`` (with ``pid``, if given) is registered, not stopped,
+    and beat within ``LIVE_HEARTBEATS`` intervals."""
+    live_after = utcnow() - timedelta(seconds=LIVE_HEARTBEATS * heartbeat_interval_s)
+    query = select(Worker.id).where(
+        Worker.launcher == launcher,
+        Worker.stopped_at.is_(None),
+        Worker.heartbeat_at > live_after,
+    )
+    if pid is not None:
+        query = query.where(Worker.pid == pid)
+    return session.scalar(query.limit(1)) is not None
 
 
 def queue_reason(

@@ -55,6 +55,17 @@ def list_workers(db: Database, *, owner: str | None) -> list[WorkerView]:
         return [_view(w, held) for w, held in rows]
 
 
+def has_live_worker(
+    db: Database, *, launcher: str, heartbeat_interval_s: float, pid: int | None = None
+) -> bool:
+    """Whether a live worker of ``launcher`` (with ``pid``, if given) is registered: what
+    /readyz waits for under ``Settings.expect_worker``, and ``ddpq up`` for its own worker."""
+    with db.session(write=False) as session:
+        return registry.has_live_worker(
+            session, launcher=launcher, heartbeat_interval_s=heartbeat_interval_s, pid=pid
+        )
+
+
 def _view(worker: Worker, held: list[int]) -> WorkerView:
     w = worker
     return WorkerView(

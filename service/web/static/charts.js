@@ -8,8 +8,11 @@
  * Restarts (setHistory, from the goodput ledger): on the step axis a dashed vertical line marks
  * where each attempt resumed, the earlier attempts' superseded points of those steps are drawn
  * dashed and grey, and points that are rank 0's own values (not the mean over ranks, e.g. the
- * flush after a rank failure) get a hollow red marker. Each chart's element also carries
- * data-resume-steps, data-superseded-points and data-rank0-points. */
+ * flush after a rank failure) get a hollow red marker. A series whose every point is rank 0's
+ * own (a job that does not average over ranks) is one curve, said so in its heading. Past
+ * MAX_MARKED_POINTS points a series draws no markers (rank 0's points: a red line instead).
+ * Each chart's element also carries data-resume-steps, data-superseded-points,
+ * data-rank0-points and data-rank0-only; its plot holds the uPlot instance (ddpqChart). */
 "use strict";
 
 (function () {
@@ -17,6 +20,15 @@
   const FIRST_LOAD_MAX_POINTS = 2000; // downsample long histories on first load
   const PAGE_LIMIT = 1000; // points per incremental request
   const MAX_KEPT_POINTS = 20000; // past this, reload the series downsampled
+  // Past this many points in a series its markers would hide the curve (and cost a draw
+  // each): uPlot's own density rule still hides them sooner on a narrow chart.
+  const MAX_MARKED_POINTS = 200;
+
+  function markedPoints(values) {
+    let n = 0;
+    for (const v of values) if (v !== null && v !== undefined) n += 1;
+    return n;
+  }
 
   /* Charts of job ``base`` ("jobs/<id>") inside ``container``; ``emptyNote`` hides once a
    * metric exists. refresh(fetchNames) resolves to true when any series got new points. */
@@ -163,12 +175,14 @@
       ctx.restore();
     }
 
-    /* ``extras``: series drawn under the curve (superseded attempts, rank-0-only points). */
-    function chartOptions(name, width, mode, extras) {
+    /* ``extras``: series drawn under the curve (superseded attempts, rank-0-only points).
+     * ``data``: the chart's columns (x first), whose point counts decide the markers. */
+    function chartOptions(name, width, mode, extras, data) {
       const color = name === "loss" ? "#1f4e8c" : "#b15d00";
       const fmtY = (u, v) => (v === null || v === undefined ? "--" : d.fmtValue(v));
       const series = [{ label: X_LABELS[mode], value: (u, v) => fmtX(mode, v) }];
-      for (const extra of extras || []) {
+      for (const [i, extra] of (extras || []).entries()) {
+        const dense = markedPoints(data[i + 1]) > MAX_MARKED_POINTS;
         if (extra.kind === "superseded") {
           series.push({
             label: "attempt " + extra.attempt + " (superseded)",
@@ -176,6 +190,17 @@
             width: 1.5,
             dash: [6, 4],
             spanGaps: true,
+            value: fmtY,
+            ...(dense ? { points: { show: false } } : {}),
+          });
+        } else if (dense) {
+          // Too many to ring each: rank 0's stretches of the curve drawn red.
+          series.push({
+            label: name + " (rank 0 only)",
+            stroke: "#c0392b",
+            width: 2,
+            spanGaps: false,
+            points: { show: false },
             value: fmtY,
           });
         } else {
@@ -188,13 +213,15 @@
           });
         }
       }
+      const curve = data[(extras || []).length + 1];
+      const lines = markedPoints(curve) > MAX_MARKED_POINTS ? { points: { show: false } } : {};
       if (state.smoothing > 0) {
         series.push(
-          { label: name + " (raw)", stroke: color + "40", width: 1, spanGaps: false, value: fmtY },
-          { label: name + " (EMA " + state.smoothing + ")", stroke: color, width: 2, spanGaps: false, value: fmtY },
+          { label: name + " (raw)", stroke: color + "40", width: 1, spanGaps: false, value: fmtY, ...lines },
+          { label: name + " (EMA " + state.smoothing + ")", stroke: color, width: 2, spanGaps: false, value: fmtY, ...lines },
         );
       } else {
-        series.push({ label: name, stroke: color, width: 1.5, spanGaps: false, value: fmtY });
+        series.push({ label: name, stroke: color, width: 1.5, spanGaps: false, value: fmtY, ...lines });
       }
       const xAxis = { label: X_LABELS[mode], size: 40 };
       if (mode !== "step") xAxis.values = (u, splits) => splits.map((v) => fmtX(mode, v));
@@ -250,9 +277,14 @@
     function drawSeries(name, s) {
       s.node.dataset.points = String(s.steps.length);
       s.node.dataset.lastStep = String(s.steps.length ? s.steps[s.steps.length - 1] : 0);
+      // Every point rank 0's own (a job that does not average over ranks): one curve, said
+      // here, rather than a second series ringing each of its points.
+      const rank0Only = s.aggs.length > 0 && s.aggs.every((a) => a === "rank0");
       s.latest.textContent = s.raw.length
-        ? "latest " + d.fmtValue(s.raw[s.raw.length - 1]) + " at step " + s.steps[s.steps.length - 1]
+        ? "latest " + d.fmtValue(s.raw[s.raw.length - 1]) + " at step " + s.steps[s.steps.length - 1] +
+          (rank0Only ? " · rank 0's own values (not averaged over ranks)" : "")
         : "";
+      s.node.dataset.rank0Only = String(rank0Only);
       s.node.dataset.resumeSteps = state.history.resumes.map((r) => r.step).join(",");
       s.node.dataset.supersededPoints = String(s.old.length);
       s.node.dataset.rank0Points = String(s.aggs.filter((a) => a === "rank0").length);
@@ -283,7 +315,7 @@
         values = current;
         aggs = currentAgg;
       }
-      if (aggs.some((a) => a === "rank0")) {
+      if (!rank0Only && aggs.some((a) => a === "rank0")) {
         extras.push({ kind: "rank0" });
         under.push(values.map((v, i) => (aggs[i] === "rank0" ? v : null)));
       }
@@ -293,14 +325,17 @@
       s.node.dataset.smoothing = String(state.smoothing);
       // A series whose x fell back to step (or back from it), or whose extra series changed,
       // needs its chart rebuilt.
-      const shape = x.mode + "/" + extras.map((e) => e.kind + (e.attempt || "")).join(",");
+      // Markers are set when a chart is built: crossing MAX_MARKED_POINTS rebuilds it too.
+      const dense = data.slice(1).map((col) => (markedPoints(col) > MAX_MARKED_POINTS ? "d" : "s")).join("");
+      const shape = x.mode + "/" + extras.map((e) => e.kind + (e.attempt || "")).join(",") + "/" + dense;
       if (s.chart && s.chartMode !== shape) {
         s.chart.destroy();
         s.chart = null;
       }
       const width = Math.max(200, s.plot.clientWidth || 300);
       if (!s.chart) {
-        s.chart = new window.uPlot(chartOptions(name, width, x.mode, extras), data, s.plot);
+        s.chart = new window.uPlot(chartOptions(name, width, x.mode, extras, data), data, s.plot);
+        s.plot.ddpqChart = s.chart;
         s.chartMode = shape;
         if (resizer) resizer.observe(s.plot);
       } else {

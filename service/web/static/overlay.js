@@ -52,6 +52,23 @@
     return [min, max];
   }
 
+  /* A scatter's scale ranges: a margin of ``SCATTER_MARGIN`` of the span on each side, so
+   * the points at the extremes (and their markers) sit inside the plot, not on its edges.
+   * On a log scale the margin is in decades. */
+  const SCATTER_MARGIN = 0.08;
+  function withMargin(u, min, max) {
+    const range = padded(u, min, max);
+    const pad = (range[1] - range[0]) * SCATTER_MARGIN;
+    return [range[0] - pad, range[1] + pad];
+  }
+  function withLogMargin(u, min, max) {
+    if (min === null || max === null || !(min > 0) || !(max > 0)) return [1, 10];
+    const lo = Math.log10(min);
+    const hi = Math.log10(max);
+    const pad = (hi > lo ? hi - lo : 1) * SCATTER_MARGIN;
+    return [Math.pow(10, lo - pad), Math.pow(10, hi + pad)];
+  }
+
   /* Width of ``node``'s box in pixels (at least 200). */
   function widthOf(node) {
     return Math.max(200, Math.floor(node.clientWidth || 300));
@@ -184,15 +201,15 @@
       }
       const xScale = { time: false };
       if (cats) xScale.range = () => [-0.5, cats.length - 0.5];
-      else if (opts.logX) xScale.distr = 3;
-      else xScale.range = padded;
+      else if (opts.logX) Object.assign(xScale, { distr: 3, range: withLogMargin });
+      else xScale.range = withMargin;
       const dot = (color, size) => ({ show: true, size: size, stroke: color, fill: color + "99" });
       chart = new window.uPlot(
         {
           width: widthOf(plot),
           height: HEIGHT,
           legend: { show: false },
-          scales: { x: xScale, y: { auto: true, range: padded } },
+          scales: { x: xScale, y: { auto: true, range: withMargin } },
           axes: [xAxis, { label: opts.yLabel, size: 60 }],
           series: [
             {},
