@@ -12,31 +12,15 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tests.waiting import wait_until as wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    """Poll ``cond`` until it returns something truthy (which is returned).
-
-    Raises:
-        AssertionError: nothing truthy within ``timeout_s`` seconds.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(every_s)
 
 
 class Proc:

@@ -37,6 +37,7 @@ from service.store.jobs.crud import submit_job
 from service.store.models import Metric
 from service.store.workers.registry import register_worker
 from tests.rank_api import LiveApi, mint_token
+from tests.waiting import wait_until
 from worker.attempt import FailureReason
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus, with_attempt_token
 from worker.launchers.local.launcher import LocalLauncher
@@ -169,12 +170,7 @@ def rank_pid(attempt_dir: Path, rank: int) -> int:
 
 
 def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = SLOW_BOX_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
-    return value
+    return wait_until(cond, timeout_s, what, every_s=0.05)
 
 
 def wait_end(launcher: LocalLauncher, handle: str, every_s: float = 0.1) -> RunStatus:

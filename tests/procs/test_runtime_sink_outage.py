@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,6 +32,7 @@ from service.store.jobs.crud import get_job
 from service.store.metrics.points import MetricPoint, query_points, record_metrics
 from service.store.models import Metric
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
+from tests.waiting import wait_until
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.distributed import DistContext
 from worker.runtime.metrics.backlog import decode_point
@@ -55,13 +56,6 @@ def down(db: Database, settings: Settings) -> Iterator[LiveApi]:
 def job(db: Database) -> tuple[int, int]:
     """A job claimed by a worker and running: ``(job_id, attempt)``."""
     return running_job(db)
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def report_steps(sink: ApiSink, first: int, last: int, total: int) -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,20 +55,6 @@ def slurm_cluster() -> None:
         pytest.fail(f"Slurm does not answer ({exc}); run scripts/slurm-dev-cluster.sh up")
     if "idle" not in out and "mixed" not in out:
         pytest.fail(f"no usable Slurm node:\n{out}\nrun scripts/slurm-dev-cluster.sh up")
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def slurm_settings(tmp_path: Path, database_url: str | None = None) -> Settings:

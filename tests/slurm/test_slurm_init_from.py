@@ -15,7 +15,8 @@ from sqlalchemy import select
 from service.core.states import JobState
 from service.store.db import Database
 from service.store.models import Metric
-from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit, wait_until
+from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 

@@ -24,8 +24,8 @@ from tests.slurm.conftest import (
     serving_api,
     slurm_settings,
     submit,
-    wait_until,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 

@@ -12,7 +12,8 @@ import pytest
 
 from service.core.states import JobState
 from service.store.jobs import crud as jobs
-from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit, wait_until
+from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 

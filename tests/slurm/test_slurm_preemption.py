@@ -23,8 +23,8 @@ from tests.slurm.conftest import (
     loss_steps,
     running_worker,
     submit,
-    wait_until,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 

@@ -25,8 +25,8 @@ from tests.slurm.conftest import (
     loss_steps,
     sacct_state,
     submit,
-    wait_until,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm  # 30–55 s each
 
@@ -118,7 +118,7 @@ def _adopted_and_succeeded(
         lambda: (s := JobState(job_row(db, job_id).state)).is_terminal and s,
         180,
         "the adopted job to end",
-        interval_s=0.5,
+        every_s=0.5,
     )
     job = job_row(db, job_id)
     assert state == JobState.SUCCEEDED, (job.error, second.output())

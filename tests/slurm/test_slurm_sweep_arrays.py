@@ -34,8 +34,8 @@ from tests.slurm.conftest import (
     running_worker,
     serving_api,
     slurm_settings,
-    wait_until,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slurm
 

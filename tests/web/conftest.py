@@ -30,6 +30,7 @@ from service.store.jobs.claims import claim_next_job
 from service.store.jobs.crud import Transition, apply_transition
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.workers.registry import register_worker
+from tests.waiting import wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 INSTALL_HINT = "install the browser with: bash scripts/install-browser.sh"
@@ -314,19 +315,6 @@ def open_page(browser: Any, live_server: LiveServer) -> Iterator[OpenPage]:
     finally:
         for context in contexts:
             context.close()
-
-
-def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
-    """Poll ``predicate`` every 0.2 s until it returns something truthy; fail after
-    ``timeout_s`` seconds saying ``what`` was awaited."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 WaitFor = Callable[..., Any]
