@@ -12,10 +12,9 @@ import httpx
 
 from service.core.config import Settings
 from service.core.errors import DdpqError
+from service.core.wire import API_PREFIX
 from service.core.wire.attempt import SHA256_HEADER
 from service.workspaces.calls import WorkspaceCalls
-
-API_PREFIX = "/api/v1"
 
 
 class ApiError(DdpqError):

@@ -19,10 +19,11 @@ from typing import Any
 import httpx
 
 from service.client import DdpqClient
+from service.core.wire import API_PREFIX
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 @dataclass

@@ -27,6 +27,7 @@ import httpx
 from pydantic import SecretStr
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from worker.attempt import API_URL
@@ -178,7 +179,7 @@ def run_up(
             wait_until_ready(children[0], f"{url}/healthz", API_READY_TIMEOUT_S)
             worker_argv = [py, "-m", "worker.main", "--launcher", "local", "--gpus", "auto"]
             children.append(spawn("worker", worker_argv, env, WORKER_STOP_TIMEOUT_S))
-            announce(f"ddpq is up: dashboard {url}/  ·  API {url}/api/v1  ·  docs {url}/docs")
+            announce(f"ddpq is up: dashboard {url}/  ·  API {url}{API_PREFIX}  ·  docs {url}/docs")
             announce("Press Ctrl-C to stop.")
             while not stop.wait(0.5):
                 failed = next((c for c in children if c.popen.poll() is not None), None)

@@ -11,11 +11,12 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.config import Settings
 from service.core.events import EventKind
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.events import record_event
 from service.store.models import Job
 
-API = "/api/v1"
+API = API_PREFIX
 BIG_IDS = [2**31, 3_000_000_000, 2**53 + 1, 2**63 - 1]
 
 

@@ -12,6 +12,7 @@ from service.app import create_app
 from service.cli.main import server_settings
 from service.core.config import Settings
 from service.core.spec.model import validate_spec
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token, list_tokens, revoke_token
 from service.store.db import Database
 from service.store.jobs import claims
@@ -19,7 +20,7 @@ from service.store.jobs import crud as jobs
 from service.store.workers import registry as workers
 from worker.up import settings_env
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",

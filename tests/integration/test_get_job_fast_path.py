@@ -18,6 +18,7 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, NotFoundError
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs.crud import get_job
@@ -26,7 +27,7 @@ from service.store.jobs.view import get_job_row
 from service.store.models import Job
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",

@@ -13,13 +13,14 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.sweeps.progress import advance_sweeps, has_running_sweeps
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SWEEP: dict[str, Any] = {
     "name": "best",
     "base": {"name": "b", "task": "regression", "training": {"max_steps": 5}},

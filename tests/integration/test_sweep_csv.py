@@ -12,9 +12,10 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 
-API = "/api/v1"
+API = API_PREFIX
 FORMULAS = ['=HYPERLINK("http://x","y")', "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"]
 
 
