@@ -18,13 +18,17 @@ from service.workspaces.calls import WorkspaceCalls
 
 
 class ApiError(DdpqError):
-    """The API answered with an error; ``status_code`` and ``detail`` are the server's."""
+    """The API answered with an error; ``status_code``, ``detail`` and ``code`` are the
+    server's (``code`` is the stable one to branch on, e.g. ``JobNotFoundError.code``; it stays
+    ``api_error`` when the answer carried none: a proxy's page, an older server)."""
 
     code = "api_error"
 
-    def __init__(self, status_code: int, detail: Any) -> None:
+    def __init__(self, status_code: int, detail: Any, code: str | None = None) -> None:
         super().__init__(detail)
         self.status_code = status_code
+        if code:
+            self.code = code
 
     def __str__(self) -> str:
         return f"HTTP {self.status_code}: {self.detail}"
@@ -153,7 +157,7 @@ class DdpqClient(WorkspaceCalls):
         except httpx.RequestError as exc:
             raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
         if response.status_code >= 400:
-            raise ApiError(response.status_code, _detail(response))
+            raise ApiError(response.status_code, *_detail_and_code(response))
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -352,7 +356,7 @@ class DdpqClient(WorkspaceCalls):
             with self._http.stream("GET", path) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ApiError(response.status_code, _detail(response))
+                    raise ApiError(response.status_code, *_detail_and_code(response))
                 expected = response.headers.get(SHA256_HEADER, "")
                 total = int(response.headers.get("content-length") or 0)
                 done = 0
@@ -400,8 +404,12 @@ class DdpqClient(WorkspaceCalls):
         return result
 
 
-def _detail(response: httpx.Response) -> Any:
+def _detail_and_code(response: httpx.Response) -> tuple[Any, str | None]:
+    """An error answer's ``detail`` and stable ``code`` (None when it has none: not JSON,
+    or not from ddpq)."""
     try:
-        return response.json().get("detail", response.text)
+        body = response.json()
+        code = body.get("code")
+        return body.get("detail", response.text), code if isinstance(code, str) else None
     except (ValueError, AttributeError):
-        return response.text or response.reason_phrase
+        return response.text or response.reason_phrase, None

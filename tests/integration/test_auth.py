@@ -125,7 +125,8 @@ def test_owners_see_only_their_jobs_and_admins_see_all(
         r = api.get(API + path, headers=bob)
         assert r.status_code == 404, f"bob GET {path}: {r.status_code} {r.text}"
     assert api.get(f"{API}/jobs/{a['id'] + 1000}", headers=bob).json() == {
-        "detail": f"job {a['id'] + 1000} not found"
+        "detail": f"job {a['id'] + 1000} not found",
+        "code": "job_not_found",
     }, "someone else's job and a missing one answer alike"
     assert api.post(f"{API}/jobs/{a['id']}/cancel", headers=bob).status_code == 404
     assert api.get(f"{API}/jobs/{a['id']}", headers=bearer(tokens["alice"])).json()["state"] == (

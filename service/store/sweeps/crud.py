@@ -17,7 +17,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import ConflictError, NotFoundError
+from service.core.errors import ConflictError, SweepNotFoundError
 from service.core.events import EventKind, render
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
 from service.core.sweeps.spec import PlannedTrial, ResolvedObjective, SweepSpec
@@ -170,11 +170,11 @@ def get_sweep(session: Session, sweep_id: int, *, owner: str | None = None) -> S
     """The sweep ``sweep_id``; with ``owner`` set, only if that owner's.
 
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
     """
     sweep = session.get(Sweep, sweep_id)
     if sweep is None or (owner is not None and sweep.owner != owner):
-        raise NotFoundError(f"sweep {sweep_id} not found")
+        raise SweepNotFoundError(sweep_id)
     return sweep
 
 
@@ -253,7 +253,7 @@ def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str)
     stopping). Idempotent.
 
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
         ConflictError: the sweep already ended succeeded or failed (HTTP 409).
     """
     sweep = get_sweep(session, sweep_id, owner=owner)
@@ -307,7 +307,7 @@ def retry_failed(
     Returns:
         How many trials were re-queued.
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
         ConflictError: the sweep was cancelled (HTTP 409).
         RateLimitedError: the new jobs do not fit the rate limit now (HTTP 429).
         SpecValidationError: more failed trials than ``per_minute`` (HTTP 422).
