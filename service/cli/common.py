@@ -27,8 +27,9 @@ from service.core.errors import (
     SchemaOutOfDateError,
     SweepNotFoundError,
 )
+from service.core.states import TERMINAL_STATES
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 EXIT_FAILED = 1  # the job failed or was cancelled; or the server refused (409, 5xx)
 EXIT_USAGE = 2  # bad input, unreachable API, unmigrated database: fix and retry
 # `--json` of the commands that can print the API's response bodies instead of tables.
