@@ -277,7 +277,7 @@ def write_rank_error(
 def read_rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
     """Every readable ``error-rank-*.json`` of one attempt directory (unreadable or
     malformed files are skipped: a rank may have died while writing)."""
-    for path in attempt_dir.glob("error-rank-*.json"):
+    for path in artifacts.rank_error_files(attempt_dir):
         try:
             data = json.loads(path.read_text(errors="replace"))
         except (OSError, ValueError):

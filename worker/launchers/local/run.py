@@ -55,7 +55,7 @@ def failure_known(run: LocalRun, now: float, grace_s: float) -> bool:
     """Whether a rank wrote an error file at least ``grace_s`` seconds ago (by our clock:
     first seen by a poll). Never while the worker is cancelling the attempt."""
     if run.error_seen_mono is None:
-        if run.cancelled or not any(Path(run.plan.log_dir).glob("error-rank-*.json")):
+        if run.cancelled or not artifacts.rank_error_files(Path(run.plan.log_dir)):
             return False
         run.error_seen_mono = now
     return now - run.error_seen_mono >= grace_s

@@ -192,7 +192,8 @@ def _link_store_file(path: Path, entry: wire.CheckpointEntry) -> bool:
     an upload left under its own name in the same directory (``entry.path``'s name,
     ``step-<n>.upload-<id>.pt``), once that file verifies. False when there is none."""
     name = Path(entry.path).name
-    if name == path.name or not name.startswith(f"step-{entry.step}.") or "/" in name:
+    uploaded = artifacts.parse_uploaded_checkpoint_name(name)
+    if uploaded is None or uploaded[0] != entry.step:
         return False
     stored = path.with_name(name)
     if not verified(stored, entry.size_bytes, entry.sha256):
