@@ -12,6 +12,7 @@ import httpx
 
 from service.core.config import Settings
 from service.core.errors import DdpqError
+from service.core.limits import DEFAULT_PAGE_ITEMS, METRIC_PAGE_POINTS
 from service.core.wire import API_PREFIX
 from service.core.wire.attempt import SHA256_HEADER
 from service.workspaces.calls import WorkspaceCalls
@@ -230,7 +231,9 @@ class DdpqClient(WorkspaceCalls):
         result: dict[str, Any] = self._json("GET", f"/sweeps/{int(sweep_id)}")
         return result
 
-    def list_sweeps(self, *, limit: int = 50, cursor: int | None = None) -> dict[str, Any]:
+    def list_sweeps(
+        self, *, limit: int = DEFAULT_PAGE_ITEMS, cursor: int | None = None
+    ) -> dict[str, Any]:
         """One page ``{"sweeps": [...], "next_cursor": int | None}``, newest first."""
         params: dict[str, Any] = {"limit": limit}
         if cursor:
@@ -268,7 +271,11 @@ class DdpqClient(WorkspaceCalls):
         return result
 
     def list_jobs(
-        self, *, state: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        state: str | None = None,
+        limit: int = DEFAULT_PAGE_ITEMS,
+        cursor: str | None = None,
     ) -> dict[str, Any]:
         """One page ``{"jobs": [...], "next_cursor": str | None}``, newest first."""
         params: dict[str, Any] = {"limit": limit}
@@ -295,7 +302,7 @@ class DdpqClient(WorkspaceCalls):
         name: str = "loss",
         *,
         after_step: int = 0,
-        limit: int = 1000,
+        limit: int = METRIC_PAGE_POINTS,
         max_points: int | None = None,
     ) -> dict[str, Any]:
         """``{"name", "points": [{step, epoch, value, time}], "next_after_step"}``."""
