@@ -206,7 +206,7 @@ def mark_before_first_step(exc: BaseException) -> None:
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` as JSON to ``path`` via a temp file, fsync and rename (never partial)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = artifacts.temporary_path(path)
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=2, allow_nan=False, default=str)
         fh.write("\n")

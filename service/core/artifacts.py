@@ -20,7 +20,9 @@ Layout::
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from pathlib import Path, PurePosixPath
 
 from service.core.errors import NotFoundError
@@ -35,6 +37,7 @@ _UPLOADED_CHECKPOINT_RE = re.compile(rf"step-{_N}\.upload-{_N}\.pt")
 _UPLOAD_PARTIAL_RE = re.compile(rf"\.upload-{_N}\.part")
 _DOWNLOAD_RE = re.compile(rf"job-{_N}-step-{_N}\.pt")
 _JOB_ID_RE = re.compile(_N)
+_TEMPORARY_RE = re.compile(rf"\.(.+)\.(tmp|link)-{_N}-{_N}")
 # Globs that find the candidates of a parser in a directory (the parser has the last word).
 RANK_ERROR_GLOB = "error-rank-*.json"
 CHECKPOINT_GLOB = "step-*.pt"
@@ -127,6 +130,20 @@ def slurm_stderr_name(handle: str, task: int = 0) -> str:
     ``<handle>_<task>_log.err`` (``handle`` is the Slurm job id, ``<id>_<index>`` for an
     array element)."""
     return f"{handle}_{int(task)}_log.err"
+
+
+def temporary_path(path: Path, kind: str = "tmp") -> Path:
+    """A hidden sibling of ``path`` to write (``kind`` ``"tmp"``) or link (``"link"``) before
+    an atomic rename onto ``path``, unique to this process and thread:
+    ``.<name>.<kind>-<pid>-<thread>``. Hidden, so no glob of the names above (``step-*.pt``)
+    takes it for a finished file."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{threading.get_ident()}")
+
+
+def parse_temporary_name(name: str) -> tuple[str, str] | None:
+    """``(final name, kind)`` of a ``temporary_path``'s name; None for any other name."""
+    match = _TEMPORARY_RE.fullmatch(name)
+    return (match[1], match[2]) if match else None
 
 
 def relative_checkpoint_path(job_id: int, step: int) -> str:

@@ -114,3 +114,16 @@ def test_rank_error_files_are_the_ranks_in_order(tmp_path: Path) -> None:
 )
 def test_job_of_relative_path(relative: str, under: str | None, job: int | None) -> None:
     assert a.job_of_relative_path(relative, under=under) == job
+
+
+@pytest.mark.parametrize("kind", ["tmp", "link"])
+def test_temporary_paths_are_hidden_siblings_that_parse_back(tmp_path: Path, kind: str) -> None:
+    final = a.checkpoint_path(tmp_path, 1, 5)
+    temp = a.temporary_path(final, kind)
+    assert temp.parent == final.parent and temp.name.startswith(".")
+    assert a.parse_temporary_name(temp.name) == (final.name, kind)
+    assert a.parse_checkpoint_name(temp.name) is None
+    final.parent.mkdir(parents=True)
+    temp.touch()
+    assert not list(final.parent.glob(a.CHECKPOINT_GLOB)), "no glob takes it for the file"
+    assert a.parse_temporary_name(final.name) is None
