@@ -22,6 +22,7 @@ from service.api.sweeps.schemas import (
     trial_out,
     trials_csv,
 )
+from service.core.errors import SweepNotFoundError
 from service.core.limits import DEFAULT_PAGE_ITEMS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PAGE_ITEMS
 from service.core.sweeps.spec import SweepExtension, SweepSpec
 from service.store.sweeps import service as sweeps
@@ -31,7 +32,7 @@ router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNA
 
 SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
 ERRORS: dict[int | str, dict[str, str]] = {
-    404: {"description": "No such sweep (or not yours)"},
+    404: {"description": f"No such sweep, or not yours (`code`: {SweepNotFoundError.code})"},
     409: {"description": "The sweep's state does not allow it"},
     422: {
         "description": "Invalid input: `detail` lists {loc, msg, type}; a trial's errors "
