@@ -33,6 +33,7 @@ from service.api.sweeps import metrics as sweep_metrics
 from service.api.sweeps import routes as sweeps
 from service.api.workers import routes as workers
 from service.core.config import Settings, get_settings
+from service.core.wire import API_PREFIX
 from service.core.wire.attempt import UPLOAD_CHUNK_PATH
 from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
@@ -42,7 +43,6 @@ from service.web import routes as web_routes
 
 log = logging.getLogger(__name__)
 
-API_PREFIX = "/api/v1"
 CHUNK_UPLOAD_PATH_RE = re.compile(
     "^"
     + re.escape(API_PREFIX + UPLOAD_CHUNK_PATH).replace(re.escape("{upload_id}"), "[0-9]+")

@@ -12,20 +12,24 @@ import httpx
 
 from service.core.config import Settings
 from service.core.errors import DdpqError
+from service.core.limits import DEFAULT_PAGE_ITEMS, METRIC_PAGE_POINTS
+from service.core.wire import API_PREFIX
 from service.core.wire.attempt import SHA256_HEADER
 from service.workspaces.calls import WorkspaceCalls
 
-API_PREFIX = "/api/v1"
-
 
 class ApiError(DdpqError):
-    """The API answered with an error; ``status_code`` and ``detail`` are the server's."""
+    """The API answered with an error; ``status_code``, ``detail`` and ``code`` are the
+    server's (``code`` is the stable one to branch on, e.g. ``JobNotFoundError.code``; it stays
+    ``api_error`` when the answer carried none: a proxy's page, an older server)."""
 
     code = "api_error"
 
-    def __init__(self, status_code: int, detail: Any) -> None:
+    def __init__(self, status_code: int, detail: Any, code: str | None = None) -> None:
         super().__init__(detail)
         self.status_code = status_code
+        if code:
+            self.code = code
 
     def __str__(self) -> str:
         return f"HTTP {self.status_code}: {self.detail}"
@@ -154,7 +158,7 @@ class DdpqClient(WorkspaceCalls):
         except httpx.RequestError as exc:
             raise ApiUnreachableError(self.base_url, str(exc) or type(exc).__name__) from None
         if response.status_code >= 400:
-            raise ApiError(response.status_code, _detail(response))
+            raise ApiError(response.status_code, *_detail_and_code(response))
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -227,7 +231,9 @@ class DdpqClient(WorkspaceCalls):
         result: dict[str, Any] = self._json("GET", f"/sweeps/{int(sweep_id)}")
         return result
 
-    def list_sweeps(self, *, limit: int = 50, cursor: int | None = None) -> dict[str, Any]:
+    def list_sweeps(
+        self, *, limit: int = DEFAULT_PAGE_ITEMS, cursor: int | None = None
+    ) -> dict[str, Any]:
         """One page ``{"sweeps": [...], "next_cursor": int | None}``, newest first."""
         params: dict[str, Any] = {"limit": limit}
         if cursor:
@@ -265,7 +271,11 @@ class DdpqClient(WorkspaceCalls):
         return result
 
     def list_jobs(
-        self, *, state: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        state: str | None = None,
+        limit: int = DEFAULT_PAGE_ITEMS,
+        cursor: str | None = None,
     ) -> dict[str, Any]:
         """One page ``{"jobs": [...], "next_cursor": str | None}``, newest first."""
         params: dict[str, Any] = {"limit": limit}
@@ -292,7 +302,7 @@ class DdpqClient(WorkspaceCalls):
         name: str = "loss",
         *,
         after_step: int = 0,
-        limit: int = 1000,
+        limit: int = METRIC_PAGE_POINTS,
         max_points: int | None = None,
     ) -> dict[str, Any]:
         """``{"name", "points": [{step, epoch, value, time}], "next_after_step"}``."""
@@ -353,7 +363,7 @@ class DdpqClient(WorkspaceCalls):
             with self._http.stream("GET", path) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ApiError(response.status_code, _detail(response))
+                    raise ApiError(response.status_code, *_detail_and_code(response))
                 expected = response.headers.get(SHA256_HEADER, "")
                 total = int(response.headers.get("content-length") or 0)
                 done = 0
@@ -402,8 +412,12 @@ class DdpqClient(WorkspaceCalls):
         return result
 
 
-def _detail(response: httpx.Response) -> Any:
+def _detail_and_code(response: httpx.Response) -> tuple[Any, str | None]:
+    """An error answer's ``detail`` and stable ``code`` (None when it has none: not JSON,
+    or not from ddpq)."""
     try:
-        return response.json().get("detail", response.text)
+        body = response.json()
+        code = body.get("code")
+        return body.get("detail", response.text), code if isinstance(code, str) else None
     except (ValueError, AttributeError):
-        return response.text or response.reason_phrase
+        return response.text or response.reason_phrase, None

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
@@ -18,7 +19,7 @@ from service.store.jobs import crud as jobs
 from service.store.models import Metric
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "max_restarts": 3}
 
 

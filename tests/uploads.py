@@ -8,6 +8,7 @@ from typing import Any
 
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import mint_attempt_token
 from service.store.db import Database
@@ -16,7 +17,7 @@ from service.store.jobs import crud as jobs
 from service.store.models import Worker
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -19,10 +19,11 @@ from typing import Any
 import httpx
 
 from service.client import DdpqClient
+from service.core.wire import API_PREFIX
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 @dataclass
@@ -174,7 +175,7 @@ class FakeWorkspaceApi:
     def _job_read(self, job_id: int, rest: list[str]) -> httpx.Response:
         job = self.jobs.get(job_id)
         if job is None:
-            return self._json(404, {"detail": f"job {job_id} not found", "code": "not_found"})
+            return self._json(404, {"detail": f"job {job_id} not found", "code": "job_not_found"})
         if not rest:
             job.update(state=self.end_state, attempt=1, started_at="2026-01-01T00:00:01Z",
                        finished_at="2026-01-01T00:00:09Z")  # fmt: skip

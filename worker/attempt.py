@@ -206,7 +206,7 @@ def mark_before_first_step(exc: BaseException) -> None:
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` as JSON to ``path`` via a temp file, fsync and rename (never partial)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = artifacts.temporary_path(path)
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=2, allow_nan=False, default=str)
         fh.write("\n")
@@ -277,7 +277,7 @@ def write_rank_error(
 def read_rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
     """Every readable ``error-rank-*.json`` of one attempt directory (unreadable or
     malformed files are skipped: a rank may have died while writing)."""
-    for path in attempt_dir.glob("error-rank-*.json"):
+    for path in artifacts.rank_error_files(attempt_dir):
         try:
             data = json.loads(path.read_text(errors="replace"))
         except (OSError, ValueError):

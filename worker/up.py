@@ -29,6 +29,7 @@ import httpx
 from pydantic import SecretStr
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from service.store.workers import service as workers
@@ -225,7 +226,7 @@ def _run_children(
                 timeout_s=WORKER_READY_TIMEOUT_S,
             )
             db.dispose()  # read no more: hold no connection while serving
-            announce(f"ddpq is up: dashboard {url}/  ·  API {url}/api/v1  ·  docs {url}/docs")
+            announce(f"ddpq is up: dashboard {url}/  ·  API {url}{API_PREFIX}  ·  docs {url}/docs")
             announce("Press Ctrl-C to stop.")
             while not stop.wait(0.5):
                 failed = next((c for c in children if c.popen.poll() is not None), None)

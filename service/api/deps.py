@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.core.config import Settings
 from service.core.tokens import hash_token
+from service.core.wire import API_PREFIX
 from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef
@@ -42,7 +43,7 @@ UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
 ATTEMPT_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {"description": "Missing or unknown attempt token (whether auth is on or off)"}
 }
-ATTEMPT_TOKEN_REFUSED = f"attempt tokens are valid only under /api/v1{ATTEMPT_PREFIX}"
+ATTEMPT_TOKEN_REFUSED = f"attempt tokens are valid only under {API_PREFIX}{ATTEMPT_PREFIX}"
 
 
 # The dependencies are ``async def`` although they do no I/O there: FastAPI runs a plain

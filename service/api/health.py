@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, DbDep, SettingsDep
+from service.api.errors import error_body
 from service.api.schemas import HealthOut
 from service.core.errors import DdpqError
 from service.store.migrate import check_database
@@ -52,5 +53,5 @@ def readyz(db: DbDep, settings: SettingsDep) -> HealthOut | JSONResponse:
     except DdpqError as err:
         detail = db.scrubbed(str(err.detail))
         log.warning("not ready: %s", detail)
-        return JSONResponse({"detail": detail}, status_code=503)
+        return JSONResponse(error_body(detail, err.code), status_code=503)
     return HealthOut(status="ok")

@@ -10,13 +10,15 @@ from fastapi import Path, Request, Response
 from pydantic import BaseModel
 
 from service.api.schemas import dump_json
+from service.core.errors import JobNotFoundError
 
 # Largest id/step/offset a query may name (SQLite's INTEGER is 64-bit signed).
 MAX_INT64 = 2**63 - 1
 JobIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Job id.")]
 
+# Every error body is {"detail", "code"} (service.api.errors); clients branch on `code`.
 ERRORS: dict[int | str, dict[str, Any]] = {
-    404: {"description": "No such job"},
+    404: {"description": f"No such job (`code`: {JobNotFoundError.code})"},
     422: {"description": "Invalid input: `detail` lists {loc, msg, type} per bad field"},
 }
 

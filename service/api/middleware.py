@@ -8,6 +8,8 @@ import re
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.errors import HTTP_STATUS_CODES, error_body
+
 log = logging.getLogger(__name__)
 
 
@@ -77,7 +79,10 @@ class BodySizeLimit:
             "rejected %s %s: body over %d bytes", scope["method"], scope["path"], self.max_bytes
         )
         response = JSONResponse(
-            {"detail": f"request body exceeds {self.max_bytes} bytes (DDPQ_MAX_BODY_BYTES)"},
+            error_body(
+                f"request body exceeds {self.max_bytes} bytes (DDPQ_MAX_BODY_BYTES)",
+                HTTP_STATUS_CODES[413],
+            ),
             status_code=413,
             headers={"Connection": "close"},
         )

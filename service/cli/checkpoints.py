@@ -30,6 +30,7 @@ from service.cli.common import (
 from service.cli.job_data import checkpoints_table
 from service.cli.output import format_bytes
 from service.client import ChecksumMismatchError
+from service.core.artifacts import checkpoint_download_name
 
 # Files at least this big get a progress bar (on stderr, when it is a terminal).
 PROGRESS_MIN_BYTES = 16 * 2**20
@@ -71,7 +72,7 @@ def checkpoints(
     if output.is_dir():
         fail(
             f"{output} is a directory",
-            f"name a file, e.g. -o {output / f'job-{job_id}-step-{download}.pt'}",
+            f"name a file, e.g. -o {output / checkpoint_download_name(job_id, download)}",
         )
     _download(job_id, download, output)
 

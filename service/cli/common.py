@@ -20,9 +20,16 @@ from rich.text import Text
 from service.cli.output import field_error_lines, printable
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError, DdpqError, SchemaOutOfDateError
+from service.core.errors import (
+    DatabaseUnavailableError,
+    DdpqError,
+    JobNotFoundError,
+    SchemaOutOfDateError,
+    SweepNotFoundError,
+)
+from service.core.states import TERMINAL_STATES
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 EXIT_FAILED = 1  # the job failed or was cancelled; or the server refused (409, 5xx)
 EXIT_USAGE = 2  # bad input, unreachable API, unmigrated database: fix and retry
 # `--json` of the commands that can print the API's response bodies instead of tables.
@@ -103,12 +110,16 @@ def friendly_errors() -> Iterator[None]:
         fail(str(exc.detail), code=EXIT_USAGE if exc.status_code < 500 else EXIT_FAILED)
 
 
+# How to recover from an API refusal, by the error's stable code (never by its wording).
+FIXES: dict[str, str] = {
+    JobNotFoundError.code: "list jobs and their ids with `ddpq ls`",
+    SweepNotFoundError.code: "list sweeps and their ids with `ddpq sweep ls`",
+}
+
+
 def _fix_for(exc: ApiError) -> str | None:
     """How to recover from an API refusal, where there is a usual way."""
-    detail = str(exc.detail)
-    if exc.status_code == 404 and detail.startswith("job ") and detail.endswith("not found"):
-        return "list jobs and their ids with `ddpq ls`"
-    return None
+    return FIXES.get(exc.code)
 
 
 def print_json(body: Any) -> None:

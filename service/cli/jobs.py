@@ -37,11 +37,11 @@ from service.cli.output import (
 from service.cli.queue_output import format_dry_run
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
+from service.core.limits import METRIC_PAGE_POINTS
 from service.core.spec.overrides import OverridePathError, apply_overrides, parse_assignment
 from service.core.spec.text import SpecTextError, parse_spec_text
 
 TABLE_POINTS = 100  # points `ddpq metrics` shows in its table unless --limit says otherwise
-EXPORT_PAGE_POINTS = 1000  # points per request when --csv/--json export a whole history
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
@@ -323,7 +323,7 @@ def all_metric_points(
     (``next_after_step``): ``{"name", "points", "next_after_step"}`` as one body."""
     points: list[dict[str, Any]] = []
     while True:
-        page = client.metrics(job_id, name, after_step=after_step, limit=EXPORT_PAGE_POINTS)
+        page = client.metrics(job_id, name, after_step=after_step, limit=METRIC_PAGE_POINTS)
         points.extend(page["points"])
         if not page["points"] or page["next_after_step"] <= after_step:
             return {"name": name, "points": points, "next_after_step": after_step}

@@ -30,6 +30,7 @@ from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
 from service.client import ApiUnreachableError, DdpqClient
 from service.core.spec.overrides import OverridePathError, parse_assignment
+from service.core.states import ENDED_SWEEP_STATES, SweepState, TrialOutcome
 
 sweep_app = typer.Typer(
     help="Sweeps: many trials of one job spec over a grid or random draws.",
@@ -38,8 +39,11 @@ sweep_app = typer.Typer(
 )
 app.add_typer(sweep_app, name="sweep")
 
-SWEEP_TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-COUNT_ORDER = ("queued", "starting", "running", "succeeded", "stopped_early", "failed", "cancelled")
+# Counts read best in lifecycle order, the good ends before the bad ones.
+COUNT_ORDER = tuple(
+    TrialOutcome(o)
+    for o in ("queued", "starting", "running", "succeeded", "stopped_early", "failed", "cancelled")
+)
 
 
 def counts_line(sweep: dict[str, Any]) -> str:
@@ -55,7 +59,7 @@ def best_line(sweep: dict[str, Any]) -> str:
     if not best:
         return f"best: none yet ({metric})"
     overrides = ", ".join(f"{k}={json.dumps(v)}" for k, v in best["overrides"].items())
-    running = ", still running" if best.get("outcome") == "running" else ""
+    running = ", still running" if best.get("outcome") == TrialOutcome.RUNNING else ""
     return (
         f"best: job {best['job_id']} {metric} {format_metric(metric, best['value'])} "
         f"({overrides}){running}"
@@ -74,10 +78,13 @@ def sweep_summary(sweep: dict[str, Any]) -> Table:
 
 
 def best_first(trials: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """Trials with an objective value best first (by ``mode``), then the rest by position."""
+    """Trials with an objective value best first (by ``mode``), those the API says may be
+    best (``may_be_best``, the rule of its ``best``) ahead of the failed and cancelled ones, so
+    the first row is the sweep's best; then the rest by position."""
     scored = [t for t in trials if t.get("objective_value") is not None]
     rest = [t for t in trials if t.get("objective_value") is None]
     scored.sort(key=lambda t: t["objective_value"], reverse=mode == "max")
+    scored.sort(key=lambda t: not t.get("may_be_best", True))  # stable: keeps the value order
     return scored + sorted(rest, key=lambda t: t["position"])
 
 
@@ -171,14 +178,14 @@ def wait_for_sweep(client: DdpqClient, sweep_id: int, poll_s: float, max_misses:
                 live.update(
                     cell(f"sweep {sweep_id} {sweep['state']}: {counts_line(sweep)}"), refresh=True
                 )
-                if sweep["state"] in SWEEP_TERMINAL:
+                if sweep["state"] in ENDED_SWEEP_STATES:
                     break
                 time.sleep(poll_s)
     except KeyboardInterrupt:
         err.print(f"stopped waiting; sweep {sweep_id} goes on (`ddpq sweep cancel {sweep_id}`)")
         return 130
     out.print(sweep_summary(sweep))
-    return 0 if sweep["state"] == "succeeded" else EXIT_FAILED
+    return 0 if sweep["state"] == SweepState.SUCCEEDED else EXIT_FAILED
 
 
 @sweep_app.command("ls")

@@ -1,8 +1,12 @@
-"""Where a job's files live under the artifact root, and confinement of paths to it.
+"""Where a job's files live under the artifact root, every artifact file name with its parser
+(one ``*_name`` to build and one ``parse_*`` to read back each), and confinement of paths to
+the root.
 
 Layout::
 
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/error-rank-<r>.json   (a rank that raised)
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/result.json, spec.json
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only;
@@ -10,13 +14,154 @@ Layout::
     <artifact_dir>/slurm-arrays/<job_id>-<attempt>/  (a Slurm job array's submitit folder,
                                        named after its element 0; manifest elements.json)
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
+    <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.upload-<id>.pt  (the API's store)
+    <artifact_dir>/jobs/<job_id>/checkpoints/.upload-<id>.part          (an upload arriving)
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import re
+import threading
+from pathlib import Path, PurePosixPath
 
 from service.core.errors import NotFoundError
+
+# Each name's pattern, written once: its builder below writes exactly what its parser reads
+# (a number as ``int`` writes it: ASCII digits, no leading zero; ``step-07.pt`` is not ours).
+_N = "(0|[1-9][0-9]*)"
+_RANK_LOG_RE = re.compile(rf"rank-{_N}\.log")
+_RANK_ERROR_RE = re.compile(rf"error-rank-{_N}\.json")
+_CHECKPOINT_RE = re.compile(rf"step-{_N}\.pt")
+_UPLOADED_CHECKPOINT_RE = re.compile(rf"step-{_N}\.upload-{_N}\.pt")
+_UPLOAD_PARTIAL_RE = re.compile(rf"\.upload-{_N}\.part")
+_DOWNLOAD_RE = re.compile(rf"job-{_N}-step-{_N}\.pt")
+_JOB_ID_RE = re.compile(_N)
+_TEMPORARY_RE = re.compile(rf"\.(.+)\.(tmp|link)-{_N}-{_N}")
+# Globs that find the candidates of a parser in a directory (the parser has the last word).
+RANK_ERROR_GLOB = "error-rank-*.json"
+CHECKPOINT_GLOB = "step-*.pt"
+
+
+def _ints(pattern: re.Pattern[str], name: str) -> tuple[int, ...] | None:
+    match = pattern.fullmatch(name)
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
+def rank_log_name(rank: int) -> str:
+    """A rank's log file: ``rank-<r>.log``."""
+    return f"rank-{int(rank)}.log"
+
+
+def parse_rank_log_name(name: str) -> int | None:
+    """The rank of a ``rank_log_name``; None for any other name."""
+    found = _ints(_RANK_LOG_RE, name)
+    return found[0] if found else None
+
+
+def rank_error_name(rank: int) -> str:
+    """The error file of a rank that raised: ``error-rank-<r>.json``."""
+    return f"error-rank-{int(rank)}.json"
+
+
+def parse_rank_error_name(name: str) -> int | None:
+    """The rank of a ``rank_error_name``; None for any other name."""
+    found = _ints(_RANK_ERROR_RE, name)
+    return found[0] if found else None
+
+
+def rank_error_files(attempt_dir: Path) -> list[Path]:
+    """Every rank's error file in one attempt directory (``rank_error_name``), by rank."""
+    found = [(parse_rank_error_name(p.name), p) for p in attempt_dir.glob(RANK_ERROR_GLOB)]
+    return [p for rank, p in sorted((r, p) for r, p in found if r is not None)]
+
+
+def checkpoint_name(step: int) -> str:
+    """A checkpoint as the ranks write and read it: ``step-<step>.pt``."""
+    return f"step-{int(step)}.pt"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step of a ``checkpoint_name``; None for any other name (an upload's own name,
+    a temporary file)."""
+    found = _ints(_CHECKPOINT_RE, name)
+    return found[0] if found else None
+
+
+def uploaded_checkpoint_name(step: int, upload_id: int) -> str:
+    """The API's filesystem store's name for an upload's checkpoint, never the ranks'
+    ``checkpoint_name`` (a rank sharing the directory may write that one):
+    ``step-<step>.upload-<upload_id>.pt``."""
+    return f"step-{int(step)}.upload-{int(upload_id)}.pt"
+
+
+def parse_uploaded_checkpoint_name(name: str) -> tuple[int, int] | None:
+    """``(step, upload_id)`` of an ``uploaded_checkpoint_name``; None for any other name."""
+    found = _ints(_UPLOADED_CHECKPOINT_RE, name)
+    return (found[0], found[1]) if found else None
+
+
+def upload_partial_name(upload_id: int) -> str:
+    """The bytes of an upload still arriving: ``.upload-<upload_id>.part`` (hidden, and no
+    ``step-*.pt`` glob matches it)."""
+    return f".upload-{int(upload_id)}.part"
+
+
+def parse_upload_partial_name(name: str) -> int | None:
+    """The upload id of an ``upload_partial_name``; None for any other name."""
+    found = _ints(_UPLOAD_PARTIAL_RE, name)
+    return found[0] if found else None
+
+
+def checkpoint_download_name(job_id: int, step: int) -> str:
+    """The file name a downloaded checkpoint is offered under (``Content-Disposition``, the
+    CLI's example): ``job-<job_id>-step-<step>.pt``."""
+    return f"job-{int(job_id)}-step-{int(step)}.pt"
+
+
+def parse_checkpoint_download_name(name: str) -> tuple[int, int] | None:
+    """``(job_id, step)`` of a ``checkpoint_download_name``; None for any other name."""
+    found = _ints(_DOWNLOAD_RE, name)
+    return (found[0], found[1]) if found else None
+
+
+def slurm_stderr_name(handle: str, task: int = 0) -> str:
+    """submitit's stderr file of one Slurm task, in the attempt's ``slurm_dir``:
+    ``<handle>_<task>_log.err`` (``handle`` is the Slurm job id, ``<id>_<index>`` for an
+    array element)."""
+    return f"{handle}_{int(task)}_log.err"
+
+
+def temporary_path(path: Path, kind: str = "tmp") -> Path:
+    """A hidden sibling of ``path`` to write (``kind`` ``"tmp"``) or link (``"link"``) before
+    an atomic rename onto ``path``, unique to this process and thread:
+    ``.<name>.<kind>-<pid>-<thread>``. Hidden, so no glob of the names above (``step-*.pt``)
+    takes it for a finished file."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{threading.get_ident()}")
+
+
+def parse_temporary_name(name: str) -> tuple[str, str] | None:
+    """``(final name, kind)`` of a ``temporary_path``'s name; None for any other name."""
+    match = _TEMPORARY_RE.fullmatch(name)
+    return (match[1], match[2]) if match else None
+
+
+def relative_checkpoint_path(job_id: int, step: int) -> str:
+    """``jobs/<id>/checkpoints/step-<step>.pt``, relative to an artifact root (POSIX)."""
+    return checkpoint_path(Path(), job_id, step).as_posix()
+
+
+def job_of_relative_path(relative: str, *, under: str | None = None) -> int | None:
+    """The job whose directory holds ``relative`` (a POSIX path relative to the artifact
+    root, ``artifact_relative_path``): ``jobs/<job_id>/…``, and with ``under`` (e.g.
+    ``"checkpoints"``) only a file inside that sub-directory of it. None otherwise."""
+    parts = PurePosixPath(relative).parts
+    # Only the canonical spelling (``job_dir``'s): ``jobs/07`` is not job 7's directory.
+    if len(parts) < 2 or parts[0] != "jobs" or not _JOB_ID_RE.fullmatch(parts[1]):
+        return None
+    if under is not None and (len(parts) < 4 or parts[2] != under):
+        return None
+    return int(parts[1])
 
 
 def job_dir(artifact_dir: Path, job_id: int) -> Path:
@@ -31,7 +176,7 @@ def attempt_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
 
 def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
     """Log file of one rank of one attempt: ``…/attempt-<n>/rank-<r>.log``."""
-    return attempt_dir(artifact_dir, job_id, attempt) / f"rank-{int(rank)}.log"
+    return attempt_dir(artifact_dir, job_id, attempt) / rank_log_name(rank)
 
 
 def checkpoint_dir(artifact_dir: Path, job_id: int) -> Path:
@@ -41,7 +186,7 @@ def checkpoint_dir(artifact_dir: Path, job_id: int) -> Path:
 
 def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
     """``…/jobs/<id>/checkpoints/step-<step>.pt``."""
-    return checkpoint_dir(artifact_dir, job_id) / f"step-{int(step)}.pt"
+    return checkpoint_dir(artifact_dir, job_id) / checkpoint_name(step)
 
 
 def confine(artifact_dir: Path, path: str | Path, *, must_exist: bool = True) -> Path:
@@ -121,7 +266,7 @@ def slurm_array_dir(artifact_dir: Path, first_job_id: int, first_attempt: int) -
 def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
     """Written by a rank that raised: ``…/attempt-<n>/error-rank-<r>.json``
     (``{"rank", "exc_type", "message", "traceback", "time"}``)."""
-    return attempt_dir(artifact_dir, job_id, attempt) / f"error-rank-{int(rank)}.json"
+    return attempt_dir(artifact_dir, job_id, attempt) / rank_error_name(rank)
 
 
 def metrics_spill_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:

@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.core.limits import MAX_PAGE_ITEMS
+from service.core.wire.attempt import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -82,7 +85,7 @@ class Settings(BaseSettings):
     max_cpus_per_task: int = Field(default=256, ge=1)
     max_mem_gb: float = Field(default=4096, gt=0, allow_inf_nan=False)
     max_body_bytes: int = Field(default=1_000_000, ge=1024, description="Request body cap (bytes).")
-    max_list_limit: int = Field(default=500, ge=1)
+    max_list_limit: int = Field(default=MAX_PAGE_ITEMS, ge=1)
     max_metric_points: int = Field(default=10_000, ge=2, description="Cap on limit/max_points.")
     # Worker liveness.
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
@@ -132,8 +135,8 @@ class Settings(BaseSettings):
         "artifact directory) or 'database' (chunked rows; small models and CI).",
     )
     checkpoint_chunk_bytes: int = Field(
-        default=16 * 2**20,
-        ge=64 * 2**10,
+        default=DEFAULT_CHUNK_BYTES,
+        ge=MIN_CHUNK_BYTES,
         le=256 * 2**20,
         description="Most bytes one uploaded checkpoint chunk may carry (a chunk PUT has this "
         "cap instead of DDPQ_MAX_BODY_BYTES); the database store keeps one row per chunk.",

@@ -1,4 +1,5 @@
-"""The one exception hierarchy of ddpq; each error carries its HTTP status."""
+"""The one exception hierarchy of ddpq; each error carries its HTTP status and a stable
+``code`` that the API puts in every error body, so clients branch on it, never on the text."""
 
 from __future__ import annotations
 
@@ -35,6 +36,26 @@ class NotFoundError(DdpqError):
 
     status_code = 404
     code = "not_found"
+
+
+class JobNotFoundError(NotFoundError):
+    """No job with this id, or one the caller may not see (the two answer alike)."""
+
+    code = "job_not_found"
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        super().__init__(f"job {job_id} not found")
+
+
+class SweepNotFoundError(NotFoundError):
+    """No sweep with this id, or one the caller may not see (the two answer alike)."""
+
+    code = "sweep_not_found"
+
+    def __init__(self, sweep_id: int) -> None:
+        self.sweep_id = sweep_id
+        super().__init__(f"sweep {sweep_id} not found")
 
 
 class ConflictError(DdpqError):

@@ -1,4 +1,4 @@
-"""Job states and the one table of allowed transitions.
+"""Job states, sweep states and trial outcomes, each with the one table of its transitions.
 
 Lifecycle::
 
@@ -12,6 +12,18 @@ Lifecycle::
 ``running`` means rank processes exist. ``starting`` may end directly when the worker (or
 Slurm's accounting) never saw the ranks run. Cancel is a flag (``cancel_requested``), not a
 state: the worker that holds the job turns it into ``cancelled``. Terminal states never change.
+
+A sweep::
+
+    running ──► succeeded | failed | cancelled
+       ▲           │         │
+       └───────────┴─────────┘   (trials added to it, or its failed trials retried)
+
+A sweep is ``running`` while any trial's job has not ended; then ``succeeded`` if one trial
+succeeded and nothing stopped it (``max_failed``), else ``failed``. Only ``cancelled`` is
+final. A trial's outcome is its newest job's state, except ``stopped_early`` once early
+stopping (ASHA) flagged its active job to stop; a failed trial goes back to ``queued`` when it
+is retried (a new job).
 """
 
 from __future__ import annotations
@@ -74,3 +86,97 @@ def check_transition(expected: JobState, target: JobState) -> None:
         raise InvalidTransitionError(
             f"cannot move a job from {expected} to {target}; allowed from {expected}: {allowed}"
         )
+
+
+class SweepState(StrEnum):
+    """The state of a sweep (see the module docstring for its lifecycle)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def has_ended(self) -> bool:
+        """True for succeeded, failed and cancelled (only cancelled is final)."""
+        return self in ENDED_SWEEP_STATES
+
+
+ENDED_SWEEP_STATES: frozenset[SweepState] = frozenset(
+    {SweepState.SUCCEEDED, SweepState.FAILED, SweepState.CANCELLED}
+)
+
+SWEEP_TRANSITIONS: dict[SweepState, frozenset[SweepState]] = {
+    SweepState.RUNNING: frozenset({SweepState.SUCCEEDED, SweepState.FAILED, SweepState.CANCELLED}),
+    # New trials, or retried failed ones, run a finished sweep again.
+    SweepState.SUCCEEDED: frozenset({SweepState.RUNNING}),
+    SweepState.FAILED: frozenset({SweepState.RUNNING}),
+    SweepState.CANCELLED: frozenset(),
+}
+
+
+def check_sweep_transition(expected: SweepState, target: SweepState) -> None:
+    """Raise InvalidTransitionError unless ``expected → target`` is in ``SWEEP_TRANSITIONS``."""
+    if target not in SWEEP_TRANSITIONS[expected]:
+        allowed = ", ".join(sorted(SWEEP_TRANSITIONS[expected])) or "none (final)"
+        raise InvalidTransitionError(
+            f"cannot move a sweep from {expected} to {target}; allowed from {expected}: {allowed}"
+        )
+
+
+class TrialOutcome(StrEnum):
+    """What became of a sweep's trial: its newest job's state, or ``stopped_early``. The
+    order is the API's order of counts by outcome."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    STOPPED_EARLY = "stopped_early"  # early stopping flagged its job (which ends cancelled)
+
+
+# A trial follows its job's table, and also: early stopping ends an active one (its job then
+# ends cancelled, the outcome stays), a retry queues a failed one again (as a new job).
+TRIAL_TRANSITIONS: dict[TrialOutcome, frozenset[TrialOutcome]] = {
+    TrialOutcome.QUEUED: frozenset({TrialOutcome.STARTING, TrialOutcome.CANCELLED}),
+    TrialOutcome.STARTING: frozenset(
+        {
+            TrialOutcome.RUNNING,
+            TrialOutcome.QUEUED,
+            TrialOutcome.SUCCEEDED,
+            TrialOutcome.STOPPED_EARLY,
+            TrialOutcome.FAILED,
+            TrialOutcome.CANCELLED,
+        }
+    ),
+    TrialOutcome.RUNNING: frozenset(
+        {
+            TrialOutcome.QUEUED,
+            TrialOutcome.SUCCEEDED,
+            TrialOutcome.STOPPED_EARLY,
+            TrialOutcome.FAILED,
+            TrialOutcome.CANCELLED,
+        }
+    ),
+    TrialOutcome.SUCCEEDED: frozenset(),
+    TrialOutcome.STOPPED_EARLY: frozenset(),
+    TrialOutcome.FAILED: frozenset({TrialOutcome.QUEUED}),
+    TrialOutcome.CANCELLED: frozenset(),
+}
+
+
+def trial_outcome(job_state: str | None, recorded: str | None) -> TrialOutcome:
+    """A trial's outcome: the one recorded on the trial (``stopped_early``), else its newest
+    job's state; ``cancelled`` for a trial without a job."""
+    return TrialOutcome(recorded or job_state or TrialOutcome.CANCELLED)
+
+
+def may_be_best(outcome: TrialOutcome, *, cancel_requested: bool) -> bool:
+    """Whether a trial's objective value competes for the sweep's best trial: it succeeded
+    or was stopped early, or it is still running and not being cancelled. A failed or
+    cancelled trial never does, whatever it reported before it ended."""
+    if outcome in (TrialOutcome.SUCCEEDED, TrialOutcome.STOPPED_EARLY):
+        return True
+    return outcome == TrialOutcome.RUNNING and not cancel_requested

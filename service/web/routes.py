@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import REQUIRE_CALLER, DbDep, SettingsDep
+from service.api.errors import VALIDATION_CODE, error_body
 from service.api.http import MAX_INT64
 from service.core.errors import NotFoundError
 from service.core.spec.model import JobSpec
@@ -361,7 +362,8 @@ def workers_page(request: Request) -> HTMLResponse:
 
 def _spec_text_error(msg: str, type_: str = "value_error") -> JSONResponse:
     return JSONResponse(
-        status_code=422, content={"detail": [{"loc": ["body", "text"], "msg": msg, "type": type_}]}
+        status_code=422,
+        content=error_body([{"loc": ["body", "text"], "msg": msg, "type": type_}], VALIDATION_CODE),
     )
 
 

@@ -98,7 +98,8 @@ class WorkspaceCalls:
         try:
             answer = self._json(method, path, **kwargs)
         except DdpqError as exc:  # the client's ApiError
-            if getattr(exc, "status_code", None) == 409 and isinstance(exc.detail, dict):
+            # The server's code says the body is the upload's status, not an error text.
+            if exc.code == FileOffsetError.code and isinstance(exc.detail, dict):
                 try:
                     status = wire.FileUploadStatus.model_validate(exc.detail)
                 except ValueError:

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from service.core.errors import DdpqError
+from service.core.limits import MAX_JOB_NAME_CHARS
 
 if TYPE_CHECKING:
     from service.workspaces.pack import PackedWorkspace
@@ -44,7 +45,6 @@ _TORCHRUN_REFUSED = {
     "--no-python": "ddpq runs a Python script or module",
 }
 _TORCHRUN_VALUE_OPTIONS = ("--nproc-per-node", "--nnodes")
-MAX_NAME_CHARS = 200  # JobSpec.name
 
 
 class RunCommandError(DdpqError):
@@ -257,7 +257,7 @@ def check_script(command: list[str], paths: Collection[str], root: Path) -> list
 def default_job_name(command: list[str]) -> str:
     """A job's name when none is given: the script's file name, or the module's name."""
     target = command[1] if command[0] == "-m" and len(command) > 1 else command[0]
-    return PurePosixPath(target).name[:MAX_NAME_CHARS] or "command"
+    return PurePosixPath(target).name[:MAX_JOB_NAME_CHARS] or "command"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
@@ -82,7 +83,7 @@ class Deployment(JobsOverHttp):
              "--host", "127.0.0.1", "--port", str(settings.port), "--no-access-log"],
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{settings.port}"
-        self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=30)
+        self.http = httpx.Client(base_url=self.url + API_PREFIX, timeout=30)
         wait_for(self._ready, 90, "the API to answer /readyz")
 
     def _spawn(self, name: str, argv: list[str]) -> Proc:

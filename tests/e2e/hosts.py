@@ -22,6 +22,7 @@ import httpx
 from sqlalchemy import func, select
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from service.store.models import Metric
@@ -155,7 +156,7 @@ class Cluster(JobsOverHttp):
         self.api = self._spawn("api", argv, env, api_ns)
         self.url = f"http://{host}:{port}"
         self.port = port
-        self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=30, trust_env=False)
+        self.http = httpx.Client(base_url=self.url + API_PREFIX, timeout=30, trust_env=False)
         wait_for(self._ready, 90, "the API to answer /readyz")
 
     @staticmethod

@@ -30,6 +30,7 @@ from sqlalchemy import select
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.models import ApiToken, Checkpoint, Job, JobEvent, Metric
 from tests.e2e.test_rank_user import RankPython, rank_python, rank_user  # noqa: F401
@@ -141,7 +142,7 @@ def test_a_hostile_entrypoint_reaches_nothing(
             tokens = {o: create_token(s, owner=o)[1] for o in ("alice", "bob")}
         http = {
             o: httpx.Client(
-                base_url=dep.url + "/api/v1", timeout=30, headers={"Authorization": f"Bearer {t}"}
+                base_url=dep.url + API_PREFIX, timeout=30, headers={"Authorization": f"Bearer {t}"}
             )
             for o, t in tokens.items()
         }

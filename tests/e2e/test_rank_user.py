@@ -39,6 +39,7 @@ import pytest
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.migrate import upgrade
 from worker.launchers.base import RunPhase, RunStatus, with_attempt_token
@@ -304,7 +305,7 @@ def test_a_whole_job_runs_as_the_rank_user_and_cannot_read_the_database(
         spec = {"name": "probe", "task": "tests.e2e.rank_user_probe:probe",
                 "config": {"db_path": str(shared_dir / "ddpq.db")},
                 "resources": {"nproc_per_node": 2, "timeout_min": 5}}  # fmt: skip
-        with httpx.Client(base_url=f"{url}/api/v1", timeout=30) as http:
+        with httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30) as http:
             created = http.post("/jobs", json=spec)
             assert created.status_code == 201, created.text
             job_id = int(created.json()["id"])

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.models import Metric
 from worker.attempt import attempt_tags
@@ -51,10 +52,10 @@ def assert_old_token_refused(dep: Any, job_id: int, token: str) -> None:
     extra step in ``assert_each_loss_once``)."""
     headers = {"Authorization": f"Bearer {token}"}
     batch = {"points": [["loss", 1, 0, 123.0, time.time()], ["loss", 10**6, 0, 1.0, time.time()]]}
-    r = httpx.post(f"{dep.url}/api/v1{wire.METRICS_PATH}", json=batch, headers=headers)
+    r = httpx.post(f"{dep.url}{API_PREFIX}{wire.METRICS_PATH}", json=batch, headers=headers)
     assert r.status_code == 409, f"attempt 1's token after the requeue: {r.status_code} {r.text}"
     assert r.json()["detail"].startswith(wire.ATTEMPT_SUPERSEDED), r.text
-    r = httpx.get(f"{dep.url}/api/v1{wire.SELF_PATH}", headers=headers)
+    r = httpx.get(f"{dep.url}{API_PREFIX}{wire.SELF_PATH}", headers=headers)
     assert r.status_code == 409, r.text
 
 

@@ -25,6 +25,7 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.checkpoints.crud import record_checkpoint
 from service.store.db import Database
@@ -33,7 +34,7 @@ from service.store.jobs.crud import Transition, apply_transition, submit_job
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.workers.registry import register_worker
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from service.core.wire import API_PREFIX
+
 EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "50"))
 CHECKS = [
     not_a_server_error,
@@ -64,7 +66,7 @@ def _strategies(operation: Any, served: Any) -> list[Any]:
     pinned to each seeded job (and checkpoint step), so existing rows are read too."""
     modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
     found = [operation.as_strategy(mode) for mode in modes]
-    if operation.label == "POST /api/v1/jobs":
+    if operation.label == f"POST {API_PREFIX}/jobs":
         # Generated specs almost never name a real task; these get stored (201/200).
         found += [operation.as_strategy(GenerationMode.POSITIVE, body=body) for body in VALID_SPECS]
     names = {p.name for p in operation.path_parameters}

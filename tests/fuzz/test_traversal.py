@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from service.core import artifacts
+from service.core.wire import API_PREFIX
 from service.store.checkpoints.crud import record_checkpoint
 
 SECRET = "secret outside the artifact directory"
@@ -63,20 +64,20 @@ LOG_QUERIES = [
     "rank=0%00",
 ]
 ENCODED_PATHS = [
-    "/api/v1/jobs/%2e%2e/logs",
-    "/api/v1/jobs/%2e%2e%2f%2e%2e%2fetc%2fpasswd/logs",
-    "/api/v1/jobs/..%2F..%2Fetc%2Fpasswd/logs",
-    "/api/v1/jobs/{job}/checkpoints/%2e%2e/file",
-    "/api/v1/jobs/{job}/checkpoints/..%2F..%2F..%2Fetc%2Fpasswd/file",
-    "/api/v1/jobs/{job}/checkpoints/%2e%2e%2f%2e%2e%2fetc%2fpasswd/file",
-    "/api/v1/jobs/{job}/checkpoints/10%2f..%2f..%2fsecret/file",
-    "/api/v1/jobs/{job}/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+    API_PREFIX + "/jobs/%2e%2e/logs",
+    API_PREFIX + "/jobs/%2e%2e%2f%2e%2e%2fetc%2fpasswd/logs",
+    API_PREFIX + "/jobs/..%2F..%2Fetc%2Fpasswd/logs",
+    API_PREFIX + "/jobs/{job}/checkpoints/%2e%2e/file",
+    API_PREFIX + "/jobs/{job}/checkpoints/..%2F..%2F..%2Fetc%2Fpasswd/file",
+    API_PREFIX + "/jobs/{job}/checkpoints/%2e%2e%2f%2e%2e%2fetc%2fpasswd/file",
+    API_PREFIX + "/jobs/{job}/checkpoints/10%2f..%2f..%2fsecret/file",
+    API_PREFIX + "/jobs/{job}/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
 ]
 
 
 def test_traversal_in_queries_and_encoded_paths_is_refused(served: Any) -> None:
     job_id = served.job_ids[0]
-    raws = [f"/api/v1/jobs/{job_id}/logs?{q}" for q in LOG_QUERIES]
+    raws = [f"{API_PREFIX}/jobs/{job_id}/logs?{q}" for q in LOG_QUERIES]
     raws += [p.format(job=job_id) for p in ENCODED_PATHS]
     for raw in raws:
         status, body = raw_get(served, raw)

@@ -7,11 +7,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.events import EventKind
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.events import record_event
 from service.store.models import Job
 
-API = "/api/v1"
+API = API_PREFIX
 BIG_IDS = [2**31, 3_000_000_000, 2**53 + 1, 2**63 - 1]
 
 

@@ -15,6 +15,7 @@ from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
 from service.store.jobs import claims
@@ -80,7 +81,7 @@ def test_client_round_trip(
     dest = client.download_checkpoint(job["id"], 2, tmp_path / "dl.pt")
     assert hashlib.sha256(dest.read_bytes()).hexdigest() == ckpts[0]["sha256"]
     assert client.checkpoint_url(job["id"], 2).endswith(
-        f"/api/v1/jobs/{job['id']}/checkpoints/2/file"
+        f"{API_PREFIX}/jobs/{job['id']}/checkpoints/2/file"
     )
     logs = client.logs(job["id"], rank=0)
     assert (logs["text"], logs["next_offset"], logs["eof"]) == ("line\n", 5, True)

@@ -14,6 +14,7 @@ from sqlalchemy.engine import make_url
 from service.app import create_app
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, SchemaOutOfDateError
+from service.core.wire import API_PREFIX
 from service.store import db as db_module
 from service.store import migrate
 from service.store.db import Database
@@ -44,13 +45,13 @@ def test_refuses_to_start_on_an_unmigrated_database(settings: Settings) -> None:
     ready = probe.get("/readyz")
     assert ready.status_code == 503
     assert "ddpq db upgrade" in ready.json()["detail"] and PASSWORD not in ready.text
-    assert probe.get("/api/v1/readyz").status_code == 503
+    assert probe.get(API_PREFIX + "/readyz").status_code == 503
     assert probe.get("/healthz").json() == {"status": "ok"}
 
 
 def test_ready_after_upgrade(settings: Settings, db: Database) -> None:
     with TestClient(create_app(settings)) as api:
-        for path in ("/healthz", "/readyz", "/api/v1/healthz", "/api/v1/readyz"):
+        for path in ("/healthz", "/readyz", API_PREFIX + "/healthz", API_PREFIX + "/readyz"):
             r = api.get(path)
             assert r.status_code == 200 and r.json() == {"status": "ok"}, path
         migrate.downgrade(db.engine, "base")
@@ -71,7 +72,7 @@ def test_unreachable_database(tmp_path: Path) -> None:
     assert probe.get("/healthz").status_code == 200, "liveness needs no database"
     ready = probe.get("/readyz")
     assert ready.status_code == 503 and PASSWORD not in ready.text
-    jobs = probe.get("/api/v1/jobs")
+    jobs = probe.get(API_PREFIX + "/jobs")
     assert jobs.status_code == 503 and PASSWORD not in jobs.text
 
 

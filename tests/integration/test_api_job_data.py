@@ -20,6 +20,7 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
 from service.store.jobs import claims
@@ -29,7 +30,7 @@ from service.store.metrics.points import MetricPoint
 from service.store.models import Job, Metric, utcnow
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 def running_job(db: Database, **spec: Any) -> int:

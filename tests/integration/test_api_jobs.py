@@ -15,13 +15,14 @@ from sqlalchemy import text, update
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs import crud as jobs
 from service.store.models import Worker, utcnow
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",
@@ -343,21 +344,21 @@ def test_openapi_and_docs(api: TestClient) -> None:
     schema = api.get("/openapi.json").json()
     paths = schema["paths"]
     for path in (
-        "/api/v1/jobs",
-        "/api/v1/jobs/{job_id}",
-        "/api/v1/jobs/{job_id}/cancel",
-        "/api/v1/jobs/{job_id}/events",
-        "/api/v1/jobs/{job_id}/metrics",
-        "/api/v1/jobs/{job_id}/metrics/names",
-        "/api/v1/jobs/{job_id}/checkpoints",
-        "/api/v1/jobs/{job_id}/checkpoints/{step}/file",
-        "/api/v1/jobs/{job_id}/logs",
-        "/api/v1/workers",
+        API_PREFIX + "/jobs",
+        API_PREFIX + "/jobs/{job_id}",
+        API_PREFIX + "/jobs/{job_id}/cancel",
+        API_PREFIX + "/jobs/{job_id}/events",
+        API_PREFIX + "/jobs/{job_id}/metrics",
+        API_PREFIX + "/jobs/{job_id}/metrics/names",
+        API_PREFIX + "/jobs/{job_id}/checkpoints",
+        API_PREFIX + "/jobs/{job_id}/checkpoints/{step}/file",
+        API_PREFIX + "/jobs/{job_id}/logs",
+        API_PREFIX + "/workers",
         "/healthz",
         "/readyz",
     ):
         assert path in paths, f"{path} missing from OpenAPI"
-    body = paths["/api/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
+    body = paths[API_PREFIX + "/jobs"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/JobSpec"
     assert "Resources" in schema["components"]["schemas"]
     docs = api.get("/docs")

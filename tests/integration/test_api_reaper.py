@@ -12,6 +12,7 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from service.store.jobs import claims
@@ -39,11 +40,13 @@ def test_the_api_requeues_a_job_whose_lease_expired(settings: Settings, db: Data
     fast = settings.model_copy(update={"heartbeat_interval_s": 0.2})
     with TestClient(create_app(fast)) as api:  # the lifespan runs the reaper; no worker runs
         deadline = time.monotonic() + 30
-        while api.get(f"/api/v1/jobs/{lost}").json()["state"] != "queued":
+        while api.get(f"{API_PREFIX}/jobs/{lost}").json()["state"] != "queued":
             assert time.monotonic() < deadline, "the API never reaped the lost job"
             time.sleep(0.1)
-        job = api.get(f"/api/v1/jobs/{lost}").json()
+        job = api.get(f"{API_PREFIX}/jobs/{lost}").json()
         assert job["attempt"] == 2
-        events = api.get(f"/api/v1/jobs/{lost}/events").json()["events"]
+        events = api.get(f"{API_PREFIX}/jobs/{lost}/events").json()["events"]
         assert events[-1]["reason"] == "worker lost: lease expired"
-        assert api.get(f"/api/v1/jobs/{held}").json()["state"] == "running", "a live lease stays"
+        assert api.get(f"{API_PREFIX}/jobs/{held}").json()["state"] == "running", (
+            "a live lease stays"
+        )

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.attempts.tokens import mint_attempt_token
 from service.store.auth.tokens import create_token
 from service.store.db import Database
@@ -21,7 +22,7 @@ from service.store.jobs import crud as jobs
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.sweeps.metrics import sweep_curves
 
-API = "/api/v1"
+API = API_PREFIX
 SWEEP: dict[str, Any] = {
     "name": "lr",
     "base": {"name": "b", "task": "regression", "training": {"max_steps": 5}},

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.attempts.tokens import mint_attempt_token
 from service.store.auth.tokens import create_token
 from service.store.db import Database
@@ -21,7 +22,7 @@ from service.store.models import Job, JobEvent, Sweep, SweepTrial
 from service.store.reaper import reap_once
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 BASE: dict[str, Any] = {"name": "b", "task": "regression", "training": {"max_steps": 5}}
 SWEEP: dict[str, Any] = {
     "name": "grid",

@@ -17,6 +17,7 @@ from service.app import create_app
 from service.core.artifacts import checkpoint_path
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import AttemptRef, find_attempt, mint_attempt_token
 from service.store.auth.tokens import create_token, hash_token
@@ -27,7 +28,7 @@ from service.store.models import AttemptToken
 from service.store.workers import registry as workers
 from tests.live import serve_app
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "training": {"max_steps": 10}}
 SHA = "ab" * 32
 ROUTES = [  # every attempt route with a well-formed body

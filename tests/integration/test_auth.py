@@ -11,6 +11,7 @@ from service.app import create_app
 from service.cli.main import server_settings
 from service.core.config import Settings
 from service.core.spec.model import validate_spec
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token, list_tokens, revoke_token
 from service.store.db import Database
 from service.store.jobs import claims
@@ -18,7 +19,7 @@ from service.store.jobs import crud as jobs
 from service.store.workers import registry as workers
 from worker.up import settings_env
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",
@@ -123,7 +124,8 @@ def test_owners_see_only_their_jobs_and_admins_see_all(
         r = api.get(API + path, headers=bob)
         assert r.status_code == 404, f"bob GET {path}: {r.status_code} {r.text}"
     assert api.get(f"{API}/jobs/{a['id'] + 1000}", headers=bob).json() == {
-        "detail": f"job {a['id'] + 1000} not found"
+        "detail": f"job {a['id'] + 1000} not found",
+        "code": "job_not_found",
     }, "someone else's job and a missing one answer alike"
     assert api.post(f"{API}/jobs/{a['id']}/cancel", headers=bob).status_code == 404
     assert api.get(f"{API}/jobs/{a['id']}", headers=bearer(tokens["alice"])).json()["state"] == (

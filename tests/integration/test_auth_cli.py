@@ -18,13 +18,14 @@ from service.app import create_app
 from service.cli.main import app
 from service.client import ApiError, DdpqClient
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from service.store.models import ApiToken
 from tests.live import serve_app
 
 runner = CliRunner()
-API = "/api/v1"
+API = API_PREFIX
 PASSWORD = "pw-must-not-leak-7f3a"
 
 

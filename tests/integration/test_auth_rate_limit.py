@@ -14,13 +14,14 @@ from sqlalchemy import select
 from service.app import create_app
 from service.core.config import Settings
 from service.core.spec.model import validate_spec
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.jobs.rate_limits import RateLimitedError, check_submission_rate
 from service.store.models import Job, utcnow
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {"name": "reg", "task": "regression", "training": {"max_steps": 10}}
 LIMIT = 3
 

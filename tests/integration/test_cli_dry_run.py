@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from service.app import create_app
 from service.cli.main import app
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.workers import registry as workers
 from tests.integration.test_dry_run import GOLDEN, normalise, rows
@@ -84,7 +85,7 @@ def test_show_says_where_a_job_waits_and_submit_warns(
     with db.session() as s:
         workers.register_worker(s, worker_id="cpu-box", host="h", pid=1, launcher="local",
                                 capacity={"slots": 1, "gpus": []})  # fmt: skip
-    first = httpx.post(f"{live_url}/api/v1/jobs", timeout=30,
+    first = httpx.post(f"{live_url}{API_PREFIX}/jobs", timeout=30,
                        json={"name": "first", "task": "regression", "priority": 3})  # fmt: skip
     assert first.status_code == 201, first.text
     submitted = ddpq(live_url, "submit", spec_file(tmp_path))

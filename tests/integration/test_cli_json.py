@@ -21,6 +21,7 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.metrics.points import MetricPoint, checked_point
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
 from service.store.jobs import claims
@@ -56,7 +57,7 @@ def ddpq_json(url: str, *args: str) -> Any:
 def job_id(live_url: str, db: Database, settings: Settings) -> int:
     """A running job (through the real domain functions) with 3 loss points, a checkpoint at
     step 3 and one registered worker."""
-    submitted = httpx.post(f"{live_url}/api/v1/jobs", json=SPEC, timeout=30)
+    submitted = httpx.post(f"{live_url}{API_PREFIX}/jobs", json=SPEC, timeout=30)
     assert submitted.status_code == 201, submitted.text
     job_id: int = submitted.json()["id"]
     with db.session() as s:
@@ -82,7 +83,7 @@ def test_json_prints_the_api_bodies(live_url: str, job_id: int) -> None:
     assert set(page) == {"jobs", "next_cursor"} and [j["id"] for j in page["jobs"]] == [job_id]
     job = ddpq_json(live_url, "show", str(job_id))
     assert job["id"] == job_id and job["state"] == "running" and job["name"] == "json-job"
-    assert job == httpx.get(f"{live_url}/api/v1/jobs/{job_id}").json(), "the API's body as is"
+    assert job == httpx.get(f"{live_url}{API_PREFIX}/jobs/{job_id}").json(), "the API's body as is"
     loss = ddpq_json(live_url, "metrics", str(job_id))
     assert loss["name"] == "loss" and [p["step"] for p in loss["points"]] == [1, 2, 3]
     assert loss["points"][0]["epoch"] == 0, "the API's 0-based epoch"
@@ -96,7 +97,7 @@ def test_json_prints_the_api_bodies(live_url: str, job_id: int) -> None:
 
 def test_json_escapes_what_a_terminal_would_act_on(live_url: str, db: Database) -> None:
     evil = "red\x1b[31m\u202e[bold]x"
-    httpx.post(f"{live_url}/api/v1/jobs", json={**SPEC, "name": evil}, timeout=30)
+    httpx.post(f"{live_url}{API_PREFIX}/jobs", json={**SPEC, "name": evil}, timeout=30)
     result = ddpq(live_url, "ls", "--json")
     assert result.exit_code == 0 and "\x1b" not in result.stdout and "\u202e" not in result.stdout
     assert json.loads(result.stdout)["jobs"][0]["name"] == evil, "jq gets the name back"

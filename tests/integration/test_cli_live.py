@@ -28,6 +28,7 @@ from service.cli.main import app
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.checkpoints import crud as checkpoints
 from service.store.db import Database
 from service.store.jobs import claims
@@ -272,7 +273,7 @@ def test_submit_wait_follows_the_job_to_its_end(
     assert "eval_accuracy" in out and "0.9722 (97.22%)" in out
     sha = hashlib.sha256(b"weights" * 100).hexdigest()
     assert "step 4" in out and sha in out and "700 B" in out
-    assert f"{live_url}/api/v1/jobs/{job_id}/checkpoints/4/file" in out
+    assert f"{live_url}{API_PREFIX}/jobs/{job_id}/checkpoints/4/file" in out
     assert f"{live_url}/jobs/{job_id}" in out
     assert ("rank 1 raised RuntimeError: boom" in out) == (outcome == JobState.FAILED)
     relative = f"jobs/{job_id}/checkpoints/step-4.pt"

@@ -19,12 +19,13 @@ from sqlalchemy import func, select
 
 from service.app import create_app
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Checkpoint, Job, JobEvent
 from worker.launchers.preview import PLACEHOLDER_TOKEN
 
-API = "/api/v1"
+API = API_PREFIX
 GOLDEN = Path(__file__).parents[1] / "golden"
 SPEC: dict[str, Any] = {
     "name": "reg",

@@ -14,6 +14,7 @@ from sqlalchemy import select, text
 from service.core.events import EventKind, render
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.checkpoints.crud import record_checkpoint, record_checkpoint_failure
 from service.store.checkpoints.events import note_fresh_start, note_rank_deletions, record_note
@@ -29,7 +30,7 @@ from worker.attempt import FailureReason
 from worker.decisions import HeldRun, decide_on_shutdown, decide_on_status, reconcile
 from worker.launchers.base import RunPhase, RunStatus
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC = JobSpec(name="e", task="regression", max_restarts=1)
 
 

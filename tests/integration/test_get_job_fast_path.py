@@ -18,6 +18,7 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, NotFoundError
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs.crud import get_job
@@ -26,7 +27,7 @@ from service.store.jobs.view import get_job_row
 from service.store.models import Job
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",
@@ -116,7 +117,7 @@ def test_body_and_etag_equal_the_orm_path(
 def test_missing_job_is_404(api: TestClient, db: Database) -> None:
     r = api.get(f"{API}/jobs/{2**63 - 1}")
     assert r.status_code == 404
-    assert r.json() == {"detail": f"job {2**63 - 1} not found"}
+    assert r.json() == {"detail": f"job {2**63 - 1} not found", "code": "job_not_found"}
 
 
 def test_unreachable_database_is_503(tmp_path: Path) -> None:
@@ -124,7 +125,10 @@ def test_unreachable_database_is_503(tmp_path: Path) -> None:
     app = create_app(Settings(home=tmp_path, database_url=url, artifact_dir=tmp_path / "a"))
     r = TestClient(app).get(f"{API}/jobs/1")  # no lifespan: it would refuse to start
     assert r.status_code == 503
-    assert r.json() == {"detail": "database unavailable: try again later"}
+    assert r.json() == {
+        "detail": "database unavailable: try again later",
+        "code": "database_unavailable",
+    }
 
 
 def test_read_passes_domain_errors_through_without_retrying(api: TestClient, db: Database) -> None:

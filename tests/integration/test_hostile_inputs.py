@@ -26,6 +26,7 @@ from service.core.artifacts import rank_log_path
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.auth.tokens import create_token, list_tokens, revoke_token
 from service.store.db import Database
@@ -39,7 +40,7 @@ from tests.live import serve_app
 from tests.rank_api import attempt_client, live_api
 from worker.runtime.metrics.sink import ApiSink
 
-API = "/api/v1"
+API = API_PREFIX
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)  # a fixed time: bodies compare as bytes
 ODD_AT = datetime(2026, 1, 1, tzinfo=timezone(timedelta(microseconds=1)))  # a valid tzinfo
 CHROMIUM = Path("/usr/bin/chromium")

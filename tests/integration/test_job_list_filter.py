@@ -11,13 +11,14 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 
 
 def spec(name: str, *tags: str, task: str = "regression") -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.jobs import claims
@@ -18,7 +19,7 @@ from service.store.jobs import crud as jobs
 from service.store.jobs.notes import record_scheduler_pending
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SPEC: dict[str, Any] = {
     "name": "reg",
     "task": "regression",

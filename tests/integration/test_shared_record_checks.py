@@ -14,13 +14,14 @@ from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
 from service.store.jobs.crud import list_events
 from tests.rank_api import mint_token, running_job
 
-URL = "/api/v1" + wire.CHECKPOINTS_PATH
+URL = API_PREFIX + wire.CHECKPOINTS_PATH
 
 
 def bearer(token: str) -> dict[str, str]:

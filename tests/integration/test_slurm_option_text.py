@@ -11,10 +11,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.models import Job, Sweep
 
-API = "/api/v1"
+API = API_PREFIX
 BASE: dict[str, Any] = {"name": "s", "task": "regression", "launcher": "slurm"}
 
 

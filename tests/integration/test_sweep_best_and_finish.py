@@ -9,13 +9,14 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.sweeps.progress import advance_sweeps, has_running_sweeps
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 SWEEP: dict[str, Any] = {
     "name": "best",
     "base": {"name": "b", "task": "regression", "training": {"max_steps": 5}},
@@ -47,6 +48,11 @@ def best(api: TestClient, sweep_id: int) -> dict[str, Any] | None:
     return out
 
 
+def may_be_best(api: TestClient, sweep_id: int) -> dict[int, bool]:
+    trials = api.get(f"{API}/sweeps/{sweep_id}/trials").json()["trials"]
+    return {t["job_id"]: t["may_be_best"] for t in trials}
+
+
 def test_a_failed_or_cancelled_trial_is_never_best(api: TestClient, db: Database) -> None:
     sweep = api.post(f"{API}/sweeps", json=SWEEP).json()
     ids = [t["job_id"] for t in api.get(f"{API}/sweeps/{sweep['id']}/trials").json()["trials"]]
@@ -59,10 +65,18 @@ def test_a_failed_or_cancelled_trial_is_never_best(api: TestClient, db: Database
     drive(db, ids[3], JobState.SUCCEEDED)
     now = best(api, sweep["id"])
     assert now is not None and now["job_id"] == ids[2] and now["outcome"] == "running"
+    # Each trial says whether it competes, by the same rule (the page and the CLI rank by it).
+    assert may_be_best(api, sweep["id"]) == {
+        ids[0]: False,
+        ids[1]: False,
+        ids[2]: True,
+        ids[3]: True,
+    }
     drive(db, ids[2], JobState.FAILED)
     now = best(api, sweep["id"])
     assert now is not None and now["job_id"] == ids[3] and now["outcome"] == "succeeded"
     assert now["value"] == 0.5
+    assert may_be_best(api, sweep["id"])[ids[2]] is False
 
 
 def test_a_cancelled_sweep_finishes_when_its_last_trial_ends(api: TestClient, db: Database) -> None:

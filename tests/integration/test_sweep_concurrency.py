@@ -12,12 +12,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job, SweepTrial
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 N_CALLERS = 8
 SWEEP: dict[str, Any] = {
     "name": "race",

@@ -10,8 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 
-API = "/api/v1"
+API = API_PREFIX
 FORMULAS = ['=HYPERLINK("http://x","y")', "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"]
 
 

@@ -10,10 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.models import Job, SweepTrial
 
-API = "/api/v1"
+API = API_PREFIX
 BASE: dict[str, Any] = {"name": "b", "task": "regression", "training": {"max_steps": 5}}
 
 

@@ -14,13 +14,14 @@ from sqlalchemy import func, select
 
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.workers import registry as workers
 
-API = "/api/v1"
+API = API_PREFIX
 LIMIT = 5
 BASE: dict[str, Any] = {"name": "b", "task": "regression", "training": {"max_steps": 5}}
 

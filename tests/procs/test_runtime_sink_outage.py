@@ -26,6 +26,7 @@ import torch.distributed as dist
 from sqlalchemy import func, select
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.core.wire.attempt import METRICS_PATH, MetricBatchAck
 from service.store.db import Database
 from service.store.jobs.crud import get_job
@@ -157,7 +158,7 @@ def test_429_retry_after_is_honoured_and_the_batch_resent_once(tmp_path: Path) -
     calls: list[tuple[float, list[list[object]]]] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/api/v1" + METRICS_PATH
+        assert request.url.path == API_PREFIX + METRICS_PATH
         assert request.headers["Authorization"] == "Bearer ddpqa_t"
         body = json.loads(request.content)
         calls.append((time.monotonic(), body["points"]))

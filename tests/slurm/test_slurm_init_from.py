@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.models import Metric
 from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit
@@ -63,7 +64,7 @@ def test_init_from_a_2_rank_checkpoint_into_a_2_node_job(slurm_db: SlurmDb, tmp_
             "init_from": {"job": source, "step": "latest", "mode": "weights_only"},
         }
         # Through the API, which resolves init_from to one committed checkpoint at submit.
-        r = httpx.post(f"{settings.api_url}/api/v1/jobs", json=spec, timeout=30)
+        r = httpx.post(f"{settings.api_url}{API_PREFIX}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         target = int(r.json()["id"])
         state = wait_until(lambda: _finished(db, target), 180, "the 2-node job to finish")

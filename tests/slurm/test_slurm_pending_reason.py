@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store.jobs import crud as jobs
 from tests.slurm.conftest import SlurmDb, job_row, running_worker, submit
 from tests.waiting import wait_until
@@ -30,7 +31,7 @@ SPEC: dict[str, Any] = {
 def test_a_job_held_by_slurm_says_why_in_plain_words(slurm_db: SlurmDb) -> None:
     settings, db = slurm_db
     job_id = submit(db, settings, SPEC)
-    api = f"{settings.api_url}/api/v1/jobs/{job_id}"
+    api = f"{settings.api_url}{API_PREFIX}/jobs/{job_id}"
 
     def scheduler(code: str) -> dict[str, Any] | None:
         body = httpx.get(api, timeout=10).json()

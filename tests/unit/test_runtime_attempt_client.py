@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from service.core.errors import DdpqError, StaleAttemptError
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from worker.runtime.attempt_client import (
     MAX_RETRY_AFTER_S,
@@ -73,7 +74,9 @@ def test_requests_carry_the_token_on_the_wire_paths() -> None:
 
     transport = httpx.MockTransport(answer)
     # A trailing /api/v1 on the URL is accepted as well as the bare base URL.
-    with AttemptClient("http://api.test/api/v1/", " ddpqa_t\n", transport=transport) as client:
+    with AttemptClient(
+        f"http://api.test{API_PREFIX}/", " ddpqa_t\n", transport=transport
+    ) as client:
         me = client.self_check()
         ack = client.send_metrics(wire.MetricBatch(points=[("loss", 1, 0, 0.5, 1.0)]))
         assert client.list_checkpoints() == []
@@ -84,7 +87,7 @@ def test_requests_carry_the_token_on_the_wire_paths() -> None:
         client.record_deletions([1])
         client.record_deletions([])  # nothing to say: no request
     assert (me.job_id, me.attempt, ack.inserted) == (4, 2, 1)
-    prefix = "/api/v1"
+    prefix = API_PREFIX
     assert seen == [
         ("GET", prefix + wire.SELF_PATH, "Bearer ddpqa_t"),
         ("POST", prefix + wire.METRICS_PATH, "Bearer ddpqa_t"),

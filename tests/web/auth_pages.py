@@ -11,6 +11,7 @@ import pytest
 
 from service.core.config import Settings
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.auth.tokens import create_token
 from service.store.db import Database
@@ -33,7 +34,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
     server, thread, url = _serve(settings)
-    api = httpx.Client(base_url=f"{url}/api/v1", timeout=30)
+    api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
     try:
         yield LiveServer(url=url, settings=settings, db=db, api=api)
     finally:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from service.core.wire import API_PREFIX
 from service.store.auth.tokens import create_token
 from tests.web.auth_pages import UNAUTHORIZED, live_server
 from tests.web.conftest import LiveServer, OpenPage
@@ -61,7 +62,7 @@ def test_asks_for_the_token_keeps_it_in_session_storage_and_sends_it(
     api_calls: list[dict[str, str]] = []
     page.on(
         "request",
-        lambda req: api_calls.append(req.headers) if "/api/v1/" in req.url else None,
+        lambda req: api_calls.append(req.headers) if API_PREFIX + "/" in req.url else None,
     )
     page.fill("#auth-token", tokens["alice"])
     page.click("#auth-submit")

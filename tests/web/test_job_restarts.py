@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import mint_attempt_token
 from service.store.jobs.crud import Transition, apply_transition
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def _send(srv: Any, token: str, path: str, body: dict[str, Any]) -> None:
     r = httpx.post(
-        f"{srv.url}/api/v1{path}", json=body, headers={"Authorization": f"Bearer {token}"}
+        f"{srv.url}{API_PREFIX}{path}", json=body, headers={"Authorization": f"Bearer {token}"}
     )
     assert r.status_code in (200, 204), r.text
 

@@ -12,6 +12,7 @@ import pytest
 from service.cli.job_data import checkpoints_table
 from service.cli.output import progress_line
 from service.core.states import JobState
+from service.core.wire import API_PREFIX
 
 try:
     from playwright.sync_api import expect
@@ -177,7 +178,7 @@ def test_job_page_loads_history_downsampled_then_follows_new_points(
     assert [str(c) for c in cli_row] == ["1", "1"], cli_row
     expect(page.locator('#checkpoints-body tr[data-step="1000"] td').nth(1)).to_have_text("1")
     href = page.locator('#checkpoints-body tr[data-step="1000"] a').get_attribute("href")
-    assert href == f"/api/v1/jobs/{job_id}/checkpoints/1000/file"
+    assert href == f"{API_PREFIX}/jobs/{job_id}/checkpoints/1000/file"
     with page.expect_download() as download:
         page.locator('#checkpoints-body tr[data-step="1000"] a').click()
     with open(download.value.path(), "rb") as f:

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from service.store.db import Database
 
 SWEEP = {
@@ -28,7 +29,7 @@ def client(settings: Settings, db: Database) -> Iterator[TestClient]:
 
 
 def test_pages_are_shells_with_a_strict_policy_and_a_nav_link(client: TestClient) -> None:
-    r = client.post("/api/v1/sweeps", json=SWEEP)
+    r = client.post(API_PREFIX + "/sweeps", json=SWEEP)
     assert r.status_code == 201, r.text
     sweep_id = r.json()["id"]
     for path in ("/sweeps", f"/sweeps/{sweep_id}", "/compare", "/compare?jobs=1,2"):

@@ -10,6 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from service.core import artifacts
 from service.core.spec.model import JobSpec
 from worker.attempt import ATTEMPT_TOKEN, FailureReason
 
@@ -138,7 +139,7 @@ def write_plan_files(plan: LaunchPlan[Any], *, owner: tuple[int, int] | None = N
         if Path(name).name != name or name in ("", ".", ".."):
             raise ValueError(f"plan file {name!r}: only plain file names, no paths")
         path = directory / name
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = artifacts.temporary_path(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             if owner is not None:

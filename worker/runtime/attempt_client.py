@@ -27,12 +27,11 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from service.core.errors import DdpqError, StaleAttemptError
+from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 
 log = logging.getLogger(__name__)
 
-# The API's route prefix; the attempt API's paths (``attempt_api``) are relative to it.
-API_PREFIX = "/api/v1"
 # Seconds: a connect that takes longer means the API is down or unreachable (retry later);
 # a read covers a batch of MAX_BATCH_ROWS points written to PostgreSQL under load.
 CONNECT_TIMEOUT_S = 5.0

@@ -11,6 +11,7 @@ from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.files import checkpoint_stores, stream_file
 from service.api.http import ERRORS, MAX_INT64, JobIdPath
 from service.api.schemas import CheckpointListOut, checkpoint_out
+from service.core.artifacts import checkpoint_download_name
 from service.store.checkpoints import service as checkpoints
 
 router = APIRouter(tags=["checkpoints"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -56,4 +57,6 @@ def checkpoint_file_route(
     not exist); an attempt token is 401."""
     stores = checkpoint_stores(request.app)
     stored = checkpoints.open_job_checkpoint(ctx.db, stores, job_id, step, owner=ctx.owner)
-    return stream_file(stores, stored, range_header, filename=f"job-{job_id}-step-{step}.pt")
+    return stream_file(
+        stores, stored, range_header, filename=checkpoint_download_name(job_id, step)
+    )

@@ -23,6 +23,12 @@ from service.api.schemas import (
 )
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
+from service.core.limits import (
+    DEFAULT_PAGE_ITEMS,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_JOB_NAME_CHARS,
+    MAX_TAG_CHARS,
+)
 from service.core.spec.model import JobSpec, validate_spec
 from service.core.states import JobState
 from service.store.jobs import service as jobs
@@ -91,7 +97,7 @@ async def submit(
         str | None,
         Header(
             min_length=1,
-            max_length=200,
+            max_length=MAX_IDEMPOTENCY_KEY_CHARS,
             description="A retried POST with the same key and spec returns the same job "
             "(200); the key with another spec is refused (422).",
         ),
@@ -178,7 +184,7 @@ def list_jobs_route(
     state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
     limit: Annotated[
         int, Query(ge=1, le=MAX_INT64, description="Page size (capped by DDPQ_MAX_LIST_LIMIT).")
-    ] = 50,
+    ] = DEFAULT_PAGE_ITEMS,
     cursor: Annotated[
         str | None,
         Query(pattern=r"^[1-9][0-9]{0,17}$", description="``next_cursor`` of the previous page."),
@@ -187,7 +193,7 @@ def list_jobs_route(
         str | None,
         Query(
             min_length=1,
-            max_length=200,
+            max_length=MAX_JOB_NAME_CHARS,
             pattern=TEXT_FILTER_PATTERN,
             description="Only jobs whose name contains this (case-insensitive) or that carry "
             "it as a tag.",
@@ -197,7 +203,7 @@ def list_jobs_route(
         str | None,
         Query(
             min_length=1,
-            max_length=100,
+            max_length=MAX_TAG_CHARS,
             pattern=TEXT_FILTER_PATTERN,
             description="Only jobs with exactly this tag.",
         ),

@@ -15,6 +15,7 @@ from service.api.metrics.schemas import (
     history_json,
     metrics_json,
 )
+from service.core.limits import MAX_METRIC_NAME_CHARS, METRIC_PAGE_POINTS
 from service.store.metrics import service as metrics
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -30,7 +31,13 @@ def metrics_route(
     job_id: JobIdPath,
     ctx: ContextDep,
     name: Annotated[
-        str, Query(min_length=1, max_length=100, pattern=r"^[^\x00]+$", description="Metric.")
+        str,
+        Query(
+            min_length=1,
+            max_length=MAX_METRIC_NAME_CHARS,
+            pattern=r"^[^\x00]+$",
+            description="Metric.",
+        ),
     ] = "loss",
     after_step: Annotated[
         int, Query(ge=0, le=MAX_INT64, description="Only steps after this one.")
@@ -38,7 +45,7 @@ def metrics_route(
     limit: Annotated[
         int,
         Query(ge=1, le=MAX_INT64, description="Most points (capped by DDPQ_MAX_METRIC_POINTS)."),
-    ] = 1000,
+    ] = METRIC_PAGE_POINTS,
     max_points: Annotated[
         int | None,
         Query(

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.sweeps.routes import ERRORS, MAX_INT64, SweepIdPath
+from service.core.limits import MAX_METRIC_NAME_CHARS
 from service.core.metrics.points import json_safe
 from service.store.sweeps import service as sweeps
 from service.store.sweeps.values import TrialCurve
@@ -77,7 +78,13 @@ def sweep_metrics_route(
     sweep_id: SweepIdPath,
     ctx: ContextDep,
     name: Annotated[
-        str, Query(min_length=1, max_length=100, pattern=r"^[^\x00]+$", description="Metric.")
+        str,
+        Query(
+            min_length=1,
+            max_length=MAX_METRIC_NAME_CHARS,
+            pattern=r"^[^\x00]+$",
+            description="Metric.",
+        ),
     ] = "loss",
     max_points: Annotated[
         int,

@@ -22,6 +22,8 @@ from service.api.sweeps.schemas import (
     trial_out,
     trials_csv,
 )
+from service.core.errors import SweepNotFoundError
+from service.core.limits import DEFAULT_PAGE_ITEMS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PAGE_ITEMS
 from service.core.sweeps.spec import SweepExtension, SweepSpec
 from service.store.sweeps import service as sweeps
 
@@ -30,7 +32,7 @@ router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNA
 
 SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
 ERRORS: dict[int | str, dict[str, str]] = {
-    404: {"description": "No such sweep (or not yours)"},
+    404: {"description": f"No such sweep, or not yours (`code`: {SweepNotFoundError.code})"},
     409: {"description": "The sweep's state does not allow it"},
     422: {
         "description": "Invalid input: `detail` lists {loc, msg, type}; a trial's errors "
@@ -59,7 +61,7 @@ def submit_sweep_route(
         str | None,
         Header(
             min_length=1,
-            max_length=200,
+            max_length=MAX_IDEMPOTENCY_KEY_CHARS,
             description="A retried POST with the same key and sweep returns the same sweep "
             "(200); the key with another sweep is refused (422).",
         ),
@@ -95,7 +97,9 @@ def _per_minute(ctx: RequestContext) -> int | None:
 @router.get("/sweeps", response_model=SweepListOut, summary="List sweeps, newest first")
 def list_sweeps_route(
     ctx: ContextDep,
-    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_PAGE_ITEMS, description="Page size.")
+    ] = DEFAULT_PAGE_ITEMS,
     cursor: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="next_cursor.")] = None,
 ) -> SweepListOut:
     """One page of the caller's sweeps (an admin's: everyone's)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.core.states import SweepState, TrialOutcome
 from service.core.sweeps.spec import canonical_json
 from service.store.sweeps.values import SweepDetail, TrialView
 
@@ -37,7 +38,7 @@ class SweepOut(_Out):
     id: int
     name: str
     owner: str
-    state: str = Field(description="running | succeeded | failed | cancelled")
+    state: str = Field(description=" | ".join(SweepState))
     stop_reason: str | None
     spec: dict[str, Any]
     objective: dict[str, str] = Field(description="{metric, mode, at}, defaults filled in.")
@@ -71,11 +72,15 @@ class TrialOut(_Out):
     overrides: dict[str, Any]
     job_id: int | None
     state: str | None = Field(description="The newest job's state.")
-    outcome: str = Field(description="The job state, or stopped_early.")
+    outcome: str = Field(description=" | ".join(TrialOutcome))
     attempts: int = Field(description="Jobs this trial has had (a retry is a new job).")
     steps_done: int | None
     objective_value: float | None
     run_time_s: float | None
+    may_be_best: bool = Field(
+        description="Whether its objective value competes for the sweep's `best`: it "
+        "succeeded, was stopped early, or is running and not being cancelled."
+    )
 
 
 class TrialListOut(_Out):
@@ -128,6 +133,7 @@ def trial_out(t: TrialView) -> TrialOut:
         steps_done=t.steps_done,
         objective_value=t.objective_value,
         run_time_s=t.run_time_s,
+        may_be_best=t.may_be_best,
     )
 
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import SupportsIndex
 
+from service.core.limits import MAX_METRIC_NAME_CHARS
+
 JsonNumber = float | str | None
 
 # models.Metric.name is VARCHAR(100) (PostgreSQL refuses longer names; SQLite would keep them).
-MAX_NAME_CHARS = 100
 # The dashboard pages through a series by step in JavaScript numbers, exact up to 2**53 - 1.
 MAX_STEP = 2**53 - 1
 # models.Metric.epoch is a 32-bit INTEGER.
@@ -82,8 +83,8 @@ class CheckedPoint(MetricPoint):
 
 def _check_name(name: object) -> None:
     """Raises ValueError unless ``name`` is a storable metric name (see ``checked_point``)."""
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
-        raise ValueError(f"metric name {name!r:.120}: must be 1-{MAX_NAME_CHARS} characters")
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_METRIC_NAME_CHARS:
+        raise ValueError(f"metric name {name!r:.120}: must be 1-{MAX_METRIC_NAME_CHARS} characters")
     if "\x00" in name or (not name.isprintable() and _has_lone_surrogate(name)):
         raise ValueError(f"metric name {name!r:.120}: NUL or a lone surrogate cannot be stored")
 
@@ -150,7 +151,7 @@ def checked_point(point: MetricPoint) -> CheckedPoint:
     returned as it is (checking is idempotent).
 
     Raises:
-        ValueError: a name that is empty, over ``MAX_NAME_CHARS`` characters, or holds NUL or
+        ValueError: a name that is empty, over ``MAX_METRIC_NAME_CHARS`` characters, or holds NUL or
             a lone surrogate; a step outside 1..``MAX_STEP``; an epoch outside
             0..``MAX_EPOCH``; a value that is not a number; a naive ``time``; ``ranks``
             outside 0..``MAX_RANKS``. The message

@@ -31,6 +31,7 @@ from service.core.launchers import (
     launcher_traits,
     multi_node_launchers,
 )
+from service.core.limits import MAX_JOB_NAME_CHARS, MAX_TAG_CHARS
 from service.core.metrics.points import MAX_STEP
 from service.core.spec.errors import error_loc, pydantic_errors
 from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS
@@ -184,7 +185,7 @@ class InitFrom(_Part):
 class JobSpec(_Part):
     """A training job as submitted. See DESIGN.md "Job spec"."""
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=MAX_JOB_NAME_CHARS)
     task: str = Field(min_length=1, max_length=300)
     config: dict[str, Any] = Field(default_factory=dict)
     launcher: LauncherName = "local"
@@ -263,8 +264,8 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
                 )
             )
     for i, tag in enumerate(spec.tags):
-        if not 1 <= len(tag) <= 100:
-            problems.append((("tags", str(i)), "each tag must be 1–100 characters"))
+        if not 1 <= len(tag) <= MAX_TAG_CHARS:
+            problems.append((("tags", str(i)), f"each tag must be 1–{MAX_TAG_CHARS} characters"))
     return problems
 
 

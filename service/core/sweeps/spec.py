@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
+from service.core.limits import MAX_METRIC_NAME_CHARS, MAX_SEEDS
 from service.core.metrics.main_metric import main_metric_name
 from service.core.spec.model import JobSpec, validate_spec
 from service.core.spec.overrides import OverridePathError, apply_overrides, split_path
@@ -125,7 +126,7 @@ class Objective(_Part):
     """What ranks trials: ``metric`` (default: the task's main metric), ``mode`` (default:
     max for accuracy-like names, else min), and ``at`` the ``best`` or the ``last`` value."""
 
-    metric: str | None = Field(default=None, min_length=1, max_length=100)
+    metric: str | None = Field(default=None, min_length=1, max_length=MAX_METRIC_NAME_CHARS)
     mode: Literal["max", "min"] | None = None
     at: Literal["best", "last"] = "last"
 
@@ -150,7 +151,7 @@ class SweepSpec(_Part):
     base: dict[str, Any] = Field(description="A JobSpec: what every trial starts from.")
     axes: dict[str, Axis] = Field(default_factory=dict, max_length=MAX_AXES)
     samples: int = Field(default=1, ge=1, le=MAX_TRIALS, description="Draws of random axes.")
-    seeds: int = Field(default=1, ge=1, le=1000, description="Replicas: training.seed + k.")
+    seeds: int = Field(default=1, ge=1, le=MAX_SEEDS, description="Replicas: training.seed + k.")
     sampler_seed: int = Field(default=0, ge=0, le=2**32 - 1)
     objective: Objective | None = None
     max_concurrent: int | None = Field(default=None, ge=1, le=100_000)
@@ -359,7 +360,7 @@ class SweepExtension(_Part):
 
     axes: dict[str, GridAxis] = Field(default_factory=dict, max_length=MAX_AXES)
     samples: int | None = Field(default=None, ge=1, le=MAX_TRIALS)
-    seeds: int | None = Field(default=None, ge=1, le=1000)
+    seeds: int | None = Field(default=None, ge=1, le=MAX_SEEDS)
 
 
 def extended_spec(spec: SweepSpec, ext: SweepExtension) -> SweepSpec:

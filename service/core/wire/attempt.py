@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.core.limits import MAX_PATH_BYTES
+
 # The routes, relative to the API prefix (/api/v1).
 ATTEMPT_PREFIX = "/attempts/self"
 SELF_PATH = ATTEMPT_PREFIX  # GET: who am I, am I current
@@ -127,12 +129,12 @@ class CheckpointRecord(_Wire):
 
     step: Step
     epoch: int = Field(ge=0, le=MAX_EPOCH)
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field(min_length=1, max_length=MAX_PATH_BYTES)
     size_bytes: int = Field(ge=0, le=MAX_SIZE_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     # The written file before rank 0 renames it to ``path`` (it records first, so a fenced-off
     # attempt replaces no file); the server verifies this one. None: the file is at ``path``.
-    staged_path: str | None = Field(default=None, min_length=1, max_length=4096)
+    staged_path: str | None = Field(default=None, min_length=1, max_length=MAX_PATH_BYTES)
 
 
 class CheckpointFailure(_Wire):

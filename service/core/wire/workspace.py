@@ -52,6 +52,7 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from service.core.errors import DdpqError
+from service.core.limits import MAX_PATH_BYTES
 from service.core.wire.attempt import ATTEMPT_PREFIX, MAX_SIZE_BYTES
 
 # -- the routes, relative to the API prefix -----------------------------------------------------
@@ -69,7 +70,6 @@ ATTEMPT_WORKSPACE_FILE_PATH = f"{ATTEMPT_PREFIX}/workspace/files/{{sha256}}"  # 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 MODE_FILE = 0o644
 MODE_EXECUTABLE = 0o755  # the executable bit is the only one kept
-MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PART_BYTES = 255  # NAME_MAX on Linux
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 control characters
 MAX_MISSING_FILES = 5000  # files per MissingFiles request (~100 bytes of JSON each)

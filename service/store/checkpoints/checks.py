@@ -12,9 +12,9 @@ directory, and the rank must upload.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from service.core.artifacts import artifact_relative_path
+from service.core.artifacts import artifact_relative_path, job_of_relative_path
 from service.core.errors import DdpqError
 
 _BLOCK = 1 << 20  # bytes read at a time while hashing
@@ -46,7 +46,7 @@ def own_checkpoint_path(root: Path, job_id: int, path: str) -> str:
     if storable_text(path) != path:
         raise CheckpointInputError("checkpoint path holds NUL or a lone surrogate")
     relative = artifact_relative_path(root, path)
-    if relative is None or PurePosixPath(relative).parts[:2] != ("jobs", str(job_id)):
+    if relative is None or job_of_relative_path(relative) != job_id:
         raise CheckpointInputError(
             f"checkpoint path must lie inside this job's artifact directory (jobs/{job_id}/ "
             "under the server's artifact root)"
@@ -58,10 +58,7 @@ def _in_checkpoint_dir(root: Path, job_id: int, path: str) -> Path | None:
     """``path`` resolved (symlinks followed) when it lies in ``jobs/<job_id>/checkpoints/``
     under ``root``, else None."""
     relative = artifact_relative_path(root, path)
-    if relative is None:
-        return None
-    parts = PurePosixPath(relative).parts
-    if parts[:3] != ("jobs", str(job_id), "checkpoints") or len(parts) < 4:
+    if relative is None or job_of_relative_path(relative, under="checkpoints") != job_id:
         return None
     return root.resolve() / relative
 

@@ -10,14 +10,13 @@ fenced on the attempt (``leases.check_attempt``): a superseded attempt changes n
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Text, exists, or_, select, update
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.orm import Session
 
-from service.core.artifacts import checkpoint_path
+from service.core.artifacts import relative_checkpoint_path
 from service.core.errors import ConflictError, DdpqError
 from service.core.states import ACTIVE_STATES
 from service.store.checkpoints.backends.base import UploadKey
@@ -261,7 +260,7 @@ def commit_upload(
     # The file's name under an artifact root: where the filesystem store keeps it (a rank
     # sharing that directory finds it there), else the name a rank gives its own copy.
     root_relative = (
-        location if upload.store == "filesystem" else checkpoint_path_name(job_id, upload.step)
+        location if upload.store == "filesystem" else relative_checkpoint_path(job_id, upload.step)
     )
     return record_and_retain(
         session,
@@ -275,11 +274,6 @@ def commit_upload(
         store=upload.store,
         location=location,
     )
-
-
-def checkpoint_path_name(job_id: int, step: int) -> str:
-    """``jobs/<id>/checkpoints/step-<step>.pt``, relative to an artifact root."""
-    return checkpoint_path(Path(), job_id, step).as_posix()
 
 
 def orphaned_uploads(session: Session, *, stale_s: float, limit: int = 100) -> list[PendingDiscard]:

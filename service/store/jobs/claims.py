@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, delete, exists, func, or_, select, text, updat
 from sqlalchemy.orm import Session, aliased
 
 from service.core.events import EventKind
-from service.core.states import JobState
+from service.core.states import JobState, SweepState
 from service.store import events
 from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
 
@@ -51,13 +51,15 @@ def _claimable(launcher: Any, max_gpus: Any) -> tuple[Any, ...]:
 # the claim passes over (a per-candidate count made each claim behind 1,000 queued trials of
 # a full sweep take 6–9 ms). Written as SQL text because SQLAlchemy walks a statement's whole
 # tree for its cache key on every execution: built from constructs, this subquery cost ~50 µs
-# of Python per claim of every job, a text clause ~nothing. The states are HOLDING_STATES.
+# of Python per claim of every job, a text clause ~nothing. The states are spliced in from
+# SweepState and HOLDING_STATES once, at import: constants, never input.
+_HOLDING_SQL = " OR ".join(f"holder.state = '{s}'" for s in HOLDING_STATES)
 _FULL_SWEEPS = text(
-    "SELECT s.id FROM sweeps AS s WHERE s.state = 'running' AND s.max_concurrent IS NOT NULL "
+    f"SELECT s.id FROM sweeps AS s WHERE s.state = '{SweepState.RUNNING.value}' "
+    "AND s.max_concurrent IS NOT NULL "
     "AND s.max_concurrent <= (SELECT count(*) FROM jobs AS holder WHERE holder.sweep_id = s.id "
-    "AND (holder.state = 'starting' OR holder.state = 'running'))"
+    f"AND ({_HOLDING_SQL}))"
 ).columns(Sweep.id)
-assert HOLDING_STATES == ("starting", "running"), "update _FULL_SWEEPS with HOLDING_STATES"
 
 
 def claim_next_job(

@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, func, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from service.core.errors import ConflictError, NotFoundError, StaleStateError
+from service.core.errors import ConflictError, JobNotFoundError, StaleStateError
 from service.core.events import EventKind
 from service.core.holds import Transition
 from service.core.spec.model import JobSpec
@@ -83,11 +83,11 @@ def get_job(session: Session, job_id: int, *, owner: str | None = None) -> Job:
     """The job ``job_id``; with ``owner`` set, only if that owner's (else not found).
 
     Raises:
-        NotFoundError: no such job (or not the owner's).
+        JobNotFoundError: no such job (or not the owner's).
     """
     job = session.get(Job, job_id)
     if job is None or (owner is not None and job.owner != owner):
-        raise NotFoundError(f"job {job_id} not found")
+        raise JobNotFoundError(job_id)
     return job
 
 
@@ -215,7 +215,7 @@ def apply_transition_where(
             return job, cancel
     current = session.scalar(select(Job.state).where(Job.id == t.job_id))
     if current is None:
-        raise NotFoundError(f"job {t.job_id} not found")
+        raise JobNotFoundError(t.job_id)
     raise StaleStateError(t.job_id, t.expected, current)
 
 
@@ -274,7 +274,7 @@ def cancel_job(session: Session, job_id: int, *, owner: str | None = None) -> Jo
     ever carries the flag.
 
     Raises:
-        NotFoundError: no such job (or not the owner's).
+        JobNotFoundError: no such job (or not the owner's).
         ConflictError: the job already finished (HTTP 409).
         StaleStateError: the job kept changing state under us (retry the call).
     """

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, bindparam, select
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotFoundError
+from service.core.errors import JobNotFoundError
 from service.core.states import JobState
 from service.store.jobs.notes import latest_scheduler_pending
 from service.store.jobs.queue import explain_queue, explain_scheduler_wait
@@ -58,11 +58,11 @@ def get_job_row(conn: Connection, job_id: int, *, owner: str | None = None) -> J
     than ``Session.get`` on PostgreSQL).
 
     Raises:
-        NotFoundError: no such job (or not the owner's).
+        JobNotFoundError: no such job (or not the owner's).
     """
     row = conn.execute(_JOB_VIEW, {"job_id": job_id}).one_or_none()
     if row is None or (owner is not None and row.owner != owner):
-        raise NotFoundError(f"job {job_id} not found")
+        raise JobNotFoundError(job_id)
     return row
 
 
@@ -80,7 +80,7 @@ def get_job_view(
     (``job_notes``). None for every other job.
 
     Raises:
-        NotFoundError: no such job (or not the owner's).
+        JobNotFoundError: no such job (or not the owner's).
     """
     row = get_job_row(conn, job_id, owner=owner)
     waiting_in_scheduler = row.state == JobState.STARTING.value and row.scheduler_job_id

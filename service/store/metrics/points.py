@@ -12,6 +12,7 @@ from sqlalchemy import CursorResult, Row, and_, func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
+from service.core.limits import METRIC_PAGE_POINTS
 from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
 from service.core.states import ACTIVE_STATES
@@ -212,7 +213,12 @@ _POINT_COLUMNS = (
 
 
 def query_points(
-    session: Session, job_id: int, name: str, *, after_step: int = 0, limit: int = 1000
+    session: Session,
+    job_id: int,
+    name: str,
+    *,
+    after_step: int = 0,
+    limit: int = METRIC_PAGE_POINTS,
 ) -> tuple[list[PointRow], int]:
     """Points of ``name`` with ``step > after_step``, ascending, at most ``limit``.
 

@@ -17,9 +17,16 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import ConflictError, NotFoundError
+from service.core.errors import ConflictError, SweepNotFoundError
 from service.core.events import EventKind, render
-from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
+from service.core.states import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    JobState,
+    SweepState,
+    check_sweep_transition,
+    check_transition,
+)
 from service.core.sweeps.spec import PlannedTrial, ResolvedObjective, SweepSpec
 from service.store.events import event_values, record_events
 from service.store.jobs.claims import lock_sweep_claims
@@ -27,8 +34,14 @@ from service.store.jobs.rate_limits import check_jobs_rate
 from service.store.models import Job, Sweep, SweepTrial, utcnow
 from service.store.sweeps.init_from import init_from_columns, retry_start
 
-SWEEP_RUNNING = "running"
-SWEEP_STATES = ("running", "succeeded", "failed", "cancelled")
+
+def move_sweep(sweep: Sweep, target: SweepState) -> None:
+    """Set ``sweep.state`` to ``target`` as ``SWEEP_TRANSITIONS`` allows (nothing to do when
+    it is there already). Raises InvalidTransitionError (HTTP 409) for a move the table lacks."""
+    current = SweepState(sweep.state)
+    if current != target:
+        check_sweep_transition(current, target)
+        sweep.state = target.value
 
 
 def submit_sweep(
@@ -63,7 +76,7 @@ def submit_sweep_once(
     sweep = Sweep(
         name=spec.name,
         owner=owner,
-        state=SWEEP_RUNNING,
+        state=SweepState.RUNNING.value,
         spec=spec.model_dump(mode="json"),
         objective=objective.as_dict(),
         max_concurrent=spec.max_concurrent,
@@ -170,11 +183,11 @@ def get_sweep(session: Session, sweep_id: int, *, owner: str | None = None) -> S
     """The sweep ``sweep_id``; with ``owner`` set, only if that owner's.
 
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
     """
     sweep = session.get(Sweep, sweep_id)
     if sweep is None or (owner is not None and sweep.owner != owner):
-        raise NotFoundError(f"sweep {sweep_id} not found")
+        raise SweepNotFoundError(sweep_id)
     return sweep
 
 
@@ -253,17 +266,18 @@ def cancel_sweep(session: Session, sweep_id: int, *, owner: str | None, by: str)
     stopping). Idempotent.
 
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
         ConflictError: the sweep already ended succeeded or failed (HTTP 409).
     """
     sweep = get_sweep(session, sweep_id, owner=owner)
-    if sweep.state in ("succeeded", "failed"):
+    if sweep.state in (SweepState.SUCCEEDED, SweepState.FAILED):
         raise ConflictError(f"sweep {sweep_id} already {sweep.state}; nothing to cancel")
     why = {"sweep_id": sweep_id, "by": by}
     reason = render(EventKind.SWEEP_CANCELLED, why)
     cancel_sweep_jobs(session, sweep_id, EventKind.SWEEP_CANCELLED, why)
-    if sweep.state != "cancelled":
-        sweep.state, sweep.stop_reason = "cancelled", reason
+    if sweep.state != SweepState.CANCELLED:
+        move_sweep(sweep, SweepState.CANCELLED)
+        sweep.stop_reason = reason
     finish_cancelled(session, sweep)
     session.flush()
     return sweep
@@ -307,7 +321,7 @@ def retry_failed(
     Returns:
         How many trials were re-queued.
     Raises:
-        NotFoundError: no such sweep (or not the owner's).
+        SweepNotFoundError: no such sweep (or not the owner's).
         ConflictError: the sweep was cancelled (HTTP 409).
         RateLimitedError: the new jobs do not fit the rate limit now (HTTP 429).
         SpecValidationError: more failed trials than ``per_minute`` (HTTP 422).
@@ -315,7 +329,7 @@ def retry_failed(
     # Concurrent retries would each see the same failed trials and queue a job for each.
     lock_sweep(session, sweep_id)
     sweep = get_sweep(session, sweep_id, owner=owner)
-    if sweep.state == "cancelled":
+    if sweep.state == SweepState.CANCELLED:
         raise ConflictError(f"sweep {sweep_id} was cancelled; submit it again to re-run it")
     failed = session.execute(
         select(SweepTrial, Job)
@@ -367,7 +381,8 @@ def retry_failed(
     )
     for new, (t, _) in zip(ids, failed, strict=True):
         t.job_id, t.attempts, t.outcome = new, t.attempts + 1, None
-    sweep.state, sweep.stop_reason, sweep.finished_at = SWEEP_RUNNING, None, None
+    move_sweep(sweep, SweepState.RUNNING)
+    sweep.stop_reason, sweep.finished_at = None, None
     session.flush()
     return len(ids)
 
@@ -398,12 +413,13 @@ def extend_sweep(
     Raises:
         ConflictError: the sweep was cancelled (HTTP 409).
     """
-    if sweep.state == "cancelled":
+    if sweep.state == SweepState.CANCELLED:
         raise ConflictError(f"sweep {sweep.id} was cancelled; submit a new sweep instead")
     sweep.spec = spec.model_dump(mode="json")
     added = insert_trials(session, sweep, planned)
-    if added and sweep.state in ("succeeded", "failed"):
-        sweep.state, sweep.finished_at = SWEEP_RUNNING, None
+    if added and sweep.state in (SweepState.SUCCEEDED, SweepState.FAILED):
+        move_sweep(sweep, SweepState.RUNNING)
+        sweep.finished_at = None
     session.flush()
     return added
 

@@ -17,18 +17,23 @@ from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.core.events import EventKind, render
-from service.core.states import ACTIVE_STATES, JobState
+from service.core.states import (
+    ACTIVE_STATES,
+    JobState,
+    SweepState,
+    TrialOutcome,
+    trial_outcome,
+)
 from service.core.sweeps.asha import decide_at_rung, rung_step, rungs_up_to
 from service.core.sweeps.spec import SweepSpec
 from service.store.events import record_event
 from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
 from service.store.sweeps.crud import (
-    SWEEP_RUNNING,
     cancel_sweep_jobs,
     finish_cancelled,
     is_terminal_state,
+    move_sweep,
 )
-from service.store.sweeps.view import STOPPED_EARLY, trial_outcome
 
 log = logging.getLogger(__name__)
 MAX_SWEEPS_PER_TICK = 100
@@ -37,8 +42,8 @@ MAX_SWEEPS_PER_TICK = 100
 def _unfinished() -> ColumnElement[bool]:
     """Running sweeps, and cancelled ones whose started trials are still stopping."""
     return or_(
-        Sweep.state == SWEEP_RUNNING,
-        and_(Sweep.state == "cancelled", Sweep.finished_at.is_(None)),
+        Sweep.state == SweepState.RUNNING.value,
+        and_(Sweep.state == SweepState.CANCELLED.value, Sweep.finished_at.is_(None)),
     )
 
 
@@ -62,7 +67,7 @@ def advance_sweeps(session: Session) -> list[str]:
         select(Sweep).where(_unfinished()).order_by(Sweep.id).limit(MAX_SWEEPS_PER_TICK)
     ).all()
     for sweep in sweeps:
-        if sweep.state != SWEEP_RUNNING:
+        if sweep.state != SweepState.RUNNING:
             if finish_cancelled(session, sweep):
                 done.append(f"sweep {sweep.id} cancelled: every trial has ended")
             continue
@@ -83,7 +88,7 @@ def advance_sweep(session: Session, sweep: Sweep) -> list[str]:
         .where(SweepTrial.sweep_id == sweep.id)
     ).all()
     outcomes = [trial_outcome(state, outcome) for outcome, state in rows]
-    failed = outcomes.count(JobState.FAILED.value)
+    failed = outcomes.count(TrialOutcome.FAILED)
     if sweep.max_failed is not None and failed >= sweep.max_failed and sweep.stop_reason is None:
         why = {"sweep_id": sweep.id, "failed": failed, "max_failed": sweep.max_failed}
         reason = render(EventKind.SWEEP_STOPPED, why)
@@ -95,8 +100,9 @@ def advance_sweep(session: Session, sweep: Sweep) -> list[str]:
     # Ended: every trial's job is (a stopped trial's job ends cancelled once its worker
     # stopped it; until then the sweep runs).
     if rows and all(is_terminal_state(state) for _, state in rows):
-        succeeded = JobState.SUCCEEDED.value in outcomes
-        sweep.state = "failed" if sweep.stop_reason or not succeeded else "succeeded"
+        succeeded = TrialOutcome.SUCCEEDED in outcomes
+        failed_ = sweep.stop_reason or not succeeded
+        move_sweep(sweep, SweepState.FAILED if failed_ else SweepState.SUCCEEDED)
         sweep.finished_at = utcnow()
         done.append(f"sweep {sweep.id} {sweep.state}")
     session.flush()
@@ -148,7 +154,7 @@ def evaluate_asha(session: Session, sweep: Sweep, spec: SweepSpec) -> list[str]:
     )
     arrivals: list[_Arrival] = []
     for trial, job_id, state, attempt, _ in rows:
-        if trial.outcome == STOPPED_EARLY:
+        if trial.outcome == TrialOutcome.STOPPED_EARLY:
             continue
         seen = trial.rungs or {}
         for rung in rungs_up_to(
@@ -229,7 +235,7 @@ def _stop_trial(session: Session, a: _Arrival, data: dict[str, object]) -> bool:
         session, a.job_id, row.attempt, EventKind.EARLY_STOPPED, data, from_state=row.state,
         to_state=row.state,
     )  # fmt: skip
-    a.trial.outcome = STOPPED_EARLY
+    a.trial.outcome = TrialOutcome.STOPPED_EARLY.value
     return True
 
 

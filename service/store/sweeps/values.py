@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from service.core.states import TrialOutcome, may_be_best
+
 
 @dataclass(frozen=True, slots=True)
 class SweepInfo:
@@ -50,6 +52,12 @@ class TrialView:
     objective_value: float | None
     run_time_s: float | None
     cancel_requested: bool
+
+    @property
+    def may_be_best(self) -> bool:
+        """Whether its objective value competes for the sweep's best trial (the one rule,
+        ``service.core.states.may_be_best``)."""
+        return may_be_best(TrialOutcome(self.outcome), cancel_requested=self.cancel_requested)
 
 
 @dataclass(frozen=True, slots=True)

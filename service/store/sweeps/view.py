@@ -11,17 +11,12 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.core.states import JobState
+from service.core.states import TrialOutcome, trial_outcome
 from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
 from service.store.sweeps.values import TrialView
 
-STOPPED_EARLY = "stopped_early"  # a trial's outcome when ASHA stopped it (its job: cancelled)
-OUTCOMES = (*(s.value for s in JobState), STOPPED_EARLY)
-
-
-def trial_outcome(job_state: str | None, outcome: str | None) -> str:
-    """The trial's outcome: its recorded one (``stopped_early``), else its job's state."""
-    return outcome or job_state or JobState.CANCELLED.value
+# The API's counts list every outcome, in this order (the job states, then stopped_early).
+OUTCOMES = tuple(o.value for o in TrialOutcome)
 
 
 def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
@@ -69,7 +64,7 @@ def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
                 overrides=trial.overrides,
                 job_id=trial.job_id,
                 state=state,
-                outcome=trial_outcome(state, trial.outcome),
+                outcome=trial_outcome(state, trial.outcome).value,
                 attempts=trial.attempts,
                 steps_done=_int(progress.get("step")) if isinstance(progress, dict) else None,
                 objective_value=_finite(value),
@@ -102,19 +97,11 @@ def _run_time_s(started: datetime | None, finished: datetime | None, now: dateti
     return max(0.0, ((finished or now) - started).total_seconds())
 
 
-def may_be_best(trial: TrialView) -> bool:
-    """Whether a trial's value competes for best: it succeeded or was stopped early, or it
-    is still running (and not being cancelled). A failed or cancelled trial never does, whatever
-    it reported before it ended."""
-    if trial.outcome in (JobState.SUCCEEDED.value, STOPPED_EARLY):
-        return True
-    return trial.outcome == JobState.RUNNING.value and not trial.cancel_requested
-
-
 def best_trial(trials: Sequence[TrialView], mode: str) -> TrialView | None:
-    """The trial with the best objective value (max or min by ``mode``) among those that
-    ``may_be_best``; None if none has one. Its ``outcome`` says whether it is still running."""
-    scored = [t for t in trials if t.objective_value is not None and may_be_best(t)]
+    """The sweep's best trial, the one rule every client shows (the API's ``best``): the best
+    objective value (max or min by ``mode``) among the trials that ``may_be_best``; None if
+    none has one. Its ``outcome`` says whether it is still running."""
+    scored = [t for t in trials if t.objective_value is not None and t.may_be_best]
     if not scored:
         return None
     pick = max if mode == "max" else min

@@ -19,7 +19,7 @@ from typing import Any, cast
 from sqlalchemy import ColumnElement, CursorResult, Row, and_, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotFoundError, StaleAttemptError, StaleStateError
+from service.core.errors import JobNotFoundError, NotFoundError, StaleAttemptError, StaleStateError
 from service.core.events import EventKind, render
 from service.core.holds import AdoptedJob, HeldJob, Transition
 from service.core.launchers import adopting_launchers, launcher_traits
@@ -233,11 +233,11 @@ def fence_attempt(job_id: int, attempt: int, row: Row[Any] | None) -> Row[Any]:
     exists, ``attempt`` is its current one and it is active (starting/running).
 
     Raises:
-        NotFoundError: ``row`` is None (no such job).
+        JobNotFoundError: ``row`` is None (no such job).
         StaleAttemptError: ``attempt`` is not current, or the job is not active.
     """
     if row is None:
-        raise NotFoundError(f"job {job_id} not found")
+        raise JobNotFoundError(job_id)
     if row.attempt != attempt or row.state not in _ACTIVE:
         raise StaleAttemptError(
             f"job {job_id} attempt {attempt} is stale (job is {row.state}, attempt {row.attempt})"

@@ -41,17 +41,11 @@
     return Boolean(best) && t.key === best.trial_key;
   }
 
-  /* Whether a trial's value competes for best (as the API's `best`): succeeded, stopped
-     early, or still running; never failed or cancelled. */
-  function mayBeBest(t) {
-    return t.outcome === "succeeded" || t.outcome === "stopped_early" || t.outcome === "running";
-  }
-
   /* Trial key → 0 (worst) … 1 (best) by objective value; trials without one, or that
-     cannot be best (failed, cancelled), are absent. */
+     cannot be best (the API's `may_be_best`, the rule of its `best`), are absent. */
   function objectiveRanks() {
     const mode = (view.sweep && view.sweep.objective && view.sweep.objective.mode) || "min";
-    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined && mayBeBest(t));
+    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined && t.may_be_best);
     scored.sort((a, b) => (mode === "max" ? a.objective_value - b.objective_value : b.objective_value - a.objective_value));
     const ranks = new Map();
     scored.forEach((t, i) => ranks.set(t.key, scored.length > 1 ? i / (scored.length - 1) : 1));

@@ -61,7 +61,7 @@ def failure_known(run: LocalRun, now: float, grace_s: float) -> bool:
     first seen by a poll), or ``PEER_LOST_GRACE_S`` when every error file only says a peer
     went away. Never while the worker is cancelling the attempt."""
     if run.error_seen_mono is None:
-        if run.cancelled or not any(Path(run.plan.log_dir).glob("error-rank-*.json")):
+        if run.cancelled or not artifacts.rank_error_files(Path(run.plan.log_dir)):
             return False
         run.error_seen_mono = now
     waited_s = now - run.error_seen_mono

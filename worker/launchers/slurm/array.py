@@ -138,7 +138,7 @@ def _array_plan(
 def write_manifest(folder: Path, elements: Sequence[LaunchPlan[Any]]) -> None:
     """``elements.json`` in the array's folder: ``{"<index>": [job_id, attempt]}``."""
     data = {str(i): [e.job_id, e.attempt] for i, e in enumerate(elements)}
-    tmp = folder / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp = artifacts.temporary_path(folder / MANIFEST)
     tmp.write_text(json.dumps(data))
     tmp.replace(folder / MANIFEST)
 

@@ -12,9 +12,10 @@ import re
 import subprocess
 from typing import Any
 
+from service.core.limits import SLURM_COMMAND_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
-COMMAND_TIMEOUT_S = 30.0  # sacct / scancel / sinfo / scontrol
 # Slurm's own default, used when scontrol cannot tell (a site that set less gets sbatch's
 # refusal as the launch error, which names the limit).
 DEFAULT_MAX_ARRAY_SIZE = 1001
@@ -40,7 +41,7 @@ def read_max_array_size(scontrol: str = "scontrol") -> int:
     try:
         out = subprocess.run(
             [scontrol, "show", "config"],
-            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True,
+            capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S, check=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("scontrol show config failed (%s); assuming MaxArraySize=%d",
@@ -84,7 +85,7 @@ def describe_nodes() -> str:
     try:
         out = subprocess.run(
             ["sinfo", "-h", "-o", "%P %D %c %m %G"],
-            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True,
+            capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S, check=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "sinfo unavailable"
@@ -103,7 +104,7 @@ def scancel(scheduler_job_id: str) -> None:
     try:
         done = subprocess.run(
             ["scancel", scheduler_job_id],
-            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+            capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("scancel %s failed: %s", scheduler_job_id, exc)

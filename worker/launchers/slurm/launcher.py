@@ -30,13 +30,13 @@ from typing import Self
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.core.limits import SLURM_COMMAND_TIMEOUT_S
 from service.core.spec.model import JobSpec
 from worker.attempt import FailureReason, inherited_env
 from worker.errors import LaunchError
 from worker.launchers.base import ArrayPlan, LaunchPlan, RunPhase, RunStatus, write_plan_files
 from worker.launchers.slurm.array import SlurmArrayRequest, plan_arrays, start_array_plan
 from worker.launchers.slurm.cluster import (
-    COMMAND_TIMEOUT_S,
     read_max_array_size,
     refusal_message,
     scancel,
@@ -329,7 +329,7 @@ class SlurmLauncher:
         self.sacct_calls += 1
         try:
             out = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True
+                cmd, capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S, check=True
             ).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", None) or exc

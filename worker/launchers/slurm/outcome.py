@@ -37,7 +37,9 @@ def with_artifacts(
     if error is not None:
         return RunStatus(RunPhase.FAILED, error.text, status.exit_code, failure=error.reason)
     # An array element's is the array folder's <id>_<index>_0_log.err, through the link.
-    stderr = artifacts.slurm_dir(artifact_dir, job_id, attempt) / f"{handle}_0_log.err"
+    stderr = artifacts.slurm_dir(artifact_dir, job_id, attempt) / artifacts.slurm_stderr_name(
+        handle
+    )
     reason = f"{status.reason}; last lines of {stderr.name}:\n{tail_lines(stderr)}"
     failure = status.failure or FailureReason.ERROR
     return RunStatus(RunPhase.FAILED, reason, status.exit_code, failure=failure)

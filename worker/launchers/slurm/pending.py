@@ -8,9 +8,10 @@ import logging
 import subprocess
 from collections.abc import Iterable
 
+from service.core.limits import SLURM_COMMAND_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
-COMMAND_TIMEOUT_S = 30.0
 # squeue's output: "<job id>|<reason>" per job (a reason may hold spaces and commas).
 SQUEUE_FORMAT = "%i|%r"
 
@@ -42,7 +43,7 @@ def query_pending_reasons(scheduler_job_ids: list[str], squeue: str = "squeue") 
     cmd = squeue_pending_command(scheduler_job_ids, squeue)
     try:
         done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True
+            cmd, capture_output=True, text=True, timeout=SLURM_COMMAND_TIMEOUT_S, check=True
         )
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("squeue failed (%s); pending reasons not refreshed",

@@ -192,12 +192,13 @@ def _link_store_file(path: Path, entry: wire.CheckpointEntry) -> bool:
     an upload left under its own name in the same directory (``entry.path``'s name,
     ``step-<n>.upload-<id>.pt``), once that file verifies. False when there is none."""
     name = Path(entry.path).name
-    if name == path.name or not name.startswith(f"step-{entry.step}.") or "/" in name:
+    uploaded = artifacts.parse_uploaded_checkpoint_name(name)
+    if uploaded is None or uploaded[0] != entry.step:
         return False
     stored = path.with_name(name)
     if not verified(stored, entry.size_bytes, entry.sha256):
         return False
-    link = path.with_name(f".{path.name}.link-{os.getpid()}")
+    link = artifacts.temporary_path(path, "link")
     with contextlib.suppress(FileNotFoundError):
         link.unlink()
     link.symlink_to(name)  # relative: the store removes it with its target
@@ -286,7 +287,7 @@ def ensure_init_local(
         return path
     source = artifacts.checkpoint_path(artifact_dir, init.job_id, init.step)
     if verified(source, init.size_bytes, init.sha256):
-        link = path.with_name(f".{path.name}.link-{os.getpid()}")
+        link = artifacts.temporary_path(path, "link")
         with contextlib.suppress(FileNotFoundError):
             link.unlink()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from service.core import artifacts
 from service.core.errors import DdpqError
 
 _READ_CHUNK_BYTES = 1 << 20
@@ -63,7 +63,7 @@ def write_temp_checkpoint(state: dict[str, Any], final_path: Path) -> tuple[Path
     Raises:
         CheckpointWriteError: the write failed (e.g. ``ENOSPC``); no temp file is left.
     """
-    tmp = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp = artifacts.temporary_path(final_path)
     try:
         final_path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:

@@ -358,9 +358,10 @@ class Checkpointer(NullCheckpointer):
             log.warning("local checkpoint copies not pruned: %s", exc)
             return
         keep = live | ({self.last_step} if self.last_step is not None else set())
-        for path in artifacts.checkpoint_dir(self._artifact_dir, self.job_id).glob("step-*.pt"):
-            step = path.stem.removeprefix("step-")
-            if step.isdigit() and int(step) not in keep:
+        directory = artifacts.checkpoint_dir(self._artifact_dir, self.job_id)
+        for path in directory.glob(artifacts.CHECKPOINT_GLOB):
+            step = artifacts.parse_checkpoint_name(path.name)
+            if step is not None and step not in keep:
                 with contextlib.suppress(OSError):
                     path.unlink()
 

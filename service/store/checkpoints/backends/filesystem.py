@@ -21,7 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from service.core.artifacts import checkpoint_dir, confine
+from service.core.artifacts import (
+    checkpoint_dir,
+    checkpoint_name,
+    confine,
+    parse_uploaded_checkpoint_name,
+    upload_partial_name,
+    uploaded_checkpoint_name,
+)
 from service.core.errors import NotFoundError
 from service.core.wire.attempt import STORE_ID_FILE
 from service.store.checkpoints.backends.base import (
@@ -98,10 +105,10 @@ class FilesystemStore:
     # -- partial uploads ------------------------------------------------------------------
 
     def _partial(self, key: UploadKey) -> Path:
-        return checkpoint_dir(self.root, key.job_id) / f".upload-{int(key.upload_id)}.part"
+        return checkpoint_dir(self.root, key.job_id) / upload_partial_name(key.upload_id)
 
     def _final(self, key: UploadKey) -> Path:
-        name = f"step-{int(key.step)}.upload-{int(key.upload_id)}.pt"
+        name = uploaded_checkpoint_name(key.step, key.upload_id)
         return checkpoint_dir(self.root, key.job_id) / name
 
     def _held(self, key: UploadKey) -> Path:
@@ -200,8 +207,8 @@ class FilesystemStore:
             path.unlink(missing_ok=True)
             # A rank sharing this directory may have linked ``step-<n>.pt`` to an uploaded
             # file (``worker.runtime.checkpoints.fetch``): that link goes with its target.
-            step = path.name.split(".", 1)[0]
-            canonical = path.with_name(f"{step}.pt")
-            linked = canonical != path and canonical.is_symlink()
-            if linked and os.readlink(canonical) == path.name:
+            uploaded = parse_uploaded_checkpoint_name(path.name)
+            canonical = path.with_name(checkpoint_name(uploaded[0])) if uploaded else None
+            linked = canonical is not None and canonical.is_symlink()
+            if canonical is not None and linked and os.readlink(canonical) == path.name:
                 canonical.unlink()
