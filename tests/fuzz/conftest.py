@@ -10,15 +10,11 @@ generated submissions are stored rather than refused with 429.
 from __future__ import annotations
 
 import hashlib
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
 from service.app import create_app
 from service.core import artifacts
@@ -33,6 +29,7 @@ from service.store.jobs.claims import claim_next_job
 from service.store.jobs.crud import Transition, apply_transition, submit_job
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.workers.registry import register_worker
+from tests.live import serve_app
 
 API = API_PREFIX
 
@@ -109,30 +106,6 @@ def seed(db: Database, settings: Settings) -> tuple[tuple[int, ...], tuple[int, 
     return (running.id, queued.id), steps
 
 
-def serve(settings: Settings) -> tuple[uvicorn.Server, threading.Thread, str]:
-    """``create_app(settings)`` under uvicorn in a thread on a free loopback port.
-
-    Raises:
-        RuntimeError: the server did not start within 30 s.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(settings), log_level="warning", access_log=False, lifespan="on"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start within 30 s (see the log above)")
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture
 def served(settings: Settings, db: Database) -> Iterator[Served]:
     """The seeded app with auth on, served over loopback for one test."""
@@ -140,9 +113,5 @@ def served(settings: Settings, db: Database) -> Iterator[Served]:
     job_ids, steps = seed(db, settings)
     with db.session() as session:
         _, token = create_token(session, owner="fuzz-admin", admin=True)
-    server, thread, url = serve(settings)
-    try:
+    with serve_app(create_app(settings)) as url:
         yield Served(url=url, settings=settings, db=db, job_ids=job_ids, steps=steps, token=token)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)

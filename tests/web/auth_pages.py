@@ -9,13 +9,15 @@ from typing import Any
 import httpx
 import pytest
 
+from service.app import create_app
 from service.core.config import Settings
 from service.core.states import JobState
 from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.auth.tokens import create_token
 from service.store.db import Database
-from tests.web.conftest import LiveServer, WatchedPage, _serve
+from tests.live import serve_app
+from tests.web.conftest import LiveServer, WatchedPage
 
 UNAUTHORIZED = r"status of 401"
 NOT_FOUND = r"status of 404"
@@ -33,15 +35,13 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     )
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
-    server, thread, url = _serve(settings)
-    api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
-    try:
-        yield LiveServer(url=url, settings=settings, db=db, api=api)
-    finally:
-        api.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        db.dispose()
+    with serve_app(create_app(settings)) as url:
+        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
+        try:
+            yield LiveServer(url=url, settings=settings, db=db, api=api)
+        finally:
+            api.close()
+            db.dispose()
 
 
 @pytest.fixture(scope="module")

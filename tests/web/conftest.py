@@ -8,9 +8,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from service.core.artifacts import checkpoint_path, rank_log_path
 from service.core.config import Settings
@@ -31,6 +27,7 @@ from service.store.jobs.claims import claim_next_job
 from service.store.jobs.crud import Transition, apply_transition
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.workers.registry import register_worker
+from tests.live import serve_app
 from tests.waiting import wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -188,27 +185,6 @@ class LiveServer:
         return job
 
 
-def _serve(settings: Settings) -> tuple[uvicorn.Server, threading.Thread, str]:
-    from service.app import create_app
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(settings), log_level="warning", access_log=False, lifespan="on"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start within 30 s (see the log above)")
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A fresh SQLite database migrated to head, served by uvicorn for one test module."""
@@ -222,15 +198,15 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     )
     db = Database.from_url(settings.resolved_database_url)
     migrate.upgrade(db.engine)
-    server, thread, url = _serve(settings)
-    api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
-    try:
-        yield LiveServer(url=url, settings=settings, db=db, api=api)
-    finally:
-        api.close()
-        server.should_exit = True
-        thread.join(timeout=15)
-        db.dispose()
+    from service.app import create_app
+
+    with serve_app(create_app(settings)) as url:
+        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
+        try:
+            yield LiveServer(url=url, settings=settings, db=db, api=api)
+        finally:
+            api.close()
+            db.dispose()
 
 
 @dataclass
