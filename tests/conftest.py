@@ -53,6 +53,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prefix, group in XDIST_GROUPS.items():
             if where.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = _spread_heavy(items, root)
+
+
+# Tests that run whole deployments, ranks or a browser: many processes each.
+HEAVY_PREFIXES = ("tests/e2e/", "tests/web/", "tests/slurm/", "tests/fuzz/", "tests/procs/")
+
+
+def _spread_heavy(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
+    """The same tests with the heavy ones spread evenly among the light ones (each kind in
+    its own order): xdist hands out tests in this order, so its processes do not all start a
+    deployment at once on a 2-core box, which slows every one and makes timings flaky."""
+    heavy, light = [], []
+    for item in items:
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        (heavy if where.startswith(HEAVY_PREFIXES) else light).append(item)
+    if not heavy or not light:
+        return items
+    spread: list[pytest.Item] = []
+    step = len(light) / len(heavy)
+    taken = 0
+    for i, item in enumerate(heavy):
+        upto = round((i + 1) * step)
+        spread.extend(light[taken:upto])
+        taken = upto
+        spread.append(item)
+    spread.extend(light[taken:])
+    return spread
 
 
 def _pg_schema_url(schema: str) -> str:

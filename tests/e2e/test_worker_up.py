@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from service.core.config import Settings
+from service.core.wire import API_PREFIX
 from worker.errors import PortInUseError
 from worker.up import run_up
 
@@ -55,8 +56,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
+def start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """``ddpq up`` in its own session, once its /readyz answers 200: (process, base URL, log).
+    The caller stops it (and SIGKILLs its process group if it must).
+
+    Raises:
+        AssertionError: it exited, or /readyz did not answer within 120 s (with its log).
+    """
     port = _free_port()
+    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DDPQ_HOME": str(tmp_path / ".ddpq"), "DDPQ_PORT": str(port)}
     log_path = tmp_path / "up.log"
     with open(log_path, "wb") as log:
@@ -64,23 +72,31 @@ def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
             [sys.executable, "-c", RUN_UP], env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        if up.poll() is not None:
+            raise AssertionError(f"ddpq up exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return up, url, log_path
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+            raise AssertionError(f"/readyz never answered:\n{log_path.read_text()}")
+        time.sleep(0.1)
+
+
+def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
+    up, url, log_path = start_up(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert up.poll() is None, f"ddpq up exited early:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"/readyz never answered:\n{log_path.read_text()}"
-            time.sleep(0.3)
         output = log_path.read_text()
         deadline = time.monotonic() + 60
         while "ddpq is up" not in output and time.monotonic() < deadline:
             time.sleep(0.2)
             output = log_path.read_text()
-        assert f"http://127.0.0.1:{port}/" in output, output
+        assert f"{url}/" in output, output
         children = _descendants(up.pid)
         assert len(children) >= 2, f"expected an API and a worker process, got {children}"
         up.send_signal(signal.SIGTERM)
@@ -102,3 +118,35 @@ def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
         settings = Settings(home=tmp_path / ".ddpq", port=port)
         with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*another port"):
             run_up(settings, announce=lambda _line: None)
+
+
+SPEC = {
+    "name": "right-after-up",
+    "task": "regression",
+    "resources": {"nproc_per_node": 1},
+    "training": {"max_steps": 1},
+}
+NO_WORKER = "no worker of launcher local is registered"
+
+
+def test_a_submit_right_after_up_is_ready_finds_its_worker(tmp_path: Path) -> None:
+    """As scripts/demo.sh does: submit the moment /readyz answers; no warning that no worker
+    is registered, and the ready line comes after the worker registered."""
+    up, url, log_path = start_up(tmp_path)
+    try:
+        r = httpx.post(f"{url}{API_PREFIX}/jobs", json=SPEC, timeout=10)
+        assert r.status_code == 201, r.text
+        assert not any(NO_WORKER in w for w in r.json()["warnings"]), r.json()["warnings"]
+        httpx.post(f"{url}{API_PREFIX}/jobs/{r.json()['id']}/cancel", timeout=10)
+        deadline = time.monotonic() + 30
+        while "ddpq is up" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        output = log_path.read_text()
+        assert output.index("registered: launcher=local") < output.index("ddpq is up"), output
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0, log_path.read_text()
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
