@@ -6,7 +6,7 @@ Two runs: hypothesis driving each operation from here (cases pinned to the seede
 valid specs too, so existing rows and stored jobs are exercised), and schemathesis' own runner
 (`st run`: boundary values of every parameter, random cases, stateful sequences through the
 API's links, auth and method checks). Both are deterministic: a failure reproduces as is.
-``DDPQ_FUZZ_EXAMPLES`` sets the examples per operation (default 50; half for `st run`).
+``DDPQ_FUZZ_EXAMPLES`` sets the examples per operation (default 30; half for `st run`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from schemathesis.checks import (
 
 from service.core.wire import API_PREFIX
 
-EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "30"))
 CHECKS = [
     not_a_server_error,
     status_code_conformance,

@@ -24,7 +24,7 @@ from service.core.spec.model import validate_spec
 from service.core.spec.text import SpecTextError, json_value_problems, parse_spec_text
 from service.store.models import Job
 
-EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("DDPQ_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     derandomize=True,

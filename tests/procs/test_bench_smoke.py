@@ -83,7 +83,10 @@ def test_api_tiny(tmp_path: Path) -> None:
 @skip_no_pg
 def test_scale_tiny(tmp_path: Path) -> None:
     res = scale.run("tiny", workdir=tmp_path)
-    _measured(res, "stored_vs_sent", "lag_p99_vs_goal", "poll_p99_vs_goal")
+    _measured(res, "stored_vs_sent", "lag_p99_vs_goal")
+    # The tiny run's load lasts 5 s: on a busy box no poll may be answered inside it, and the
+    # poll ratio is then None (said so), not a made-up number.
+    assert "poll_p99_vs_goal" in res.ratios, res.ratios
     fig = res.figures
     # Exactly once is a correctness check, not a timing: it must hold on any machine.
     assert res.goals["exactly_once"], fig
