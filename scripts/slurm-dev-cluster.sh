@@ -21,8 +21,10 @@
 # (default 4: oversubscribes a 2-core box on purpose) and 2 fake GPUs (gres gpu:2 backed by
 # /dev/fakegpu0-1, character devices like /dev/null). The node names do not resolve: a job
 # finds a node's address with `scontrol show node` (ddpq's Slurm launcher does).
-# Tuned for fast tests: KillWait=5, cred_expire=10 (requeue without the 120 s wait),
-# scheduler every 1-2 s, finished jobs kept 300 s in slurmctld.
+# Tuned for fast tests: cred_expire=10 (requeue without the 120 s wait),
+# scheduler every 1-2 s, finished jobs kept 300 s in slurmctld. KillWait stays Slurm's
+# default (30 s): a stopping rank drains its metrics and uploads its stop checkpoint in that
+# window, which a loaded box needs more than 5 s for.
 set -euo pipefail
 
 DEV_DIR="${DDPQ_SLURM_DEV_DIR:-/var/lib/ddpq-slurm-dev}"
@@ -143,7 +145,7 @@ SlurmctldLogFile=$DEV_DIR/log/slurmctld.log
 SlurmdLogFile=$DEV_DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-KillWait=5
+KillWait=30
 InactiveLimit=0
 MinJobAge=300
 SlurmctldTimeout=30
@@ -352,10 +354,10 @@ stop_daemons() {
 cmd_down() {
     local purge="${1:-}" node
     if pid_alive "$CTLD_PID" slurmctld; then
-        # Cancel every job and let the slurmds finish them (KillWait=5), so that no job is
+        # Cancel every job and let the slurmds finish them (within KillWait), so that no job is
         # left "running" in slurmctld's saved state for a node that is gone.
         cancel_all_jobs
-        local deadline=$((SECONDS + 15))
+        local deadline=$((SECONDS + 35))
         while [[ -n "$(squeue -h -o %i 2>/dev/null)" ]] && ((SECONDS < deadline)); do
             sleep 0.5
         done
