@@ -137,6 +137,26 @@ def test_close_waits_for_the_api_to_come_back(
     assert rows == 30 and sorted(values) == list(range(1, 31))
 
 
+def test_drain_returns_only_once_every_handed_over_point_is_stored(
+    db: Database, down: LiveApi, job: tuple[int, int], tmp_path: Path
+) -> None:
+    """The end of training drains before its stop checkpoint: the next attempt resumes after
+    that checkpoint, so a point still queued when the rank is killed would be lost."""
+    job_id, _attempt = job
+    client = attempt_client(db, down.url, *job)
+    sink = ApiSink(None, client, spill_path=tmp_path / "spill.jsonl", close_timeout_s=5)
+    try:
+        report_steps(sink, 1, 25, total=25)
+        assert not sink.drain(0.5), "nothing is stored while the API is down"
+        assert sink.held_back == 25
+        down.start()
+        assert sink.drain(60)
+        values, rows = stored_losses(db, job_id)  # stored before drain returned, not after
+        assert rows == 25 and sorted(values) == list(range(1, 26))
+    finally:
+        sink.close()
+
+
 def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

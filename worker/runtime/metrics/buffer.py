@@ -103,6 +103,11 @@ class Sink(Protocol):
         """The sink's writes were fenced off: the attempt is stale."""
         ...
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until everything handed over is written; True
+        when it is (at once on a rank that writes nothing), False on timeout."""
+        ...
+
     def close(self) -> None:
         """Write what was handed over and stop writing (after a final flush)."""
 
@@ -228,6 +233,10 @@ class MetricsSink:
     def should_stop(self) -> bool:
         """True when the sink's writes were fenced off (the attempt is stale)."""
         return False
+
+    def drain(self, timeout_s: float) -> bool:
+        """Nothing to wait for on a rank that writes nothing: True."""
+        return True
 
     def close(self) -> None:
         """Write everything handed over so far and stop the writer (call after a final flush)."""

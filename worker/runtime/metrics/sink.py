@@ -52,6 +52,8 @@ RETRY_MAX_S = 5.0
 CLOSE_TIMEOUT_S = 120.0
 # While the API stays unavailable, repeat the warning at most this often (seconds).
 OUTAGE_LOG_EVERY_S = 30.0
+# How often ``drain`` looks at the backlog (seconds): a stop waits at most this much longer.
+DRAIN_POLL_S = 0.01
 
 
 def metric_row(point: MetricPoint) -> MetricRow:
@@ -189,6 +191,29 @@ class ApiSink(MetricsSink):
                 timeline = AttemptTimeline.model_construct(**merged)
             self._timeline = timeline
         self._wake.set()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until the writer has stored every point and the
+        progress handed over so far (or the attempt was fenced off: nothing more will be).
+
+        A stop checkpoint must come after the points it covers are stored: the next attempt
+        resumes after the checkpoint's step, so a point still in memory when the process is
+        killed would never be written. The writer keeps its own pace (backoff during an
+        outage); this only waits for it.
+
+        Returns:
+            True when nothing is left to write, False when ``timeout_s`` passed first.
+        """
+        deadline_s = time.monotonic() + timeout_s
+        self._wake.set()
+        while True:
+            with self._progress_lock:
+                idle = self._progress is None and self._timeline is None
+            if self._stale.is_set() or (idle and not len(self._backlog)):
+                return True
+            if time.monotonic() >= deadline_s or not self._thread.is_alive():
+                return False
+            time.sleep(DRAIN_POLL_S)
 
     def close(self) -> None:
         """Write everything handed over so far, then stop the writer and close the client.

@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # worker.tasks.base runs this trainer
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
 EVAL_BATCH_SIZE = 256
+# How long the end of training waits for the metrics writer before its checkpoint (seconds):
+# a healthy API needs milliseconds; this leaves the checkpoint half of the launcher's
+# SIGTERM → SIGKILL grace (10 s).
+STOP_DRAIN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,11 @@ class Trainer:
             self._evaluate()
         self._flush()
         if not stale and 0 < self.step != resumed_step and (not stopped or self.stop.is_set()):
+            # The next attempt resumes after this checkpoint's step, so the points it covers
+            # must be stored first: a process killed with them still queued loses them.
+            if not self.sink.drain(STOP_DRAIN_TIMEOUT_S):
+                log.warning("metrics not all written after %.0f s; checkpointing anyway",
+                            STOP_DRAIN_TIMEOUT_S)  # fmt: skip
             # The end of training, or a signal (preemption, cancel): after the last step, so
             # its wait is the attempt's teardown, not a stall of training.
             self._checkpoint(stall=False)
