@@ -9,6 +9,8 @@ Layout::
     <artifact_dir>/jobs/<job_id>/attempt-<n>/result.json, spec.json
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/workspace/   (a command job's files and cwd)
+    <artifact_dir>/workspace-cache/<sha256[:2]>/<sha256>   (workspace files this host fetched)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only;
                                        a link to the array's folder for an array element)
     <artifact_dir>/slurm-arrays/<job_id>-<attempt>/  (a Slurm job array's submitit folder,
@@ -172,6 +174,18 @@ def job_dir(artifact_dir: Path, job_id: int) -> Path:
 def attempt_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     """Directory of one attempt's logs: ``…/jobs/<id>/attempt-<n>``."""
     return job_dir(artifact_dir, job_id) / f"attempt-{int(attempt)}"
+
+
+def workspace_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """A command job's working directory on one host: its workspace's files, fetched for
+    this attempt, writable by its ranks (``…/attempt-<n>/workspace``)."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "workspace"
+
+
+def workspace_cache_dir(artifact_dir: Path) -> Path:
+    """Workspace files a host fetched, by sha256 (``…/workspace-cache/<sha[:2]>/<sha>``), so
+    a host fetches a file once whatever job or attempt names it."""
+    return artifact_dir / "workspace-cache"
 
 
 def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:

@@ -46,6 +46,7 @@ from worker.attempt import (
 from worker.processes import has_tags, set_parent_death_signal
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.saver import CheckpointSaver, make_checkpointer
+from worker.runtime.command import run_command
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
 from worker.runtime.metrics.buffer import Sink
 from worker.runtime.metrics.sink import make_sink
@@ -166,6 +167,8 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
     try:
         spec = load_spec(artifact_dir, env)
         me = check_attempt(api, env)
+        if spec.is_command:  # the user's script initialises its own process group
+            return run_command(spec, env, api, artifact_dir)
         ctx = init_distributed(spec, env)
         code = _train(spec, ctx, env, settings, api, artifact_dir, stop, me)
         if code == ExitCode.OK:
@@ -290,6 +293,7 @@ def _train(
     # before the final close, which waits on the attempt API and the checkpoint writer.
     watchdog = StallWatchdog(spec.training.stall_timeout_s, on_stall, on_expired=dump_on_expiry)
     try:
+        assert spec.task is not None, "a job without a command has a task (validate_spec)"
         entrypoint = resolve_entrypoint(spec.task, settings)
         ctx = TrainContext(
             spec=spec,
