@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # Failures a rank decides on its own (a non-finite loss, a stall): still failures when a stop
 # signal (e.g. torchrun's teardown after a peer failed alike) arrives while they are raised.
 OWN_DECISIONS = frozenset({FailureReason.NONFINITE_LOSS, FailureReason.STALLED})
+# Seconds a rank ended mid-code gives its metrics writer: inside what is left of the launcher's
+# SIGTERM → SIGKILL grace (10 s) after the stop grace (DDPQ_STOP_GRACE_S, 5 s).
+FORCED_EXIT_DRAIN_S = 3.0
 
 # Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
@@ -278,6 +281,7 @@ def _train(
     then rank 0 records the result."""
     seed_everything(spec.training.seed)
     sink = make_sink(env, dist, artifact_dir=artifact_dir)
+    stop.at_forced_exit(functools.partial(hand_over_reported, sink))
     checkpointer = make_checkpointer(
         env, artifact_dir, keep=spec.training.keep_checkpoints,
         transport=settings.checkpoint_transport, attempt_self=me, stopping=stop.is_set,
@@ -343,6 +347,17 @@ def _train(
         log.info("result written to %s", path)
     log.info("rank %d finished at step %d", env.rank, step)
     return ExitCode.OK
+
+
+def hand_over_reported(sink: Sink, timeout_s: float = FORCED_EXIT_DRAIN_S) -> None:
+    """A rank about to be ended mid-code (no step boundary saw the stop signal): what it
+    reported is written before it goes. The buffer goes to the writer as this rank's own
+    values (a collective is not safe from another thread), then the writer gets up to
+    ``timeout_s`` seconds; what is still unsent then is logged (and stays in the spill
+    file when it got there)."""
+    sink.flush(average=False)
+    if not sink.drain(timeout_s):
+        log.error("metrics not all written within %.1f s of the forced exit", timeout_s)
 
 
 def _json_scalar(value: object) -> bool:
