@@ -19,11 +19,14 @@ STEPS = 300
 
 
 def train(ctx: Any) -> None:
-    marker = attempt_dir(
-        Path(os.environ["DDPQ_ARTIFACT_DIR"]),
-        int(os.environ["DDPQ_JOB_ID"]),
-        int(os.environ["DDPQ_ATTEMPT"]),
-    ) / "reported"
+    marker = (
+        attempt_dir(
+            Path(os.environ["DDPQ_ARTIFACT_DIR"]),
+            int(os.environ["DDPQ_JOB_ID"]),
+            int(os.environ["DDPQ_ATTEMPT"]),
+        )
+        / "reported"
+    )
     for step in range(1, STEPS + 1):
         ctx.report(step, 0, loss=1.0 / step)
     marker.write_text(str(STEPS))
