@@ -285,6 +285,14 @@ def write_rank_error(
     return path
 
 
+def mark_finished(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> None:
+    """Leave the marker of a rank whose training code returned (``rank_finished_name``): a
+    peer's "connection closed" after it is then not blamed on its teardown. Best effort."""
+    path = artifacts.attempt_dir(artifact_dir, job_id, attempt) / artifacts.rank_finished_name(rank)
+    with contextlib.suppress(OSError):
+        path.touch()
+
+
 def read_rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:
     """Every readable ``error-rank-*.json`` of one attempt directory (unreadable or
     malformed files are skipped: a rank may have died while writing)."""

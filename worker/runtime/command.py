@@ -24,7 +24,7 @@ from pathlib import Path
 
 from service.core.errors import DdpqError
 from service.core.spec.model import JobSpec
-from worker.attempt import ExitCode, FailureReason, write_result
+from worker.attempt import ExitCode, FailureReason, mark_finished, write_result
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.topology import RankEnv
 from worker.runtime.workspace import materialize
@@ -69,6 +69,7 @@ def run_command(spec: JobSpec, env: RankEnv, api: AttemptClient, artifact_dir: P
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
     if env.rank == 0:
         write_result(
             artifact_dir, env.job_id, env.attempt, step=0, final_metrics={}, checkpoint=None

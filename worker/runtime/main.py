@@ -37,6 +37,7 @@ from worker.attempt import (
     ExitCode,
     FailureReason,
     mark_before_first_step,
+    mark_finished,
     now_s,
     reason_of,
     signal_exit,
@@ -313,6 +314,7 @@ def _train(
             attempt_self=me,
         )
         returned = entrypoint(ctx)
+        mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
         ctx.close()
     except BaseException as exc:
         watchdog.stop()
