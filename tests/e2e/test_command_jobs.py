@@ -1,0 +1,140 @@
+"""Your own script, unchanged, through ``ddpq run``: a tutorial-style DDP script (plain torch,
+no ddpq import, gloo on CPU) shipped from a git repository over HTTP and run by a real worker
+with real torchrun ranks; a failing script, a cancelled one, and an unchanged re-run that
+uploads nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TUTORIAL = REPO / "examples" / "tutorial" / "train.py"
+CLI = [sys.executable, "-c", "from service.cli.main import main; main()"]
+
+
+def git_repo(root: Path) -> Path:
+    """A git work tree holding the tutorial script, a ``.gitignore`` and a file it ignores."""
+    root.mkdir()
+    shutil.copy(TUTORIAL, root / "train.py")
+    (root / ".gitignore").write_text("data/\n*.secret\n")
+    (root / "data").mkdir()
+    (root / "data" / "big.bin").write_bytes(b"\0" * 4096)
+    (root / "token.secret").write_text("not for the job")
+    for argv in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *argv], cwd=root, check=True, capture_output=True)
+    return root
+
+
+def ddpq(dep: Any, cwd: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """The CLI, as a user runs it in ``cwd``, against the deployment's API."""
+    env = {**os.environ, "DDPQ_API_URL": dep.url, "DDPQ_HOME": str(dep.tmp_path / "cli-home")}
+    return subprocess.run(
+        [*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def rank_logs(dep: Any, job_id: int, attempt: int = 1) -> dict[int, str]:
+    folder = dep.artifact_dir / "jobs" / str(job_id) / f"attempt-{attempt}"
+    return {
+        int(p.stem.split("-")[1]): p.read_text(errors="replace")
+        for p in folder.glob("rank-*.log")
+    }
+
+
+def job_id_of(output: str) -> int:
+    for line in output.splitlines():
+        if line.startswith("job "):
+            return int(line.split()[1])
+    raise AssertionError(f"no 'job N' line in:\n{output}")
+
+
+@pytest.mark.slow
+def test_the_tutorial_script_runs_unchanged_through_ddpq_run(deployment: Any, tmp_path: Path) -> None:
+    dep = deployment
+    dep.start_worker()
+    work = git_repo(tmp_path / "project")
+    run = ddpq(dep, work, "run", "-n", "2", "--wait", "--", "train.py", "--epochs", "4")
+    assert run.returncode == 0, run.stdout + run.stderr + dep.diagnostics(0)
+    job_id = job_id_of(run.stdout)
+    job = dep.job(job_id)
+    assert job["state"] == "succeeded", dep.diagnostics(job_id)
+    assert job["spec"]["command"] == ["train.py", "--epochs", "4"]
+    assert job["spec"]["resources"]["nproc_per_node"] == 2
+    logs = rank_logs(dep, job_id)
+    assert sorted(logs) == [0, 1]
+    for epoch in range(4):
+        assert f"epoch {epoch} loss " in logs[0], logs[0][-3000:]
+    for text in logs.values():
+        assert "HTTP Request" not in text, "ddpq logs no line per HTTP request"
+    cwd = dep.artifact_dir / "jobs" / str(job_id) / "attempt-1" / "workspace"
+    assert (cwd / "snapshot.pt").stat().st_size > 0, "the script writes next to itself"
+    shipped = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file())
+    assert shipped == [".gitignore", "snapshot.pt", "train.py"], shipped
+
+    again = ddpq(dep, work, "run", "-n", "2", "--", "train.py", "--epochs", "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "uploaded nothing" in again.stdout + again.stderr, "an unchanged tree uploads 0 bytes"
+    (work / "train.py").write_text((work / "train.py").read_text() + "\n# edited\n")
+    edited = ddpq(dep, work, "run", "-n", "2", "--", "train.py", "--epochs", "1")
+    assert "uploaded 1 files" in edited.stdout + edited.stderr, edited.stdout + edited.stderr
+    for other in (job_id_of(again.stdout), job_id_of(edited.stdout)):
+        dep.wait_state(other, ("succeeded",), 300)
+
+
+def test_a_script_that_raises_names_the_rank_and_the_exception(
+    deployment: Any, tmp_path: Path
+) -> None:
+    dep = deployment
+    dep.start_worker()
+    work = tmp_path / "plain"  # no git: everything but the always-excluded is shipped
+    work.mkdir()
+    (work / "boom.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            if os.environ["RANK"] == "1":
+                raise ValueError("bad batch shape on rank 1")
+            dist.barrier()
+            """
+        )
+    )
+    run = ddpq(dep, work, "run", "-n", "2", "--wait", "--", "python", "boom.py")
+    assert run.returncode == 1, run.stdout + run.stderr
+    job = dep.job(job_id_of(run.stdout))
+    assert job["state"] == "failed"
+    error = job["error"]
+    assert error.startswith("rank 1 failed: ValueError: bad batch shape on rank 1"), error
+    assert 'boom.py", line' in error, f"no traceback tail naming the script: {error}"
+
+
+def test_a_cancelled_command_job_stops_its_ranks(deployment: Any, tmp_path: Path) -> None:
+    dep = deployment
+    dep.start_worker()
+    work = tmp_path / "sleepy"
+    work.mkdir()
+    (work / "sleep.py").write_text(
+        "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)\n"
+    )
+    run = ddpq(dep, work, "run", "-n", "2", "--", "sleep.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    job_id = job_id_of(run.stdout)
+    dep.wait_state(job_id, ("running",), 120)
+    dep.wait_for(lambda: "started" in rank_logs(dep, job_id).get(1, ""), 120, "the script")
+    r = dep.http.post(f"/jobs/{job_id}/cancel")
+    assert r.status_code == 202, r.text
+    t0 = time.monotonic()
+    dep.wait_state(job_id, ("cancelled",), 60)
+    assert dep.processes(job_id) == [], "no rank outlives the cancel"
+    assert time.monotonic() - t0 < 60
