@@ -189,6 +189,18 @@ def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
     return checkpoint_dir(artifact_dir, job_id) / checkpoint_name(step)
 
 
+def workspace_upload_path(artifact_dir: Path, upload_id: int) -> Path:
+    """Where the filesystem store keeps workspace upload ``upload_id``'s partial bytes (beside
+    the file it becomes: finalizing is a rename within one directory)."""
+    return artifact_dir / "workspaces" / "files" / upload_partial_name(upload_id)
+
+
+def workspace_file_path(artifact_dir: Path, upload_id: int) -> Path:
+    """Where the filesystem store keeps the workspace file upload ``upload_id`` brought (named
+    by the upload, not the sha256: two owners' copies of one content are two files)."""
+    return artifact_dir / "workspaces" / "files" / f"upload-{int(upload_id)}"
+
+
 def confine(artifact_dir: Path, path: str | Path, *, must_exist: bool = True) -> Path:
     """Resolve ``path`` (symlinks followed) and require it to lie inside ``artifact_dir``.
 
