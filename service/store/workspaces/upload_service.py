@@ -16,6 +16,7 @@ from service.store.checkpoints.backends.base import (
     CheckpointStoreError,
     CheckpointTooLargeError,
 )
+from service.store.checkpoints.checks import CheckpointInputError
 from service.store.checkpoints.chunks import ChunkReceiver as ChunkReceiver  # for the routes
 from service.store.checkpoints.chunks import UploadHashes as UploadHashes  # for the routes
 from service.store.checkpoints.stores import CheckpointStores
@@ -25,6 +26,10 @@ from service.store.models import WorkspaceUpload
 from service.store.workspaces import crud
 from service.store.workspaces.stores import upload_key
 from service.store.workspaces.values import FileUploadBegun, FileUploadState
+
+
+class ChunkTooLargeError(CheckpointInputError):
+    """A chunk whose declared length is over ``chunk_bytes`` (422, before any byte is read)."""
 
 
 def _state(upload: WorkspaceUpload, chunk_bytes: int) -> FileUploadState:
