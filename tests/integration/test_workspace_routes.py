@@ -163,6 +163,13 @@ def test_bad_and_big_manifests_are_refused_with_what_to_fix(
     r = api.post(API + wire.WORKSPACES_PATH, json=bad, headers=alice)
     assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
     assert "'..'" in r.json()["detail"][0]["msg"]
+    r = api.post(API + wire.FILES_PATH, json={"sha256": "a" * 64, "size_bytes": False},
+                 headers=alice)  # fmt: skip
+    assert r.status_code == 422  # not a file of 0 bytes
+    # The digest route takes only a sha256: these paths are not a workspace to GET.
+    for path in (wire.FILES_PATH, wire.MISSING_PATH):
+        r = api.get(API + path, headers=alice)
+        assert r.status_code == 405 and r.headers["Allow"] == "POST", (path, r.text)
     # Bigger than max_body_bytes (4096) but a manifest: answered on its content, not 413.
     many = {f"src/m{i:03}.py": f"x = {i}\n".encode() for i in range(200)}
     r = api.post(API + wire.WORKSPACES_PATH, json={"manifest": manifest(many)}, headers=alice)

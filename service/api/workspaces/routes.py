@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
+from starlette.convertors import Convertor, register_url_convertor
 
 from service.api.bodies import body_doc, json_body
 from service.api.chunks import in_thread, receive_chunk, upload_lock
@@ -26,7 +27,32 @@ from service.store.workspaces import upload_service as uploads
 from service.store.workspaces.upload_service import ChunkReceiver, UploadHashes
 from service.store.workspaces.values import FileUploadState
 
-router = APIRouter(tags=["workspaces"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
+router = APIRouter(
+    tags=["workspaces"],
+    dependencies=[REQUIRE_CALLER],
+    responses={
+        **UNAUTHORIZED,
+        422: {"description": "Invalid input: `detail` lists {loc, msg, type} per bad field"},
+    },
+)
+
+
+class Sha256Convertor(Convertor[str]):
+    """A path part that is a sha256 (64 lowercase hex): ``/workspaces/{digest}`` must not
+    match ``/workspaces/files`` or ``/workspaces/missing`` (their ``Allow`` would list GET)."""
+
+    regex = "[0-9a-f]{64}"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("sha256", Sha256Convertor())
+# The contract's path, its digest matched only as a sha256 (the OpenAPI path stays the same).
+WORKSPACE_ROUTE = wire.WORKSPACE_PATH.replace("{digest}", "{digest:sha256}")
 
 UploadIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="The upload's id.")]
 DigestPath = Annotated[
@@ -265,7 +291,7 @@ def create_workspace_route(
 
 
 @router.get(
-    wire.WORKSPACE_PATH,
+    WORKSPACE_ROUTE,
     response_model=wire.Manifest,
     summary="A workspace's manifest",
     responses={404: {"description": WORKSPACE_NOT_FOUND}},
