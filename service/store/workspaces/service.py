@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from service.core.errors import JobNotFoundError, NotFoundError
+from service.core.errors import ConflictError, JobNotFoundError, NotFoundError
 from service.core.wire.workspace import FileRef, Manifest
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.tokens import current_state
@@ -56,6 +56,13 @@ def create_workspace(
             (422).
     """
     manifest.check_limits(max_bytes=max_bytes, max_files=max_files)
+    try:
+        return _store_manifest(db, owner, manifest)
+    except ConflictError:  # the same digest stored at once by another request: it won
+        return _store_manifest(db, owner, manifest)
+
+
+def _store_manifest(db: Database, owner: str, manifest: Manifest) -> WorkspaceStored:
     digest = manifest.digest()
     shas = [f.sha256 for f in manifest.files]
     with db.session() as session:
