@@ -117,6 +117,18 @@ def test_a_file_whose_sha256_does_not_match_is_discarded(
     assert fresh.status_code == 201 and fresh.json()["upload_id"] != up["upload_id"]
 
 
+def test_an_empty_file_is_begun_then_committed_with_no_chunk(
+    api: TestClient, users: dict[str, dict[str, str]]
+) -> None:
+    alice = users["alice"]
+    r = begin(api, alice, b"")
+    assert r.status_code == 201 and r.json()["state"] == "receiving", r.text
+    done = commit(api, alice, r.json()["upload_id"])
+    assert done.status_code == 200 and done.json()["state"] == "committed", done.text
+    missing = {"files": [{"sha256": sha(b""), "size_bytes": 0}]}
+    assert api.post(API + wire.MISSING_PATH, json=missing, headers=alice).json()["missing"] == []
+
+
 def test_workspaces_are_stored_over_uploaded_files_only_and_read_by_their_owner_only(
     api: TestClient, users: dict[str, dict[str, str]]
 ) -> None:

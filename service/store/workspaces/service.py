@@ -9,10 +9,13 @@ and another owner's file counts as missing.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from service.core.errors import ConflictError, JobNotFoundError, NotFoundError
 from service.core.wire.workspace import FileRef, Manifest
@@ -32,6 +35,33 @@ log = logging.getLogger(__name__)
 # How stale a file's ``last_used_at`` may get before a missing-files check moves it: the
 # check then guards the file until the manifest that names it is stored, at one write a day.
 TOUCH_AFTER = timedelta(days=1)
+
+
+class _ListedFiles:
+    """The sha256 set of each manifest by ``(owner, digest)``, the most recently used
+    ``limit`` kept (thread-safe)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._sets: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
+
+    def get(self, owner: str, digest: str) -> frozenset[str] | None:
+        with self._lock:
+            found = self._sets.get((owner, digest))
+            if found is not None:
+                self._sets.move_to_end((owner, digest))
+            return found
+
+    def put(self, owner: str, digest: str, listed: frozenset[str]) -> frozenset[str]:
+        with self._lock:
+            self._sets[(owner, digest)] = listed
+            while len(self._sets) > self._limit:
+                self._sets.popitem(last=False)
+        return listed
+
+
+_LISTED = _ListedFiles()
 
 
 def missing_files(db: Database, owner: str, files: Sequence[FileRef]) -> list[str]:
@@ -120,16 +150,27 @@ def job_manifest(db: Database, job_id: int) -> Manifest:
         return crud.manifest_of(crud.get_workspace(session, owner, digest))
 
 
-def _attempt_workspace(db: Database, ref: AttemptRef) -> tuple[str, Manifest]:
-    """The owner and manifest of the attempt's job's workspace, after the fence; its
-    ``last_used_at`` moves on (a rank using it keeps it from retention)."""
+def _job_workspace(session: Session, ref: AttemptRef) -> tuple[str, str]:
+    """The owner and digest of the workspace the attempt's job names, after the fence."""
+    with superseded_on_fence():
+        current_state(session, ref)
+    owner, spec = session.execute(select(Job.owner, Job.spec).where(Job.id == ref.job_id)).one()
+    digest = spec.get("workspace") if isinstance(spec, dict) else None
+    if not isinstance(digest, str) or not digest:
+        raise WorkspaceNotFoundError(f"job {ref.job_id} names no workspace")
+    return owner, digest
+
+
+def attempt_manifest(db: Database, ref: AttemptRef) -> Manifest:
+    """The manifest of the workspace the attempt's job names; its ``last_used_at`` moves on
+    (a rank using it keeps it from retention).
+
+    Raises:
+        StaleAttemptError: the attempt is superseded (409).
+        WorkspaceNotFoundError: the job names no workspace, or it is gone (404).
+    """
     with db.session() as session:
-        with superseded_on_fence():
-            current_state(session, ref)
-        owner, spec = session.execute(select(Job.owner, Job.spec).where(Job.id == ref.job_id)).one()
-        digest = spec.get("workspace") if isinstance(spec, dict) else None
-        if not isinstance(digest, str) or not digest:
-            raise WorkspaceNotFoundError(f"job {ref.job_id} names no workspace")
+        owner, digest = _job_workspace(session, ref)
         row = crud.get_workspace(session, owner, digest)
         session.execute(
             update(Workspace)
@@ -137,24 +178,16 @@ def _attempt_workspace(db: Database, ref: AttemptRef) -> tuple[str, Manifest]:
             .values(last_used_at=utcnow())
             .execution_options(synchronize_session=False)
         )
-        return owner, crud.manifest_of(row)
-
-
-def attempt_manifest(db: Database, ref: AttemptRef) -> Manifest:
-    """The manifest of the workspace the attempt's job names.
-
-    Raises:
-        StaleAttemptError: the attempt is superseded (409).
-        WorkspaceNotFoundError: the job names no workspace, or it is gone (404).
-    """
-    return _attempt_workspace(db, ref)[1]
+        return crud.manifest_of(row)
 
 
 def open_attempt_file(
     db: Database, stores: CheckpointStores, ref: AttemptRef, sha256: str
 ) -> StoredFile:
     """The file with ``sha256`` of the attempt's job's workspace, checked present whole in
-    its store, to stream.
+    its store, to stream. Which files a manifest lists is remembered per process (a manifest
+    never changes under its digest): a rank fetching thousands of files costs three small
+    queries each, not a parse of the manifest each.
 
     Raises:
         StaleAttemptError: the attempt is superseded (409).
@@ -162,14 +195,19 @@ def open_attempt_file(
         NotFoundError: the workspace has no file with this sha256, or its bytes are gone
             or not whole (404).
     """
-    owner, manifest = _attempt_workspace(db, ref)
-    if not any(f.sha256 == sha256 for f in manifest.files):
-        raise NotFoundError(f"the job's workspace has no file with sha256 {sha256}")
     with db.session(write=False) as session:
-        row = crud.find_file(session, owner, sha256)
-        if row is None:
+        owner, digest = _job_workspace(session, ref)
+        listed = _LISTED.get(owner, digest)
+        if listed is None:
+            row = crud.get_workspace(session, owner, digest)
+            shas = frozenset(f["sha256"] for f in row.manifest["files"])
+            listed = _LISTED.put(owner, digest, shas)
+        if sha256 not in listed:
+            raise NotFoundError(f"the job's workspace has no file with sha256 {sha256}")
+        found = crud.find_file(session, owner, sha256)
+        if found is None:
             raise NotFoundError(f"workspace file {sha256} not found")
-        stored = StoredFile(row.store, row.location, row.size_bytes, row.sha256)
+        stored = StoredFile(found.store, found.location, found.size_bytes, found.sha256)
     store = stores.get(stored.store)
     held = None if store is None else store.size(stored.location)
     # The database store holds no row for an empty file: nothing to check, nothing to read.
