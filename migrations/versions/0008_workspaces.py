@@ -36,6 +36,9 @@ def upgrade() -> None:
         batch_op.create_index(
             "ix_workspace_uploads_owner_sha256", ["owner", "sha256"], unique=False
         )
+        batch_op.create_index(
+            "ix_workspace_uploads_state_updated_at", ["state", "updated_at"], unique=False
+        )
     op.create_table(
         "workspace_chunks",
         sa.Column("upload_id", sa.BigInteger(), nullable=False),
@@ -68,6 +71,8 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_workspace_files")),
         sa.UniqueConstraint("owner", "sha256", name=op.f("uq_workspace_files_owner_sha256")),
     )
+    with op.batch_alter_table("workspace_files", schema=None) as batch_op:
+        batch_op.create_index("ix_workspace_files_last_used_at", ["last_used_at"], unique=False)
     op.create_table(
         "workspaces",
         sa.Column("id", BIGINT_PK, autoincrement=True, nullable=False),
@@ -89,8 +94,11 @@ def downgrade() -> None:
     with op.batch_alter_table("workspaces", schema=None) as batch_op:
         batch_op.drop_index("ix_workspaces_last_used_at")
     op.drop_table("workspaces")
+    with op.batch_alter_table("workspace_files", schema=None) as batch_op:
+        batch_op.drop_index("ix_workspace_files_last_used_at")
     op.drop_table("workspace_files")
     op.drop_table("workspace_chunks")
     with op.batch_alter_table("workspace_uploads", schema=None) as batch_op:
+        batch_op.drop_index("ix_workspace_uploads_state_updated_at")
         batch_op.drop_index("ix_workspace_uploads_owner_sha256")
     op.drop_table("workspace_uploads")

@@ -434,7 +434,11 @@ class WorkspaceUpload(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
-    __table_args__ = (Index("ix_workspace_uploads_owner_sha256", "owner", "sha256"),)
+    __table_args__ = (
+        Index("ix_workspace_uploads_owner_sha256", "owner", "sha256"),
+        # Retention's abandoned and stale uploads.
+        Index("ix_workspace_uploads_state_updated_at", "state", "updated_at"),
+    )
 
 
 class WorkspaceChunk(Base):
@@ -469,7 +473,10 @@ class WorkspaceFile(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_used_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
-    __table_args__ = (UniqueConstraint("owner", "sha256"),)
+    __table_args__ = (
+        UniqueConstraint("owner", "sha256"),
+        Index("ix_workspace_files_last_used_at", "last_used_at"),
+    )
 
 
 class Workspace(Base):

@@ -97,9 +97,6 @@ def test_retention_keeps_what_an_unfinished_job_names_and_deletes_the_rest(
     half_way = r.json()["upload_id"]
     assert put_chunk(api, user, half_way, 0, b"x" * 10).status_code == 200
     owner = app_settings_owner(api)
-    with db.session() as s:  # the loser of two uploads of one content: no file names it
-        s.add(WorkspaceUpload(owner=owner, sha256="e" * 64, size_bytes=1, received_bytes=1,
-                              state="committed", store=app_settings.checkpoint_store))  # fmt: skip
     submit(db, owner, digest(kept))  # queued: keeps its workspace
     done = submit(db, owner, digest(gone))
     move(db, done, JobState.QUEUED, JobState.CANCELLED)

@@ -18,6 +18,8 @@ from service.core.wire import workspace as wire
 from service.core.wire.attempt import SHA256_HEADER
 from service.store.auth.tokens import create_token
 from service.store.db import Database
+from service.store.models import WorkspaceUpload
+from service.store.workspaces.stores import make_workspace_stores, upload_key
 from tests.uploads import bearer, mint, running_job
 from tests.workspaces import (
     API,
@@ -115,6 +117,30 @@ def test_a_file_whose_sha256_does_not_match_is_discarded(
     assert api.get(path, headers=alice).json()["state"] == "abandoned"
     fresh = begin(api, alice, meant)
     assert fresh.status_code == 201 and fresh.json()["upload_id"] != up["upload_id"]
+
+
+def test_of_two_uploads_of_one_content_the_first_commit_counts(
+    api: TestClient, db: Database, app_settings: Settings, users: dict[str, dict[str, str]]
+) -> None:
+    alice = users["alice"]
+    data = os.urandom(1000)
+    first = begin(api, alice, data).json()["upload_id"]
+    with db.session() as s:  # another request began the same file at the same moment
+        row = WorkspaceUpload(owner="alice", sha256=sha(data), size_bytes=len(data),
+                              received_bytes=0, state="receiving",
+                              store=app_settings.checkpoint_store)  # fmt: skip
+        s.add(row)
+        s.flush()
+        second = row.id
+    make_workspace_stores(app_settings, db)[app_settings.checkpoint_store].begin(upload_key(second))
+    for uid in (first, second):
+        assert put_chunk(api, alice, uid, 0, data).status_code == 200
+    assert commit(api, alice, first).json()["state"] == "committed"
+    lost = commit(api, alice, second)
+    assert lost.status_code == 200, lost.text
+    assert (lost.json()["upload_id"], lost.json()["state"]) == (first, "committed")
+    path = API + wire.FILE_UPLOAD_PATH.format(upload_id=second)
+    assert api.get(path, headers=alice).json()["state"] == "abandoned"  # the reaper drops it
 
 
 def test_an_empty_file_is_begun_then_committed_with_no_chunk(

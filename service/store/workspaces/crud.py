@@ -224,11 +224,7 @@ def set_state(session: Session, upload: WorkspaceUpload, target: str) -> bool:
 
 
 def record_file(session: Session, upload: WorkspaceUpload, location: str) -> WorkspaceFile:
-    """Write the owner's file row for a committed ``upload`` (or return the one already
-    there: two uploads of one content raced, the first commit's bytes count)."""
-    held = find_file(session, upload.owner, upload.sha256)
-    if held is not None:
-        return held
+    """Write the owner's file row for the committed ``upload``, its bytes at ``location``."""
     now = utcnow()
     row = WorkspaceFile(
         owner=upload.owner, sha256=upload.sha256, size_bytes=upload.size_bytes,

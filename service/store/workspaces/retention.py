@@ -4,8 +4,9 @@ A workspace goes once its ``last_used_at`` is older than the cutoff and no unfin
 names it (``jobs.spec["workspace"]``, for the job's owner); a file goes once its own
 ``last_used_at`` is older than the cutoff and none of its owner's remaining workspaces names
 it (the age keeps a file uploaded for a manifest not stored yet); an upload goes once
-abandoned, or receiving without a chunk since the stale cutoff, or committed but named by no
-file (it lost a race to another upload of the same content). The rows go in the caller's
+abandoned (the loser of two uploads of one content included, ``upload_service``), or
+receiving without a chunk since the stale cutoff. Every query here is on an index of the age
+or state it asks about: the reaper runs this every few seconds. The rows go in the caller's
 transaction; the bytes are returned, for the caller to drop from the stores after it
 committed (a rolled-back pass leaves no row without its bytes).
 """
@@ -15,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.core.states import TERMINAL_STATES
 from service.store.checkpoints.values import PendingDiscard
 from service.store.models import Job, Workspace, WorkspaceFile, WorkspaceUpload
-from service.store.workspaces.crud import ABANDONED, COMMITTED, RECEIVING
+from service.store.workspaces.crud import ABANDONED, RECEIVING
 from service.store.workspaces.stores import upload_key
 
 # Rows of each kind one pass looks at (the reaper runs again soon).
@@ -53,10 +54,10 @@ def expire_workspaces(
 ) -> Expired:
     """Delete the rows retention lets go (see the module docstring); what to drop after."""
     out = Expired()
-    in_use = workspaces_in_use(session)
     old = session.scalars(
         select(Workspace).where(Workspace.last_used_at < cutoff).order_by(Workspace.id).limit(limit)
     ).all()
+    in_use = workspaces_in_use(session) if old else set()
     for ws in old:
         if (ws.owner, ws.digest) not in in_use:
             session.delete(ws)
@@ -92,19 +93,7 @@ def expire_workspaces(
     abandoned = session.scalars(
         select(WorkspaceUpload).where(WorkspaceUpload.state == ABANDONED).limit(limit)
     ).all()
-    # Committed uploads no file row names: two uploads of one content raced and the other
-    # one's row counts (``crud.record_file``); these bytes are nobody's.
-    named = exists().where(WorkspaceFile.upload_id == WorkspaceUpload.id)
-    unnamed = session.scalars(
-        select(WorkspaceUpload)
-        .where(
-            WorkspaceUpload.state == COMMITTED,
-            WorkspaceUpload.updated_at < stale_cutoff,
-            ~named,
-        )
-        .limit(limit)
-    ).all()
-    for upload in [*abandoned, *unnamed]:
+    for upload in abandoned:
         out.discards.append(PendingDiscard(upload.store, upload_key(upload.id)))
         session.delete(upload)
     session.flush()

@@ -208,9 +208,16 @@ def commit_file_upload(
     location = store.finalize(key)
     with db.session() as session:
         row = crud.get_upload(session, owner, upload_id)
-        if not crud.set_state(session, row, crud.COMMITTED) and row.state != crud.COMMITTED:
+        held = crud.find_file(session, owner, row.sha256)
+        if held is not None and held.upload_id != row.id:
+            # Another upload of this content committed first: its bytes count, these are
+            # dropped with the abandoned upload (the reaper).
+            crud.set_state(session, row, crud.ABANDONED)
+            row = session.get_one(WorkspaceUpload, held.upload_id)
+        elif crud.set_state(session, row, crud.COMMITTED) or row.state == crud.COMMITTED:
+            crud.record_file(session, row, location)
+        else:
             raise UploadStateError(crud.upload_fields(row, chunk_bytes))
-        crud.record_file(session, row, location)
         state = _state(row, chunk_bytes)
     hashes.forget(upload_id)
     return state
