@@ -37,6 +37,8 @@ ARTIFACT_DIR = "DDPQ_ARTIFACT_DIR"
 # secret a rank holds; see service.core.wire.attempt).
 API_URL = "DDPQ_API_URL"
 ATTEMPT_TOKEN = "DDPQ_ATTEMPT_TOKEN"
+# The job's checkpoint directory on the rank's host (shared by its attempts there).
+CHECKPOINT_DIR = "DDPQ_CHECKPOINT_DIR"
 # The worker's database URL: never in a rank's environment (see inherited_env), named here so
 # the worker can tell it apart.
 DATABASE_URL = "DDPQ_DATABASE_URL"
@@ -85,7 +87,12 @@ TAG_NAMES = (JOB_ID, ATTEMPT, ARTIFACT_DIR)
 
 
 def rank_env(
-    job_id: int, attempt: int, *, artifact_dir: Path | str, cpus_per_task: int
+    job_id: int,
+    attempt: int,
+    *,
+    artifact_dir: Path | str,
+    cpus_per_task: int,
+    user_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """ddpq's entries of every rank's environment, whatever the launcher.
 
@@ -97,13 +104,17 @@ def rank_env(
         job_id, attempt: the attempt the processes belong to (also their tags).
         artifact_dir: the artifact root the ranks write under.
         cpus_per_task: ``resources.cpus_per_task``, the ranks' ``OMP_NUM_THREADS``.
+        user_env: the spec's ``env`` (validated: no ``DDPQ_*`` name, none torchrun sets);
+            it may replace ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED``.
     """
     return {
+        "OMP_NUM_THREADS": str(cpus_per_task),
+        "PYTHONUNBUFFERED": "1",
+        **(user_env or {}),
         JOB_ID: str(job_id),
         ATTEMPT: str(attempt),
         ARTIFACT_DIR: str(artifact_dir),
-        "OMP_NUM_THREADS": str(cpus_per_task),
-        "PYTHONUNBUFFERED": "1",
+        CHECKPOINT_DIR: str(artifacts.checkpoint_dir(Path(artifact_dir), job_id)),
     }
 
 
@@ -272,6 +283,14 @@ def write_rank_error(
         },
     )
     return path
+
+
+def mark_finished(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> None:
+    """Leave the marker of a rank whose training code returned (``rank_finished_name``): a
+    peer's "connection closed" after it is then not blamed on its teardown. Best effort."""
+    path = artifacts.attempt_dir(artifact_dir, job_id, attempt) / artifacts.rank_finished_name(rank)
+    with contextlib.suppress(OSError):
+        path.touch()
 
 
 def read_rank_errors(attempt_dir: Path) -> Iterator[dict[str, Any]]:

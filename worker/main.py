@@ -21,6 +21,7 @@ from types import FrameType
 from service.core.config import Settings
 from service.core.launchers import launcher_names, uses_host_gpus
 from service.store.db import Database
+from worker.errors import LaunchError
 from worker.launchers.registry import make_launcher
 from worker.loop import WorkerLoop
 from worker.processes import make_undumpable
@@ -121,10 +122,19 @@ def run_worker(
 
     Raises:
         LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
-            such user.
+            such user; users' code allowed with auth on but no ``DDPQ_RANK_USER``.
     """
     ensure_logging()
     make_undumpable()
+    user_code_here = uses_host_gpus(launcher) and settings.user_code == "allow"
+    if user_code_here and settings.auth_enabled and not settings.rank_user:
+        # With auth on, several people's scripts run here: never as the worker's user, who
+        # holds the database URL and every job's files.
+        raise LaunchError(
+            "DDPQ_USER_CODE=allow with auth on runs users' own scripts on this host: set "
+            "DDPQ_RANK_USER to an unprivileged user (and run the worker as root) so they "
+            "cannot reach the worker's credentials, or set DDPQ_USER_CODE=deny"
+        )
     if uses_host_gpus(launcher) and os.geteuid() == 0 and not settings.rank_user:
         # Root's ranks are root too: CAP_SYS_PTRACE reads any /proc/<pid>/environ, dumpable
         # or not, and every file; only another Unix user keeps them out.

@@ -6,9 +6,12 @@ Layout::
 
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/error-rank-<r>.json   (a rank that raised)
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/finished-rank-<r>     (its training code returned)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/result.json, spec.json
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/workspace/   (a command job's files and cwd)
+    <artifact_dir>/workspace-cache/<sha256[:2]>/<sha256>   (workspace files this host fetched)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only;
                                        a link to the array's folder for an array element)
     <artifact_dir>/slurm-arrays/<job_id>-<attempt>/  (a Slurm job array's submitit folder,
@@ -32,6 +35,7 @@ from service.core.errors import NotFoundError
 _N = "(0|[1-9][0-9]*)"
 _RANK_LOG_RE = re.compile(rf"rank-{_N}\.log")
 _RANK_ERROR_RE = re.compile(rf"error-rank-{_N}\.json")
+_RANK_FINISHED_RE = re.compile(rf"finished-rank-{_N}")
 _CHECKPOINT_RE = re.compile(rf"step-{_N}\.pt")
 _UPLOADED_CHECKPOINT_RE = re.compile(rf"step-{_N}\.upload-{_N}\.pt")
 _UPLOAD_PARTIAL_RE = re.compile(rf"\.upload-{_N}\.part")
@@ -40,6 +44,7 @@ _JOB_ID_RE = re.compile(_N)
 _TEMPORARY_RE = re.compile(rf"\.(.+)\.(tmp|link)-{_N}-{_N}")
 # Globs that find the candidates of a parser in a directory (the parser has the last word).
 RANK_ERROR_GLOB = "error-rank-*.json"
+RANK_FINISHED_GLOB = "finished-rank-*"
 CHECKPOINT_GLOB = "step-*.pt"
 
 
@@ -68,6 +73,17 @@ def parse_rank_error_name(name: str) -> int | None:
     """The rank of a ``rank_error_name``; None for any other name."""
     found = _ints(_RANK_ERROR_RE, name)
     return found[0] if found else None
+
+
+def rank_finished_name(rank: int) -> str:
+    """The marker of a rank whose training code returned: ``finished-rank-<r>``."""
+    return f"finished-rank-{int(rank)}"
+
+
+def finished_ranks(attempt_dir: Path) -> list[int]:
+    """The ranks of one attempt whose training code returned (``rank_finished_name``), sorted."""
+    found = (_ints(_RANK_FINISHED_RE, p.name) for p in attempt_dir.glob(RANK_FINISHED_GLOB))
+    return sorted(f[0] for f in found if f)
 
 
 def rank_error_files(attempt_dir: Path) -> list[Path]:
@@ -172,6 +188,18 @@ def job_dir(artifact_dir: Path, job_id: int) -> Path:
 def attempt_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
     """Directory of one attempt's logs: ``…/jobs/<id>/attempt-<n>``."""
     return job_dir(artifact_dir, job_id) / f"attempt-{int(attempt)}"
+
+
+def workspace_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+    """A command job's working directory on one host: its workspace's files, fetched for
+    this attempt, writable by its ranks (``…/attempt-<n>/workspace``)."""
+    return attempt_dir(artifact_dir, job_id, attempt) / "workspace"
+
+
+def workspace_cache_dir(artifact_dir: Path) -> Path:
+    """Workspace files a host fetched, by sha256 (``…/workspace-cache/<sha[:2]>/<sha>``), so
+    a host fetches a file once whatever job or attempt names it."""
+    return artifact_dir / "workspace-cache"
 
 
 def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:

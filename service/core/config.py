@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         default="auto",
         description="Require API tokens: 'on', 'off', or 'auto' (on unless `host` is loopback).",
     )
+    user_code: Literal["auto", "allow", "deny"] = Field(
+        default="auto",
+        description="Whether users may submit command jobs (their own scripts, shipped as a "
+        "workspace): 'allow', 'deny', or 'auto' (allow with auth off, deny with auth on until "
+        "the operator allows it; then the ranks must run as DDPQ_RANK_USER).",
+    )
     submissions_per_minute: int = Field(
         default=60,
         ge=1,
@@ -211,6 +217,14 @@ class Settings(BaseSettings):
         if self.auth != "auto":
             return self.auth == "on"
         return not is_loopback_host(self.host)
+
+    @property
+    def user_code_allowed(self) -> bool:
+        """Whether command jobs are accepted: ``user_code`` "allow", or "auto" with auth off
+        (the embedded default: one user on loopback, running their own code)."""
+        if self.user_code == "auto":
+            return not self.auth_enabled
+        return self.user_code == "allow"
 
     def entrypoint_allowed(self, entrypoint: str) -> bool:
         """True when ``entrypoint`` matches one of ``allowed_entrypoints`` (fnmatch patterns)."""

@@ -130,7 +130,7 @@ def _settings(tmp_path: Path, database_url: str) -> Settings:
         port=free_port(),
         heartbeat_interval_s=0.3,
         lease_s=15,
-        allowed_entrypoints=["examples.*:*"],
+        allowed_entrypoints=["examples.*:*", "tests.e2e.deaf_loop:*"],
     )
 
 

@@ -99,3 +99,32 @@ def test_cancel_stops_a_running_job(deployment: Any) -> None:
     time.sleep(2)
     assert _count_metrics(dep, job_id)[0] == count, "metrics were written after the cancel"
     assert dep.events(job_id)[-1]["reason"] == "cancel requested"
+
+
+def test_a_cancelled_entrypoint_deaf_to_should_stop_keeps_every_point_it_reported(
+    deployment: Any,
+) -> None:
+    """The entrypoint reports 300 steps, then stays in its own code and never calls
+    ``should_stop()``: the cancel ends the rank through its stop grace, mid-code, with most
+    of those points still in its buffer. Every one is stored all the same (rank 0 hands its
+    buffer to the writer and lets it drain before it exits)."""
+    dep = deployment
+    dep.start_worker()
+    spec = dep.load_example("custom_loop", task="tests.e2e.deaf_loop:train", config={})
+    spec["resources"] = {"nnodes": 1, "nproc_per_node": 1}
+    job_id = dep.submit(spec)
+    marker = dep.artifact_dir / "jobs" / str(job_id) / "attempt-1" / "reported"
+    dep.wait_for(marker.exists, 120, "the entrypoint's reports")
+    reported = int(marker.read_text())
+    r = dep.http.post(f"/jobs/{job_id}/cancel")
+    assert r.status_code == 202, r.text
+    dep.wait_state(job_id, ("cancelled",), 60)
+    with dep.db.session(write=False) as s:
+        steps = s.scalars(
+            select(Metric.step).where(Metric.job_id == job_id, Metric.name == "loss")
+        ).all()
+    assert sorted(steps) == list(range(1, reported + 1)), (
+        f"{len(steps)} of {reported} reported steps stored"
+    )
+    rank_log = (marker.parent / "rank-0.log").read_text(errors="replace")
+    assert "no step boundary within" in rank_log, rank_log[-2000:]

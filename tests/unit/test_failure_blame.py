@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.launchers.failure_text import LauncherExits, earliest_failure, silent_culprit
+from service.core.artifacts import rank_finished_name
+from worker.launchers.failure_text import (
+    LauncherExits,
+    attempt_failure,
+    earliest_failure,
+    silent_culprit,
+)
 
 PEER_LOST = "[pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
 
@@ -90,3 +96,22 @@ def test_without_error_files_torchruns_root_cause_is_kept(tmp_path: Path) -> Non
 def test_nothing_known_blames_no_one(tmp_path: Path) -> None:
     write_error(tmp_path, 0, PEER_LOST, 1.0)
     assert silent_culprit(tmp_path, LauncherExits.parse("no summary here")) is None
+
+
+def test_a_rank_whose_code_had_returned_is_not_blamed_for_its_teardown_sigterm(
+    tmp_path: Path,
+) -> None:
+    """Uneven inputs without DDP's Join: rank 1 leaves its loop and returns, rank 0's next
+    all_reduce fails with "Connection closed by peer", torchrun SIGTERMs rank 1 on its way
+    out. Rank 0's error is the one told, with a line saying rank 1 had already left."""
+    write_error(tmp_path, 0, f"gloo all_reduce failed: {PEER_LOST}", 100.0)
+    launcher_log = tmp_path / "launcher.log"
+    launcher_log.write_text(summary((1, -15), (0, 1)))
+    assert silent_culprit(tmp_path, LauncherExits.parse(launcher_log.read_text())) == (1, -15)
+    (tmp_path / rank_finished_name(1)).touch()  # what mark_finished leaves
+    assert silent_culprit(tmp_path, LauncherExits.parse(launcher_log.read_text())) is None
+    failure = attempt_failure(tmp_path, launcher_log, lambda r: tmp_path / f"rank-{r}.log", 1)
+    head, note = failure.text.splitlines()[:2]
+    assert head.startswith("rank 0 failed: RuntimeError: gloo all_reduce failed"), failure.text
+    assert note.startswith("rank 1 had already left its training code"), failure.text
+    assert "Join" in note

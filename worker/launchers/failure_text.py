@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.core.artifacts import finished_ranks
 from worker.attempt import FailureReason, error_headline, read_rank_errors
 
 LOG_TAIL_LINES = 20
@@ -109,7 +110,14 @@ def silent_culprit(attempt_dir: Path, exits: LauncherExits) -> tuple[int, int] |
     if not all(is_peer_lost(e) for e in errors):
         return None
     wrote = {str(e.get("rank")) for e in errors}
-    silent = [(r, c) for r, c in exits.exit_codes.items() if c != 0 and str(r) not in wrote]
+    # A rank whose code had returned left its loop on its own: torchrun's SIGTERM found it
+    # on its way out, so its signal exit is the teardown's, not the cause.
+    finished = set(finished_ranks(attempt_dir)) if errors else set()
+    silent = [
+        (r, c)
+        for r, c in exits.exit_codes.items()
+        if c != 0 and str(r) not in wrote and r not in finished
+    ]
     if not silent:
         return None
     return min(silent, key=lambda rc: (rc[0] != exits.root_rank, rc[1] >= 0, rc[0]))
@@ -179,7 +187,7 @@ def attempt_failure(
     culprit = silent_culprit(attempt_dir, exits)
     error = earliest_failure(attempt_dir)
     if error is not None and culprit is None:
-        return error
+        return _with_finished_peers(error, attempt_dir)
     head, log_path = f"torchrun {describe_exit(rc)}", launcher_log
     if culprit is not None:
         rank, code = culprit
@@ -187,3 +195,20 @@ def attempt_failure(
         log_path = rank_log(rank) if rank_log(rank).exists() else launcher_log
     return RankFailure(FailureReason.ERROR, f"{head}; last lines of {log_path.name}:\n"
                        f"{tail_lines(log_path)}")  # fmt: skip
+
+
+def _with_finished_peers(error: RankFailure, attempt_dir: Path) -> RankFailure:
+    """``error`` with a line naming the ranks whose code had already returned, when the
+    error only says a peer went away: the usual cause is uneven inputs (ranks running a
+    different number of steps), which torch's ``Join`` context manager handles."""
+    finished = finished_ranks(attempt_dir)
+    if not finished or not any(is_peer_lost(e) for e in read_rank_errors(attempt_dir)):
+        return error
+    names = ", ".join(str(r) for r in finished)
+    which = "rank" if len(finished) == 1 else "ranks"
+    head, _, rest = error.text.partition("\n")
+    note = (
+        f"{which} {names} had already left its training code while this rank still called "
+        "collectives (uneven inputs? see torch.distributed.algorithms.Join)"
+    )
+    return RankFailure(error.reason, "\n".join(p for p in (head, note, rest) if p))

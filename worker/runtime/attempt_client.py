@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
+from service.core.wire.workspace import ATTEMPT_WORKSPACE_PATH, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,11 @@ class AttemptClient:
     def list_checkpoints(self) -> list[wire.CheckpointEntry]:
         """``GET /attempts/self/checkpoints``: the job's live checkpoints, newest step first."""
         return self._call("GET", wire.CHECKPOINTS_PATH, wire.CheckpointList).checkpoints
+
+    def workspace_manifest(self) -> Manifest:
+        """``GET /attempts/self/workspace``: the manifest of the job's workspace (404 for a
+        job that has none)."""
+        return self._call("GET", ATTEMPT_WORKSPACE_PATH, Manifest)
 
     def record_checkpoint(self, record: wire.CheckpointRecord) -> None:
         """``POST /attempts/self/checkpoints``: a written, verified checkpoint file."""

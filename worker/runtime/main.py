@@ -37,6 +37,7 @@ from worker.attempt import (
     ExitCode,
     FailureReason,
     mark_before_first_step,
+    mark_finished,
     now_s,
     reason_of,
     signal_exit,
@@ -46,6 +47,7 @@ from worker.attempt import (
 from worker.processes import has_tags, set_parent_death_signal
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.saver import CheckpointSaver, make_checkpointer
+from worker.runtime.command import run_command
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
 from worker.runtime.metrics.buffer import Sink
 from worker.runtime.metrics.sink import make_sink
@@ -60,6 +62,9 @@ log = logging.getLogger(__name__)
 # Failures a rank decides on its own (a non-finite loss, a stall): still failures when a stop
 # signal (e.g. torchrun's teardown after a peer failed alike) arrives while they are raised.
 OWN_DECISIONS = frozenset({FailureReason.NONFINITE_LOSS, FailureReason.STALLED})
+# Seconds a rank ended mid-code gives its metrics writer: inside what is left of the launcher's
+# SIGTERM → SIGKILL grace (10 s) after the stop grace (DDPQ_STOP_GRACE_S, 5 s).
+FORCED_EXIT_DRAIN_S = 3.0
 
 # Set by torchrun in every rank it starts (torch.distributed.elastic's worker environment).
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
@@ -166,6 +171,8 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
     try:
         spec = load_spec(artifact_dir, env)
         me = check_attempt(api, env)
+        if spec.is_command:  # the user's script initialises its own process group
+            return run_command(spec, env, api, artifact_dir)
         ctx = init_distributed(spec, env)
         code = _train(spec, ctx, env, settings, api, artifact_dir, stop, me)
         if code == ExitCode.OK:
@@ -275,6 +282,7 @@ def _train(
     then rank 0 records the result."""
     seed_everything(spec.training.seed)
     sink = make_sink(env, dist, artifact_dir=artifact_dir)
+    stop.at_forced_exit(functools.partial(hand_over_reported, sink))
     checkpointer = make_checkpointer(
         env, artifact_dir, keep=spec.training.keep_checkpoints,
         transport=settings.checkpoint_transport, attempt_self=me, stopping=stop.is_set,
@@ -290,6 +298,7 @@ def _train(
     # before the final close, which waits on the attempt API and the checkpoint writer.
     watchdog = StallWatchdog(spec.training.stall_timeout_s, on_stall, on_expired=dump_on_expiry)
     try:
+        assert spec.task is not None, "a job without a command has a task (validate_spec)"
         entrypoint = resolve_entrypoint(spec.task, settings)
         ctx = TrainContext(
             spec=spec,
@@ -305,6 +314,7 @@ def _train(
             attempt_self=me,
         )
         returned = entrypoint(ctx)
+        mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
         ctx.close()
     except BaseException as exc:
         watchdog.stop()
@@ -339,6 +349,17 @@ def _train(
         log.info("result written to %s", path)
     log.info("rank %d finished at step %d", env.rank, step)
     return ExitCode.OK
+
+
+def hand_over_reported(sink: Sink, timeout_s: float = FORCED_EXIT_DRAIN_S) -> None:
+    """A rank about to be ended mid-code (no step boundary saw the stop signal): what it
+    reported is written before it goes. The buffer goes to the writer as this rank's own
+    values (a collective is not safe from another thread), then the writer gets up to
+    ``timeout_s`` seconds; what is still unsent then is logged (and stays in the spill
+    file when it got there)."""
+    sink.flush(average=False)
+    if not sink.drain(timeout_s):
+        log.error("metrics not all written within %.1f s of the forced exit", timeout_s)
 
 
 def _json_scalar(value: object) -> bool:

@@ -74,8 +74,13 @@ def rank_logging(job_id: int, attempt: int, rank: int) -> Iterator[None]:
     old_level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    # httpx logs every request at INFO: a rank's log is the user's output, not ddpq's traffic.
+    quiet = logging.getLogger("httpx")
+    old_quiet = quiet.level
+    quiet.setLevel(logging.WARNING)
     try:
         yield
     finally:
         root.removeHandler(handler)
         root.setLevel(old_level)
+        quiet.setLevel(old_quiet)

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
@@ -48,6 +48,7 @@ class StopFlag:
         self._seen = threading.Event()  # a step boundary saw the request
         self.signum: int | None = None
         self.reason: str | None = None
+        self._last_words: list[Callable[[], None]] = []
 
     def request(self, reason: str, signum: int | None = None) -> None:
         """Ask the loop to stop; the first reason wins."""
@@ -75,6 +76,21 @@ class StopFlag:
         """Wait up to ``timeout_s`` seconds for a step boundary to see the request."""
         return self._seen.wait(timeout_s)
 
+    def at_forced_exit(self, last_words: Callable[[], None]) -> None:
+        """Have the grace thread call ``last_words`` before it ends a rank that did not stop
+        on its own (e.g. hand over the metrics reported so far). It runs on that thread
+        while the main thread is still in the user's code: it must take bounded time and
+        touch only what is safe to touch from another thread."""
+        self._last_words.append(last_words)
+
+    def say_last_words(self) -> None:
+        """Call what ``at_forced_exit`` registered, newest first; a failure is logged."""
+        for last_words in reversed(self._last_words):
+            try:
+                last_words()
+            except Exception:
+                log.exception("before a forced exit")
+
 
 def _exit_unless_seen(flag: StopFlag, grace_s: float, done: threading.Event) -> None:
     """The grace thread: once a signal raised ``flag``, exit ``128 + signum`` if no step
@@ -87,6 +103,7 @@ def _exit_unless_seen(flag: StopFlag, grace_s: float, done: threading.Event) -> 
         if flag.wait_seen(grace_s) or done.is_set():
             return
         log.warning("no step boundary within %.1f s of %s: exiting now", grace_s, flag.reason)
+        flag.say_last_words()
         # Without logging's shutdown: the main thread may hold a handler's lock.
         exit_now(signal_exit(flag.signum), shutdown_logging=False)
 

@@ -7,8 +7,6 @@ config schema, and reports every problem at once as ``SpecValidationError``.
 
 from __future__ import annotations
 
-import difflib
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -33,11 +31,12 @@ from service.core.launchers import (
 )
 from service.core.limits import MAX_JOB_NAME_CHARS, MAX_TAG_CHARS
 from service.core.metrics.points import MAX_STEP
+from service.core.spec.command import Command, Env, WorkspaceDigest, command_problems
+from service.core.spec.deployment import settings_problems
 from service.core.spec.errors import error_loc, pydantic_errors
 from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS
 from service.core.spec.text import display_text, json_value_problems
 
-ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # A name with a row in LAUNCHER_TRAITS (checked at validation time, so a row added later
 # counts); the OpenAPI enum lists the table's rows as the API process built its schema.
 LauncherName = Annotated[
@@ -186,7 +185,12 @@ class JobSpec(_Part):
     """A training job as submitted. See DESIGN.md "Job spec"."""
 
     name: str = Field(min_length=1, max_length=MAX_JOB_NAME_CHARS)
-    task: str = Field(min_length=1, max_length=300)
+    task: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=300,
+        description="A built-in task or an entrypoint 'package.module:function' (or command).",
+    )
     config: dict[str, Any] = Field(default_factory=dict)
     launcher: LauncherName = "local"
     resources: Resources = Field(default_factory=Resources)
@@ -201,6 +205,15 @@ class JobSpec(_Part):
     priority: int = Field(default=0, ge=-1000, le=1000)
     tags: list[str] = Field(default_factory=list, max_length=50)
     init_from: InitFrom | None = None
+    command: Command | None = Field(
+        default=None,
+        description="Your script and its arguments, as after `torchrun [options]`: "
+        "['train.py', '--epochs', '3'] or ['-m', 'pkg.train']; run in `workspace`.",
+    )
+    workspace: WorkspaceDigest | None = Field(
+        default=None, description="The digest of the uploaded directory a command runs in."
+    )
+    env: Env = Field(default_factory=dict, description="Variables set for every rank.")
 
     @property
     def resolved_backend(self) -> Literal["nccl", "gloo"]:
@@ -216,8 +229,13 @@ class JobSpec(_Part):
 
     @property
     def is_builtin_task(self) -> bool:
-        """True for a built-in task name, False for an entrypoint."""
-        return self.task in BUILTIN_TASK_CONFIGS
+        """True for a built-in task name, False for an entrypoint or a command."""
+        return self.task is not None and self.task in BUILTIN_TASK_CONFIGS
+
+    @property
+    def is_command(self) -> bool:
+        """True for a command job (the user's script in a workspace)."""
+        return self.command is not None
 
 
 FAULT_RANK_KNOBS = ("fail_rank", "hang_rank", "nan_rank")
@@ -269,94 +287,6 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
-def _raw_int(section: Any, field: str) -> int | None:
-    """``section[field]`` when ``section`` is a mapping and the value a real int (not bool)."""
-    if not isinstance(section, dict):
-        return None
-    value = section.get(field)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _raw_number(section: Any, field: str) -> float | None:
-    """``section[field]`` as a float when it is a finite real number (not bool), else None
-    (pydantic reports the others)."""
-    value = section.get(field) if isinstance(section, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ...], str]]:
-    """Rules checked on the raw data, as ``(loc, message)`` pairs: the task name, and the
-    deployment's rules (caps, Slurm, allow-list).
-
-    Reads the raw ``data`` so they are reported together with pydantic's errors even when
-    the model did not build; values of the wrong type are skipped (pydantic reports those).
-    """
-    if not isinstance(data, dict):
-        return []
-    problems: list[tuple[tuple[str, ...], str]] = []
-    resources = data.get("resources")
-    caps = (
-        ("nnodes", settings.max_nnodes),
-        ("nproc_per_node", settings.max_nproc_per_node),
-        ("gpus_per_node", settings.max_gpus_per_node),
-        ("timeout_min", settings.max_timeout_min),
-        ("cpus_per_task", settings.max_cpus_per_task),
-    )
-    for field, cap in caps:
-        value = _raw_int(resources, field)
-        if value is not None and value > cap:
-            problems.append(
-                (("resources", field), f"{field}={value} exceeds this deployment's cap of {cap}")
-            )
-    mem_gb = _raw_number(resources, "mem_gb")
-    if mem_gb is not None and mem_gb > settings.max_mem_gb:
-        problems.append(
-            (
-                ("resources", "mem_gb"),
-                f"mem_gb={mem_gb:g} exceeds this deployment's cap of {settings.max_mem_gb:g}",
-            )
-        )
-    if data.get("launcher") == "slurm" and not settings.slurm_enabled:
-        problems.append(
-            (("launcher",), "this deployment has no Slurm (DDPQ_SLURM_ENABLED is off); use 'local'")
-        )
-    task = data.get("task")
-    if isinstance(task, str) and task not in BUILTIN_TASK_CONFIGS and not ENTRYPOINT_RE.match(task):
-        close = difflib.get_close_matches(task, BUILTIN_TASK_CONFIGS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(
-            (
-                ("task",),
-                f"task {task!r} is neither a built-in task "
-                f"({', '.join(sorted(BUILTIN_TASK_CONFIGS))}) nor an entrypoint "
-                f"'package.module:function'{hint}",
-            )
-        )
-    if (
-        isinstance(task, str)
-        and task not in BUILTIN_TASK_CONFIGS
-        and ENTRYPOINT_RE.match(task)
-        and not settings.entrypoint_allowed(task)
-    ):
-        allowed = ", ".join(settings.allowed_entrypoints) or "none configured"
-        problems.append(
-            (
-                ("task",),
-                f"entrypoint {task!r} is not on this deployment's allow-list "
-                f"(DDPQ_ALLOWED_ENTRYPOINTS: {allowed}); the operator allows it with e.g. "
-                f"""DDPQ_ALLOWED_ENTRYPOINTS='["{task.partition(":")[0]}:*"]' on the API and """
-                f"workers; built-in tasks: {', '.join(sorted(BUILTIN_TASK_CONFIGS))}",
-            )
-        )
-    return problems
-
-
 def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """A built-in task's ``config`` validated on the raw ``data``: ``(normalised, errors)``;
     None when there is nothing to check (an entrypoint, or task/config of the wrong type)."""
@@ -401,6 +331,9 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     if spec is not None:
         for loc, msg in cross_field_problems(spec):
             bad(loc, msg)
+        dumped = spec.model_dump(include={"task", "command", "workspace"})
+        for field, msg in command_problems(dumped, user_code_allowed=settings.user_code_allowed):
+            bad((field,), msg)
     # Once the model built, check its coerced values ("200" and 200.0 became 200).
     view = spec.model_dump() if spec is not None else data
     for loc, msg in settings_problems(view, settings):

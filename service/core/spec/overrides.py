@@ -13,8 +13,9 @@ import yaml
 
 from service.core.errors import DdpqError
 
-# One path segment: a field name (letters, digits, _ and -), never empty.
+# One path segment: a field name (letters, digits, _ and -), or a list index (``command.1``).
 _SEGMENT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
+_INDEX_RE = re.compile(r"^(0|[1-9]\d{0,5})$")
 MAX_PATH_CHARS = 200
 MAX_PATH_DEPTH = 8
 
@@ -32,19 +33,20 @@ class OverridePathError(DdpqError):
 
 
 def split_path(path: str) -> list[str]:
-    """``"training.lr"`` → ``["training", "lr"]``.
+    """``"training.lr"`` → ``["training", "lr"]``; ``"command.1"`` → ``["command", "1"]``
+    (an index: only a list's items have one, which ``apply_overrides`` checks).
 
     Raises:
-        OverridePathError: empty, too long or too deep, or a segment that is not a field
-            name (``training..lr``, ``training.1``).
+        OverridePathError: empty, too long or too deep, or a segment that is neither a field
+            name nor an index after one (``training..lr``, ``1.lr``).
     """
     if not path or len(path) > MAX_PATH_CHARS:
         raise OverridePathError(path, f"a path is 1–{MAX_PATH_CHARS} characters, e.g. training.lr")
     parts = path.split(".")
     if len(parts) > MAX_PATH_DEPTH:
         raise OverridePathError(path, f"at most {MAX_PATH_DEPTH} levels deep")
-    for part in parts:
-        if not _SEGMENT_RE.match(part):
+    for i, part in enumerate(parts):
+        if not _SEGMENT_RE.match(part) and not (i and _INDEX_RE.match(part)):
             raise OverridePathError(
                 path,
                 f"segment {part!r} is not a field name; write fields joined by dots, "
@@ -65,19 +67,47 @@ def apply_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
     result: dict[str, Any] = copy.deepcopy(dict(spec))
     for path, value in overrides.items():
         parts = split_path(path)
-        node = result
+        node: dict[str, Any] | list[Any] = result
         for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
+            child = _child(node, part, path, ".".join(parts[:i]))
+            if child is None and isinstance(node, dict):
                 child = node[part] = {}
-            elif not isinstance(child, dict):
+            elif not isinstance(child, dict | list):
                 where = ".".join(parts[: i + 1])
                 raise OverridePathError(
                     path, f"{where} is {type(child).__name__}, not an object: it has no fields"
                 )
             node = child
-        node[parts[-1]] = copy.deepcopy(value)
+        _child(node, parts[-1], path, ".".join(parts[:-1]))  # an index must exist already
+        if isinstance(node, list):
+            node[int(parts[-1])] = copy.deepcopy(value)
+        else:
+            node[parts[-1]] = copy.deepcopy(value)
     return result
+
+
+def _child(node: dict[str, Any] | list[Any], part: str, path: str, where: str) -> Any:
+    """``node[part]`` (None when a field is absent).
+
+    Raises:
+        OverridePathError: an index into an object, a field of a list, or an index past the
+            list's end (a list keeps its length: ``command.2`` replaces the third item).
+    """
+    is_index = part.isdigit()
+    if isinstance(node, list):
+        if not is_index:
+            raise OverridePathError(path, f"{where} is a list: address an item by its index")
+        if int(part) >= len(node):
+            raise OverridePathError(
+                path, f"{where} has {len(node)} item(s), 0–{len(node) - 1}; index {part} is past it"
+            )
+        return node[int(part)]
+    if is_index:
+        raise OverridePathError(
+            path, f"segment {part!r} is not a field name; write fields joined by dots, "
+            "e.g. training.lr or config.hidden (an index addresses a list's item: command.1)",
+        )  # fmt: skip
+    return node.get(part)
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

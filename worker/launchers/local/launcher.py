@@ -176,7 +176,7 @@ class LocalLauncher:
         ]  # fmt: skip
         env = {
             **rank_env(job_id, attempt, artifact_dir=self.artifact_dir,
-                       cpus_per_task=r.cpus_per_task),
+                       cpus_per_task=r.cpus_per_task, user_env=spec.env),
             API_URL: self.api_url,
             CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
         }  # fmt: skip
@@ -194,7 +194,7 @@ class LocalLauncher:
             log_dir=str(artifacts.attempt_dir(self.artifact_dir, job_id, attempt)),
             request=LocalRequest(
                 timeout_s=float(r.timeout_min * 60),
-                entrypoint=spec.task if self._checkable(spec.task) else None,
+                entrypoint=spec.task if spec.task and self._checkable(spec.task) else None,
             ),
             files={spec_file: spec.model_dump_json()},
         )

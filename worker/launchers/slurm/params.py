@@ -102,6 +102,7 @@ def rank_environment(
     exported by the sbatch script. Nothing secret: the attempt token and the topology are
     added inside the task (``SlurmRank``); no database URL reaches a Slurm rank at all."""
     env = rank_env(
-        job_id, attempt, artifact_dir=artifact_dir, cpus_per_task=spec.resources.cpus_per_task
-    )
+        job_id, attempt, artifact_dir=artifact_dir, cpus_per_task=spec.resources.cpus_per_task,
+        user_env=spec.env,
+    )  # fmt: skip
     return {**env, API_URL: api_url}
