@@ -19,6 +19,8 @@ Layout::
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.upload-<id>.pt  (the API's store)
     <artifact_dir>/jobs/<job_id>/checkpoints/.upload-<id>.part          (an upload arriving)
+    <artifact_dir>/workspaces/files/upload-<id>    (a workspace file in the API's store)
+    <artifact_dir>/workspaces/files/.upload-<id>.part   (a workspace file arriving)
 """
 
 from __future__ import annotations
