@@ -22,6 +22,7 @@ from service.api.attempts import downloads as attempt_downloads
 from service.api.attempts import notes as attempt_notes
 from service.api.attempts import routes as attempts
 from service.api.attempts import uploads as attempt_uploads
+from service.api.attempts import workspace as attempt_workspace
 from service.api.checkpoints import routes as checkpoints
 from service.api.errors import install_error_handlers
 from service.api.jobs import goodput, logs
@@ -32,22 +33,33 @@ from service.api.schemas import job_spec_openapi_schemas
 from service.api.sweeps import metrics as sweep_metrics
 from service.api.sweeps import routes as sweeps
 from service.api.workers import routes as workers
+from service.api.workspaces import routes as workspaces
 from service.core.config import Settings, get_settings
 from service.core.wire import API_PREFIX
 from service.core.wire.attempt import UPLOAD_CHUNK_PATH
+from service.core.wire.workspace import FILE_CHUNK_PATH, WORKSPACES_PATH
 from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
 from service.store.reaper import reap_forever
+from service.store.workspaces.stores import make_workspace_stores
 from service.web import routes as web_routes
 
 log = logging.getLogger(__name__)
 
-CHUNK_UPLOAD_PATH_RE = re.compile(
-    "^"
-    + re.escape(API_PREFIX + UPLOAD_CHUNK_PATH).replace(re.escape("{upload_id}"), "[0-9]+")
-    + "$"
-)
+
+def _path_re(*paths: str) -> re.Pattern[str]:
+    """A regex of the API paths ``paths``, each ``{upload_id}`` any number."""
+    escaped = (re.escape(API_PREFIX + p).replace(re.escape("{upload_id}"), "[0-9]+") for p in paths)
+    return re.compile("^(?:" + "|".join(escaped) + ")$")
+
+
+# Chunk uploads (checkpoints, workspace files) carry their own cap, checked as they stream.
+CHUNK_UPLOAD_PATH_RE = _path_re(UPLOAD_CHUNK_PATH, FILE_CHUNK_PATH)
+# POST /workspaces carries a whole manifest: up to workspace_max_files entries.
+WORKSPACE_CREATE_PATH_RE = _path_re(WORKSPACES_PATH)
+# Bytes of manifest JSON allowed per file (a long path included), above max_body_bytes.
+MANIFEST_BODY_BYTES_PER_FILE = 512
 STATIC_DIR = Path(__file__).resolve().parent / "web" / "static"
 
 
@@ -81,6 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     db = Database.from_url(settings.resolved_database_url)
     stores = make_stores(settings, db)  # no I/O until a request or the reaper uses them
+    workspace_stores = make_workspace_stores(settings, db)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,6 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 worker_retention_s=settings.worker_retention_s,
                 checkpoint_stores=stores,
                 upload_stale_s=settings.checkpoint_upload_stale_s,
+                workspace_stores=workspace_stores,
+                workspace_retention_days=settings.workspace_retention_days,
             )
         )
         try:
@@ -119,10 +134,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.checkpoint_stores = stores
+    app.state.workspace_stores = workspace_stores
     install_error_handlers(app)
-    # Chunk uploads carry their own cap (checkpoint_chunk_bytes), checked while they stream.
+    manifest_bytes = settings.max_body_bytes + settings.workspace_max_files * (
+        MANIFEST_BODY_BYTES_PER_FILE
+    )
     app.add_middleware(
-        BodySizeLimit, max_bytes=settings.max_body_bytes, exempt=CHUNK_UPLOAD_PATH_RE
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        exempt=CHUNK_UPLOAD_PATH_RE,
+        larger=(("POST", WORKSPACE_CREATE_PATH_RE, manifest_bytes),),
     )
     for module in (
         jobs,
@@ -138,6 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         attempt_uploads,
         attempt_downloads,
         attempt_notes,
+        attempt_workspace,
+        workspaces,
     ):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(health.router)  # /healthz, /readyz where probes expect them

@@ -1,6 +1,7 @@
-"""Streaming a committed checkpoint file over HTTP, for the user download route and the ranks'
-resume and init_from downloads: ``Range: bytes=N-`` resumes, the sha256 rides in a header so
-the receiver verifies before use. Never the whole file in memory. Which file, and whether
+"""Streaming a committed file over HTTP: a checkpoint for the user download route and the ranks'
+resume and init_from downloads, a workspace file for the ranks. ``Range: bytes=N-`` resumes,
+the sha256 rides in a header so the receiver verifies before use. Never the whole file in
+memory. Which file, and whether
 its store still holds it whole, is the store's use cases' (``service.store.checkpoints``)."""
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ LEGACY_SHA256_HEADER = "X-Checkpoint-Sha256"
 def checkpoint_stores(app: FastAPI) -> CheckpointStores:
     """The app's checkpoint stores by name (``create_app`` builds them from its settings)."""
     stores: CheckpointStores = app.state.checkpoint_stores
+    return stores
+
+
+def workspace_stores(app: FastAPI) -> CheckpointStores:
+    """The app's workspace file stores by name (the same backends over their own places,
+    ``service.store.workspaces.stores``; ``create_app`` builds them)."""
+    stores: CheckpointStores = app.state.workspace_stores
     return stores
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,12 +19,27 @@ class BodySizeLimit:
     sees any of it (checked on Content-Length and again while the body streams in).
 
     PUTs to a path matching ``exempt`` pass untouched and unbuffered: routes that stream
-    their body and enforce a cap of their own (checkpoint chunks)."""
+    their body and enforce a cap of their own (checkpoint and workspace file chunks).
+    ``larger`` gives ``(method, path regex, max_bytes)`` of requests allowed a bigger body
+    (a workspace's manifest)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, exempt: re.Pattern[str] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        exempt: re.Pattern[str] | None = None,
+        larger: Sequence[tuple[str, re.Pattern[str], int]] = (),
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.exempt = exempt
+        self.larger = tuple(larger)
+
+    def _limit(self, scope: Scope) -> int:
+        for method, path, max_bytes in self.larger:
+            if scope["method"] == method and path.match(scope["path"]) is not None:
+                return max_bytes
+        return self.max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._exempt(scope):
@@ -32,10 +48,11 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope)
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._reject(scope, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._reject(scope, send, limit)
             return
         if declared in (None, b"0") and b"transfer-encoding" not in headers:
             # No body (RFC 9112 §6.3), e.g. every GET: nothing to count or replay.
@@ -49,8 +66,8 @@ class BodySizeLimit:
                 return
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
-                await self._reject(scope, send)
+            if total > limit:
+                await self._reject(scope, send, limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -74,13 +91,11 @@ class BodySizeLimit:
             and self.exempt.match(scope["path"]) is not None
         )
 
-    async def _reject(self, scope: Scope, send: Send) -> None:
-        log.warning(
-            "rejected %s %s: body over %d bytes", scope["method"], scope["path"], self.max_bytes
-        )
+    async def _reject(self, scope: Scope, send: Send, limit: int) -> None:
+        log.warning("rejected %s %s: body over %d bytes", scope["method"], scope["path"], limit)
         response = JSONResponse(
             error_body(
-                f"request body exceeds {self.max_bytes} bytes (DDPQ_MAX_BODY_BYTES)",
+                f"request body exceeds {limit} bytes (DDPQ_MAX_BODY_BYTES)",
                 HTTP_STATUS_CODES[413],
             ),
             status_code=413,

@@ -19,6 +19,8 @@ Layout::
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.pt
     <artifact_dir>/jobs/<job_id>/checkpoints/step-<step>.upload-<id>.pt  (the API's store)
     <artifact_dir>/jobs/<job_id>/checkpoints/.upload-<id>.part          (an upload arriving)
+    <artifact_dir>/workspaces/files/upload-<id>    (a workspace file in the API's store)
+    <artifact_dir>/workspaces/files/.upload-<id>.part   (a workspace file arriving)
 """
 
 from __future__ import annotations
@@ -215,6 +217,18 @@ def checkpoint_dir(artifact_dir: Path, job_id: int) -> Path:
 def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
     """``…/jobs/<id>/checkpoints/step-<step>.pt``."""
     return checkpoint_dir(artifact_dir, job_id) / checkpoint_name(step)
+
+
+def workspace_upload_path(artifact_dir: Path, upload_id: int) -> Path:
+    """Where the filesystem store keeps workspace upload ``upload_id``'s partial bytes (beside
+    the file it becomes: finalizing is a rename within one directory)."""
+    return artifact_dir / "workspaces" / "files" / upload_partial_name(upload_id)
+
+
+def workspace_file_path(artifact_dir: Path, upload_id: int) -> Path:
+    """Where the filesystem store keeps the workspace file upload ``upload_id`` brought (named
+    by the upload, not the sha256: two owners' copies of one content are two files)."""
+    return artifact_dir / "workspaces" / "files" / f"upload-{int(upload_id)}"
 
 
 def confine(artifact_dir: Path, path: str | Path, *, must_exist: bool = True) -> Path:

@@ -1,6 +1,7 @@
 """SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded),
 job_attempts, checkpoints (with checkpoint_uploads and checkpoint_chunks), api_tokens,
-attempt_tokens, sweeps, sweep_trials.
+attempt_tokens, sweeps, sweep_trials, workspaces (with workspace_files, workspace_uploads and
+workspace_chunks).
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -410,4 +411,91 @@ class SweepTrial(Base):
     __table_args__ = (
         UniqueConstraint("sweep_id", "trial_key"),
         Index("ix_sweep_trials_job_id", "job_id"),
+    )
+
+
+class WorkspaceUpload(Base):
+    """A workspace file on its way from a user to a store, chunk by chunk (the checkpoint
+    upload's protocol, ``CheckpointUpload``): ``received_bytes`` of ``size_bytes`` arrived.
+    ``state``: ``receiving`` → ``committed`` (its ``workspace_files`` row written; the row
+    stays while the file lives: the database store keeps the bytes under this id) or
+    ``abandoned`` (sha256 mismatch, stale; its bytes discarded). A table of its own, not
+    ``checkpoint_uploads``: a workspace file has an owner, no job, step or attempt."""
+
+    __tablename__ = "workspace_uploads"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(100))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    received_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    state: Mapped[str] = mapped_column(String(16), default="receiving")
+    store: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (
+        Index("ix_workspace_uploads_owner_sha256", "owner", "sha256"),
+        # Retention's abandoned and stale uploads.
+        Index("ix_workspace_uploads_state_updated_at", "state", "updated_at"),
+    )
+
+
+class WorkspaceChunk(Base):
+    """One chunk of a workspace file kept by the database store (as ``CheckpointChunk``, for
+    ``workspace_uploads``: the two id sequences overlap, so each has its own table)."""
+
+    __tablename__ = "workspace_chunks"
+
+    upload_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("workspace_uploads.id", ondelete="CASCADE")
+    )
+    offset_bytes: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+    __table_args__ = (PrimaryKeyConstraint("upload_id", "offset_bytes"),)
+
+
+class WorkspaceFile(Base):
+    """A workspace file an owner uploaded, stored once per ``(owner, sha256)``: ``store`` and
+    ``location`` as for a checkpoint, ``upload_id`` the committed upload that brought it.
+    ``last_used_at`` moves when a workspace names it (retention's clock)."""
+
+    __tablename__ = "workspace_files"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(100))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    store: Mapped[str] = mapped_column(String(16))
+    location: Mapped[str] = mapped_column(Text)
+    upload_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("workspace_uploads.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (
+        UniqueConstraint("owner", "sha256"),
+        Index("ix_workspace_files_last_used_at", "last_used_at"),
+    )
+
+
+class Workspace(Base):
+    """A stored workspace: its ``manifest`` (``service.core.wire.workspace.Manifest`` as JSON)
+    under its ``digest``, unique per owner. ``last_used_at`` moves when it is stored again or
+    a rank reads it; retention deletes it once that is old and no unfinished job names it."""
+
+    __tablename__ = "workspaces"
+
+    id: Mapped[int] = mapped_column(BIGINT_PK, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(100))
+    digest: Mapped[str] = mapped_column(String(64))
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
+    file_count: Mapped[int] = mapped_column(Integer)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    __table_args__ = (
+        UniqueConstraint("owner", "digest"),
+        Index("ix_workspaces_last_used_at", "last_used_at"),
     )

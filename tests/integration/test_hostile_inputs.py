@@ -41,6 +41,15 @@ from tests.rank_api import attempt_client, live_api
 from worker.runtime.metrics.sink import ApiSink
 
 API = API_PREFIX
+# A path's {digest} (a workspace): the route matches only a sha256.
+DIGEST = "0" * 64
+
+
+def concrete_path(path: str) -> str:
+    """An OpenAPI path with its parameters filled in (ids 1, a digest of zeros)."""
+    return path.replace("{job_id}", "1").replace("{step}", "1").replace("{digest}", DIGEST)
+
+
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)  # a fixed time: bodies compare as bytes
 ODD_AT = datetime(2026, 1, 1, tzinfo=timezone(timedelta(microseconds=1)))  # a valid tzinfo
 CHROMIUM = Path("/usr/bin/chromium")
@@ -311,7 +320,7 @@ def test_odd_and_revoked_credentials_are_401_on_every_route(
         revoke_token(s, next(t.id for t in list_tokens(s) if t.owner == "rev"))
     with TestClient(create_app(settings.model_copy(update={"auth": "on"}))) as api:
         routes = [("POST", "/submit/parse-spec")] + [
-            (m.upper(), p.replace("{job_id}", "1").replace("{step}", "1"))
+            (m.upper(), concrete_path(p))
             for p, ops in cast(Any, api.app).openapi()["paths"].items()
             if not p.endswith("/healthz")
             for m in ops

@@ -1,1 +1,1 @@
-"""The ranks' API (attempt token only): metrics, progress, checkpoints, notes."""
+"""The ranks' API (attempt token only): metrics, progress, checkpoints, notes, workspace."""

@@ -13,12 +13,10 @@ checkpoint of another job: the token names the job, no route takes one.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response
-from starlette.requests import ClientDisconnect
 
 from service.api.attempts.checkpoints import checkpoint_entry
 from service.api.attempts.routes import (
@@ -29,6 +27,7 @@ from service.api.attempts.routes import (
     _in_thread,
     _json_body,
 )
+from service.api.chunks import receive_chunk, upload_lock
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
 from service.core.wire import attempt as wire
@@ -39,9 +38,6 @@ from service.store.checkpoints.values import UploadStatus
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 
-# Bytes of a chunk body gathered before one hash-and-write in a thread (one hop each: at
-# 1 MiB the hops cost a fifth of a 16 MiB chunk's time on a 2-core box).
-WRITE_BLOCK_BYTES = 4 << 20
 UploadIdPath = Annotated[int, Path(ge=1, le=2**63 - 1, description="The upload's id.")]
 StepPath = Annotated[int, Path(ge=0, le=wire.MAX_STEP, description="Global step.")]
 
@@ -64,18 +60,6 @@ def upload_hashes(app: FastAPI) -> UploadHashes:
     if not isinstance(hashes, UploadHashes):
         hashes = app.state.upload_hashes = UploadHashes()
     return hashes
-
-
-def _upload_lock(app: FastAPI, upload_id: int) -> asyncio.Lock:
-    """One chunk or commit of an upload at a time in this process (two PUTs of one offset
-    would otherwise write the same bytes of a partial file at once)."""
-    locks: dict[int, asyncio.Lock] | None = getattr(app.state, "upload_locks", None)
-    if locks is None:
-        locks = app.state.upload_locks = {}
-    if len(locks) > 10_000:
-        for key in [k for k, lock in locks.items() if not lock.locked()]:
-            del locks[key]
-    return locks.setdefault(upload_id, asyncio.Lock())
 
 
 def _corrupt_if_asked(app: FastAPI, piece: bytes, first: bool) -> bytes:
@@ -198,31 +182,18 @@ async def upload_chunk_route(
     stores = checkpoint_stores(app)
     hashes = upload_hashes(app)
 
-    async with _upload_lock(app, upload_id):
+    async with upload_lock(app, "checkpoint", upload_id):
         receiver: ChunkReceiver = await _in_thread(
             lambda: uploads.open_chunk(
                 db, stores, hashes, ref, upload_id, offset=offset, chunk_bytes=chunk_bytes
             )
         )
-        try:
-            pieces: list[bytes] = []
-            pending = 0
-            async for piece in request.stream():
-                piece = _corrupt_if_asked(app, piece, receiver.received == 0)
-                receiver.count(len(piece))  # 422 past the chunk's length, before any write
-                pieces.append(piece)
-                pending += len(piece)
-                if pending >= WRITE_BLOCK_BYTES:
-                    await _in_thread(receiver.write, b"".join(pieces))
-                    pieces, pending = [], 0
-            if pieces:
-                await _in_thread(receiver.write, b"".join(pieces))
-            status: UploadStatus = await _in_thread(
-                uploads.finish_chunk, db, ref, receiver, chunk_sha256
-            )
-        except (Exception, ClientDisconnect):
-            await _in_thread(receiver.abort)  # nothing once the chunk was kept
-            raise
+        status: UploadStatus = await receive_chunk(
+            request,
+            receiver,
+            lambda: uploads.finish_chunk(db, ref, receiver, chunk_sha256),
+            transform=lambda piece, first: _corrupt_if_asked(app, piece, first),
+        )
     return _status_json(status)
 
 
@@ -253,7 +224,7 @@ async def commit_upload_route(
     db, stores, hashes = _db(request), checkpoint_stores(app), upload_hashes(app)
     chunk_bytes = _chunk_bytes(request)
 
-    async with _upload_lock(app, upload_id):
+    async with upload_lock(app, "checkpoint", upload_id):
         done = await _in_thread(
             lambda: checkpoints.commit_upload(
                 db, stores, hashes, ref, upload_id, chunk_bytes=chunk_bytes

@@ -124,7 +124,8 @@ def _check_mode(mode: int) -> int:
 
 WorkspacePath = Annotated[str, AfterValidator(_check_path)]
 Sha256 = Annotated[str, Field(pattern=SHA256_PATTERN)]
-SizeBytes = Annotated[int, Field(ge=0, le=MAX_SIZE_BYTES)]
+# Strict: JSON ``false`` is not a size of 0 bytes (lax mode would take it for one).
+SizeBytes = Annotated[int, Field(ge=0, le=MAX_SIZE_BYTES, strict=True)]
 
 
 class _Wire(BaseModel):

@@ -2,13 +2,15 @@
 per uploaded chunk (up to ``DDPQ_CHECKPOINT_CHUNK_BYTES``, 16 MiB by default), keyed by the
 upload's id and the chunk's byte offset. A committed file keeps its upload's rows; its
 ``location`` is the upload id. For small models and CI, where "checkpoints in the database"
-is all the storage there is; ``max_bytes`` caps one file.
+is all the storage there is; ``max_bytes`` caps one file. Workspace files use the same store
+over their own table (``chunks=WorkspaceChunk``: upload ids of the two kinds overlap).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import TypeAlias
 
 from sqlalchemy import delete, func, select
 
@@ -19,15 +21,19 @@ from service.store.checkpoints.backends.base import (
     UploadKey,
 )
 from service.store.db import Database
-from service.store.models import CheckpointChunk
+from service.store.models import CheckpointChunk, WorkspaceChunk
+
+# A table of chunk rows: ``upload_id``, ``offset_bytes``, ``data``.
+ChunkTable: TypeAlias = type[CheckpointChunk] | type[WorkspaceChunk]
 
 
 class _RowChunk:
     """A chunk collected in memory (one row's worth, at most the chunk cap) and inserted on
     ``commit``, replacing any rows at or beyond its offset in the same transaction."""
 
-    def __init__(self, db: Database, upload_id: int, offset: int) -> None:
+    def __init__(self, db: Database, chunks: ChunkTable, upload_id: int, offset: int) -> None:
         self._db, self._upload_id, self._offset = db, upload_id, offset
+        self._chunks = chunks
         self._data = bytearray()
 
     def write(self, data: bytes) -> None:
@@ -35,15 +41,16 @@ class _RowChunk:
 
     def commit(self) -> None:
         with self._db.session() as session:
+            chunks = self._chunks
             session.execute(
-                delete(CheckpointChunk).where(
-                    CheckpointChunk.upload_id == self._upload_id,
-                    CheckpointChunk.offset_bytes >= self._offset,
+                delete(chunks).where(
+                    chunks.upload_id == self._upload_id,
+                    chunks.offset_bytes >= self._offset,
                 )
             )
             if self._data:
                 session.add(
-                    CheckpointChunk(
+                    chunks(
                         upload_id=self._upload_id,
                         offset_bytes=self._offset,
                         data=bytes(self._data),
@@ -56,13 +63,16 @@ class _RowChunk:
 
 
 class DatabaseStore:
-    """Checkpoint bytes in ``checkpoint_chunks`` rows of ``db``."""
+    """Bytes in ``chunks`` rows of ``db`` (``checkpoint_chunks`` unless told otherwise)."""
 
     name = "database"
 
-    def __init__(self, db: Database, *, max_bytes: int) -> None:
+    def __init__(
+        self, db: Database, *, max_bytes: int, chunks: ChunkTable = CheckpointChunk
+    ) -> None:
         self.db = db
         self.max_bytes = max_bytes
+        self.chunks = chunks
 
     def max_size_bytes(self) -> int | None:
         return self.max_bytes
@@ -71,9 +81,9 @@ class DatabaseStore:
         """``(offset, length)`` of each row of ``upload_id``, in order (no data read)."""
         with self.db.session(write=False) as session:
             rows = session.execute(
-                select(CheckpointChunk.offset_bytes, func.length(CheckpointChunk.data))
-                .where(CheckpointChunk.upload_id == upload_id)
-                .order_by(CheckpointChunk.offset_bytes)
+                select(self.chunks.offset_bytes, func.length(self.chunks.data))
+                .where(self.chunks.upload_id == upload_id)
+                .order_by(self.chunks.offset_bytes)
             ).all()
         return [(int(o), int(n)) for o, n in rows]
 
@@ -92,9 +102,9 @@ class DatabaseStore:
                 continue
             with self.db.session(write=False) as session:
                 data = session.scalar(
-                    select(CheckpointChunk.data).where(
-                        CheckpointChunk.upload_id == upload_id,
-                        CheckpointChunk.offset_bytes == offset,
+                    select(self.chunks.data).where(
+                        self.chunks.upload_id == upload_id,
+                        self.chunks.offset_bytes == offset,
                     )
                 )
             if data is None:  # deleted meanwhile
@@ -112,7 +122,7 @@ class DatabaseStore:
             raise CheckpointStoreError(
                 f"upload {key.upload_id} holds {held} bytes, not {offset}: resume from GET status"
             )
-        return _RowChunk(self.db, key.upload_id, offset)
+        return _RowChunk(self.db, self.chunks, key.upload_id, offset)
 
     def received_size(self, key: UploadKey) -> int:
         return self._contiguous_end(key.upload_id)
@@ -156,4 +166,4 @@ class DatabaseStore:
 
     def _delete_rows(self, upload_id: int) -> None:
         with self.db.session() as session:
-            session.execute(delete(CheckpointChunk).where(CheckpointChunk.upload_id == upload_id))
+            session.execute(delete(self.chunks).where(self.chunks.upload_id == upload_id))
