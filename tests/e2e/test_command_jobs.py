@@ -34,7 +34,9 @@ def git_repo(root: Path) -> Path:
     return root
 
 
-def ddpq(dep: Any, cwd: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+def ddpq(
+    dep: Any, cwd: Path, *args: str, timeout_s: float = 300
+) -> subprocess.CompletedProcess[str]:
     """The CLI, as a user runs it in ``cwd``, against the deployment's API."""
     env = {**os.environ, "DDPQ_API_URL": dep.url, "DDPQ_HOME": str(dep.tmp_path / "cli-home")}
     return subprocess.run(
@@ -45,8 +47,7 @@ def ddpq(dep: Any, cwd: Path, *args: str, timeout_s: float = 300) -> subprocess.
 def rank_logs(dep: Any, job_id: int, attempt: int = 1) -> dict[int, str]:
     folder = dep.artifact_dir / "jobs" / str(job_id) / f"attempt-{attempt}"
     return {
-        int(p.stem.split("-")[1]): p.read_text(errors="replace")
-        for p in folder.glob("rank-*.log")
+        int(p.stem.split("-")[1]): p.read_text(errors="replace") for p in folder.glob("rank-*.log")
     }
 
 
@@ -58,7 +59,9 @@ def job_id_of(output: str) -> int:
 
 
 @pytest.mark.slow
-def test_the_tutorial_script_runs_unchanged_through_ddpq_run(deployment: Any, tmp_path: Path) -> None:
+def test_the_tutorial_script_runs_unchanged_through_ddpq_run(
+    deployment: Any, tmp_path: Path
+) -> None:
     dep = deployment
     dep.start_worker()
     work = git_repo(tmp_path / "project")

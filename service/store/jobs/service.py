@@ -44,6 +44,7 @@ from service.store.jobs.values import (
 )
 from service.store.jobs.view import get_job_row, get_job_view
 from service.store.models import Job
+from service.store.workspaces.crud import use_workspaces
 
 # -- the API's ----------------------------------------------------------------------------
 
@@ -68,7 +69,8 @@ def submit_job(
 
     Raises:
         SpecValidationError: (422) the key was used before for a different spec; the
-            ``init_from`` names no job of the caller's or no committed checkpoint of it.
+            ``init_from`` names no job of the caller's or no committed checkpoint of it; the
+            ``workspace`` is none of the owner's.
         RateLimitedError: (429, ``retry_after_s``) over the owner's rate limit.
     """
     owner = caller.owner
@@ -80,6 +82,8 @@ def submit_job(
         )
         if replay is None:
             spec = resolve_init_from(session, spec, owner=caller.owner_filter)
+            if spec.workspace is not None:
+                use_workspaces(session, owner, [(spec.workspace, ["body", "workspace"])])
             if per_minute is not None:
                 check_submission_rate(session, owner, per_minute=per_minute)
         job, created = crud.submit_job(session, spec, owner=owner, idempotency_key=idempotency_key)

@@ -114,3 +114,13 @@ def init_from_columns(spec: JobSpec | dict[str, Any]) -> dict[str, int | None]:
         "init_from_job_id": job if isinstance(job, int) else None,
         "init_from_step": step if isinstance(step, int) and not isinstance(step, bool) else None,
     }
+
+
+def trial_workspaces(planned: Sequence[PlannedTrial]) -> list[tuple[str, list[str]]]:
+    """The distinct workspaces the trials name, each with the field a 422 points at (the
+    base's, ``body.base.workspace``, unless an axis set it)."""
+    found: dict[str, list[str]] = {}
+    for t in planned:
+        if t.spec.workspace is not None:
+            found.setdefault(t.spec.workspace, ["body", "base", "workspace"])
+    return list(found.items())

@@ -28,7 +28,7 @@ from service.store.db import Database
 from service.store.jobs.rate_limits import check_jobs_rate
 from service.store.models import Sweep
 from service.store.sweeps import crud, metrics, progress, view
-from service.store.sweeps.init_from import resolve_sweep_init_from
+from service.store.sweeps.init_from import resolve_sweep_init_from, trial_workspaces
 from service.store.sweeps.values import (
     SubmittedSweep,
     SweepDetail,
@@ -37,6 +37,7 @@ from service.store.sweeps.values import (
     TrialCurve,
     TrialView,
 )
+from service.store.workspaces.crud import use_workspaces
 
 
 def _detail(session: Session, sweep: Sweep, added: int | None = None) -> SweepDetail:
@@ -80,6 +81,7 @@ def submit_sweep(
             resolved, planned = resolve_sweep_init_from(
                 session, spec, planned, owner=caller.owner_filter
             )
+            use_workspaces(session, owner, trial_workspaces(planned))
             sweep, created = crud.submit_sweep_once(
                 session, resolved, objective, planned, owner=owner, idempotency_key=idempotency_key
             )
@@ -202,6 +204,7 @@ def extend_sweep(
         keys, next_position = crud.trial_keys(session, sweep_id)
         planned = plan_trials(spec, settings, skip_keys=keys, first_position=next_position)
         spec, planned = resolve_sweep_init_from(session, spec, planned, owner=owner)
+        use_workspaces(session, sweep.owner, trial_workspaces(planned))
         check_jobs_rate(session, sweep.owner, per_minute=per_minute, jobs=len(planned))
         added = crud.extend_sweep(session, sweep, spec, planned)
         return _detail(session, sweep, added)

@@ -15,7 +15,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import DdpqError, NotFoundError
+from service.core.errors import DdpqError, NotFoundError, SpecValidationError
 from service.core.wire.workspace import Manifest
 from service.store.checkpoints.uploads import UploadStateError
 from service.store.models import Workspace, WorkspaceFile, WorkspaceUpload, utcnow
@@ -248,6 +248,31 @@ def get_workspace(session: Session, owner: str, digest: str) -> Workspace:
     if row is None:
         raise WorkspaceNotFoundError(f"workspace {digest} not found")
     return row
+
+
+def use_workspaces(session: Session, owner: str, digests: Iterable[tuple[str, list[str]]]) -> None:
+    """Check that ``owner`` has each workspace a job about to be stored names, and mark it
+    used now (retention's clock). ``digests``: ``(digest, loc)`` pairs, ``loc`` the spec
+    field that names it (``["body", "workspace"]``).
+
+    Raises:
+        SpecValidationError: (422) one error per digest the owner has no workspace of
+            (another owner's counts as none: nothing tells that it exists).
+    """
+    errors: list[dict[str, Any]] = []
+    now = utcnow()
+    for digest, loc in digests:
+        row = session.scalars(
+            select(Workspace).where(Workspace.owner == owner, Workspace.digest == digest)
+        ).one_or_none()
+        if row is None:
+            errors.append({"loc": loc, "type": "value_error", "msg": (
+                f"no workspace {digest[:12]}… of yours: upload it first (`ddpq run` and "
+                "DdpqClient.run do)")})  # fmt: skip
+        else:
+            row.last_used_at = now
+    if errors:
+        raise SpecValidationError(errors)
 
 
 def manifest_of(row: Workspace) -> Manifest:
