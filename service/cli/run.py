@@ -85,11 +85,8 @@ def _print_missing(console: Console, client: DdpqClient, packed: PackedWorkspace
                        "the rest"))  # fmt: skip
 
 
-# Hidden until the API serves workspaces and command jobs: the client side (pack, upload,
-# submit) is complete, the server side is not yet, so an advertised command would only 404.
 @app.command(
     "run",
-    hidden=True,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 def run_command(
