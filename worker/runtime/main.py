@@ -30,6 +30,7 @@ from service.core.artifacts import rank_log_path, spec_path
 from service.core.config import Settings
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.metrics.points import json_safe
+from service.core.spec.command import command_problems
 from service.core.spec.model import JobSpec
 from service.core.wire.attempt import AttemptSelf
 from worker import attempt as contract
@@ -207,7 +208,7 @@ def load_spec(artifact_dir: Path, env: RankEnv) -> JobSpec:
     """
     path = spec_path(artifact_dir, env.job_id, env.attempt)
     try:
-        return JobSpec.model_validate(json.loads(path.read_bytes()))
+        spec = JobSpec.model_validate(json.loads(path.read_bytes()))
     except FileNotFoundError:
         raise SpecFileError(
             f"no spec file at {path}: the worker writes it before it starts the ranks "
@@ -220,6 +221,13 @@ def load_spec(artifact_dir: Path, env: RankEnv) -> JobSpec:
         raise SpecFileError(
             f"the spec file {path} does not hold a valid job spec ({count} error(s)): {exc}"
         ) from None
+    # What validate_spec adds across fields (the deployment's own rules were the API's call).
+    dumped = spec.model_dump(include={"task", "command", "workspace"})
+    problems = command_problems(dumped, user_code_allowed=True)
+    if problems:
+        said = "; ".join(f"{field}: {msg}" for field, msg in problems)
+        raise SpecFileError(f"the spec file {path} does not hold a valid job spec: {said}")
+    return spec
 
 
 def check_attempt(api: AttemptClient, env: RankEnv) -> AttemptSelf | None:
