@@ -49,6 +49,7 @@ def test_ranks_get_the_api_url_and_token_and_none_of_the_workers_secrets(
         probe = json.loads((attempt_dir / f"user-probe-rank-{rank}.json").read_text())
         assert probe["ddpq_env"] == [
             "DDPQ_API_URL", "DDPQ_ARTIFACT_DIR", "DDPQ_ATTEMPT", "DDPQ_ATTEMPT_TOKEN",
+            "DDPQ_CHECKPOINT_DIR",
             "DDPQ_JOB_ID",
         ], "a rank's DDPQ_* variables are the plan's, none of the worker's"  # fmt: skip
         assert "secret" not in probe["ancestors"].values(), probe["ancestors"]
