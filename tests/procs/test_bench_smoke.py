@@ -102,3 +102,15 @@ def test_sweeps_tiny(tmp_path: Path) -> None:
     res = sweeps.run("tiny", workdir=tmp_path)
     _measured(res, "sqlite_sweep_vs_single_posts", "postgresql_sweep_vs_goal")
     assert res.goals["sqlite_all_trials_stored"] and res.goals["postgresql_all_trials_stored"]
+
+
+@pytest.mark.slow
+def test_workspace_tiny(tmp_path: Path) -> None:
+    from bench import workspace
+
+    res = workspace.run("tiny", workdir=tmp_path)
+    _measured(res, "upload_vs_tar_sha256", "resubmit_s_vs_0.5s", "first_line_vs_bare_torchrun")
+    fig = res.figures
+    # Correctness, not timing: a fresh tree sends every byte, an unchanged one none.
+    assert all(u["sent_bytes"] == fig["tree"]["bytes"] for u in fig["upload"]), fig["upload"]
+    assert fig["resubmit_sent_bytes_max"] == 0, fig["resubmit"]
