@@ -64,6 +64,9 @@ CHECKPOINT_TRANSPORT = "DDPQ_CHECKPOINT_TRANSPORT"
 # checkpoint's upload before it exits: inside the local launcher's SIGTERM→SIGKILL grace and
 # Slurm's signal lead time (DDPQ_SLURM_SIGNAL_DELAY_S, 60 s by default), with the write's time.
 STOP_UPLOAD_S = 40.0
+# Read by the warm agent (worker.runtime.agent): ``script`` for a command job, whose fork
+# server then skips ddpq's trainer imports (the user's script imports its own).
+RANK_CODE = "DDPQ_RANK_CODE"
 # The user entrypoints a rank may run (fnmatch patterns, JSON list): the ranks check a spec's
 # task against it again (Settings.allowed_entrypoints), so the worker passes its own on.
 ALLOWED_ENTRYPOINTS = "DDPQ_ALLOWED_ENTRYPOINTS"

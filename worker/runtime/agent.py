@@ -26,14 +26,25 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from worker.attempt import RANK_CODE
 from worker.processes import exit_now  # stdlib only: cheap for the fork server
 
 WARM_ENTRY = "worker.runtime"
-# What the fork server imports before it forks a rank (see that module).
+# What the fork server imports before it forks a rank (see those modules): every rank's, and
+# what ddpq's trainer adds (not for a command job: the user's script imports its own).
 PRELOAD = ("worker.runtime.forkserver_preload",)
+TRAINER_PRELOAD = ("worker.runtime.forkserver_trainer",)
+
+
+def preload_modules(environ: Mapping[str, str]) -> list[str]:
+    """The modules the fork server imports for this attempt's ranks: ``PRELOAD``, plus
+    ``TRAINER_PRELOAD`` unless ``DDPQ_RANK_CODE`` is ``script`` (a command job)."""
+    if environ.get(RANK_CODE) == "script":
+        return list(PRELOAD)
+    return [*PRELOAD, *TRAINER_PRELOAD]
 
 
 def warm_entry(argv: Sequence[str]) -> bool:
@@ -130,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if warm:
         # Start the fork server first: it imports PRELOAD on one core while this process
         # imports torch on the other.
-        multiprocessing.set_forkserver_preload(list(PRELOAD))
+        multiprocessing.set_forkserver_preload(preload_modules(os.environ))
         from multiprocessing import forkserver
 
         forkserver.ensure_running()

@@ -1,8 +1,9 @@
 """Imported once, by the fork server of ``worker.runtime.agent`` only, before it forks ranks.
 
-It loads everything a ddpq rank imports before its first step, so each forked rank starts
-with it in memory: torch, ``torch._dynamo`` (imported lazily by DistributedDataParallel's
-constructor: ~3 s on a 2-core box) and ddpq's runtime.
+It loads what every ddpq rank imports before it runs the job's code, so each forked rank
+starts with it in memory: torch and ddpq's runtime. A rank of a built-in task or an
+entrypoint also needs ``worker.runtime.forkserver_trainer``'s imports, which the agent adds
+for those jobs only (``worker.runtime.agent.preload_modules``).
 
 It also makes the fork server ignore SIGTERM. A cancel or a preemption SIGTERMs the attempt's
 whole process group; the fork server must outlive the ranks it forked, because it is what
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch._dynamo
-import torch.nn.parallel  # noqa: F401
+import torch  # noqa: F401
 
 import worker.runtime.main  # noqa: F401
 

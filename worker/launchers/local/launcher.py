@@ -43,6 +43,7 @@ from worker.attempt import (
     ALLOWED_ENTRYPOINTS,
     API_URL,
     ARTIFACT_DIR,
+    RANK_CODE,
     FailureReason,
     attempt_tags,
     rank_env,
@@ -180,6 +181,8 @@ class LocalLauncher:
             API_URL: self.api_url,
             CUDA_VISIBLE_DEVICES: ",".join(str(i) for i in range(r.gpus_per_node)),
         }  # fmt: skip
+        if spec.is_command and self.agent == AGENT_MODULE:
+            env[RANK_CODE] = "script"  # its fork server skips the trainer's imports
         if self.allowed_entrypoints:
             # The ranks check the task against the worker's list, whatever their environment.
             env[ALLOWED_ENTRYPOINTS] = json.dumps(self.allowed_entrypoints)
