@@ -28,7 +28,7 @@ from service.core.artifacts import attempt_dir, workspace_cache_dir, workspace_d
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.wire import workspace as wire
 from worker.attempt import FailureReason
-from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.fetch import CheckpointFetchError, fetch_file, verified
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,9 @@ def _place(
             shutil.copyfile(cached, dest, follow_symlinks=False)
             if not verified(dest, f.size_bytes, f.sha256):  # the cache is shared: check
                 raise WorkspaceFetchError(f"workspace file {f.path}: its cached copy changed")
-    except CheckpointFetchError as exc:
+    except (CheckpointFetchError, AttemptRequestError) as exc:
+        # AttemptRequestError: the API refused the file (404: its stored bytes are gone or
+        # cut short), not retryable; still this workspace's failure, a setup failure.
         raise WorkspaceFetchError(f"workspace file {f.path}: {exc.detail}") from None
     with contextlib.suppress(OSError):
         os.chmod(dest, f.mode)

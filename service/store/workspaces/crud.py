@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, cast
 
+from pydantic import ValidationError
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
@@ -279,9 +280,30 @@ def use_workspaces(session: Session, owner: str, digests: Iterable[tuple[str, li
         raise SpecValidationError(errors)
 
 
+class WorkspaceDamagedError(DdpqError):
+    """A stored manifest that is no longer a valid one (its row was edited or damaged): 410,
+    as a damaged checkpoint, so that a rank gives up at once instead of retrying a 500."""
+
+    status_code = 410
+    code = "workspace_damaged"
+
+
 def manifest_of(row: Workspace) -> Manifest:
-    """A stored workspace's manifest (validated when it was stored)."""
-    return Manifest.model_validate(row.manifest)
+    """A stored workspace's manifest (validated when it was stored, and again now: a rank
+    lays it out on disk).
+
+    Raises:
+        WorkspaceDamagedError: the stored row is not a valid manifest any more (410).
+    """
+    try:
+        return Manifest.model_validate(row.manifest)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise WorkspaceDamagedError(
+            f"the stored manifest of workspace {row.digest[:12]}… is damaged "
+            f"({'.'.join(map(str, first['loc']))}: {first['msg']}); upload the workspace "
+            "again (`ddpq run` does) and resubmit"
+        ) from None
 
 
 def missing_file_errors(manifest: Manifest, present: dict[str, int]) -> list[dict[str, Any]]:
