@@ -166,3 +166,27 @@ def test_a_poisoned_cache_entry_is_fetched_again_not_used(
     assert (where / "data" / "x.bin").read_bytes() == DATA
     assert poisoned.read_bytes() == TRAIN
     assert files_under(where) == {"train.py", "data/x.bin"}
+
+
+def test_a_name_of_255_bytes_is_fetched_when_the_host_has_no_cache(
+    tmp_path: Path, db: Database, served: tuple[str, str, int]
+) -> None:
+    # Without a usable cache each file is fetched straight into place; the temp file's name
+    # once added to the file's own name, over NAME_MAX for a legal 255-byte name.
+    url, token, job_id = served
+    long_name = "n" * 252 + ".py"
+
+    def rename(files: list[dict[str, Any]]) -> None:
+        next(f for f in files if f["path"] == "train.py")["path"] = long_name
+
+    edit_manifest(db, rename)  # a valid manifest still: the API serves it
+    rank_root = tmp_path / "rank"
+    rank_root.mkdir()
+    workspace_cache_dir(rank_root).write_text("not a directory: no cache on this host")
+    where = materialize(AttemptClient(url, token), rank_root, job_id, 1)
+    assert (where / long_name).read_bytes() == TRAIN
+    assert files_under(where) == {long_name, "data/x.bin"}
+    leftovers = files_under(attempt_dir(rank_root, job_id, 1)) - {
+        f"workspace/{n}" for n in files_under(where)
+    }
+    assert leftovers <= {LOCK_NAME, ".workspace.done"}, leftovers
