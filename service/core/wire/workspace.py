@@ -24,8 +24,9 @@ that does not exist; a file another owner uploaded still counts as missing for y
    the status when bytes are missing; 422 when the sha256 does not match: discarded).
    An empty file has no chunk: begin, then commit.
 3. ``POST WORKSPACES_PATH`` ``WorkspaceCreate`` → 201 ``WorkspaceSummary`` (200 for a digest
-   the owner already has): 422 listing the files not uploaded; 413 ``WorkspaceTooLargeError``
-   beyond the server's limits.
+   the owner already has): 422 listing the files not uploaded, or declared with another
+   size than the uploaded file's (``size_mismatch``); 413 ``WorkspaceTooLargeError`` beyond
+   the server's limits.
 4. ``GET WORKSPACE_PATH`` → ``Manifest``.
 
 Attempt token (a rank of a job whose spec names the workspace):
