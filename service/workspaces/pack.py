@@ -11,9 +11,12 @@ always-excluded ``.git``, ``__pycache__/``, ``.ddpq/`` and virtualenvs (a direct
 ``pyvenv.cfg``).
 
 What each file is: a regular file's content and executable bit (0o755 when the owner may
-execute it, else 0o644). A symlink to a file inside DIR ships that file's content; one whose
-target leaves DIR, dangles or is a directory is refused, as are fifos, sockets and devices:
-each refusal names the path and how to exclude it.
+execute it, else 0o644). A symlink to a file inside DIR ships that file's content (as a regular
+file: the rank's tree holds no symlink); one whose target leaves DIR, dangles or is a
+directory is refused, and so is a file reached through a symlinked directory that leaves DIR;
+fifos, sockets and devices are refused too: each refusal names the path and how to exclude
+it. Hard links are regular files: each name ships as its own copy of the content (stored
+once, by sha256), and the rank's tree has independent files, not links.
 
 Cost: one ``git ls-files`` (or one directory walk), one ``lstat`` per file, and one read per
 file to hash it, streaming (``hashlib.file_digest``); the limits are checked on the sizes
@@ -278,14 +281,15 @@ def _entry(base: Path, path: str, listing: Listing) -> _Entry | None:
     except OSError as exc:
         raise _refuse(path, f"cannot read it ({exc})", exclude_with) from None
     source = full
+    # Where the bytes really are: a symlink, or a parent directory that is one (git still
+    # lists ``sub/f`` after ``sub`` became a symlink), must not lead out of ``base``.
+    target = Path(os.path.realpath(full))
+    if not target.is_relative_to(base):
+        via = "it is a symlink to"
+        if not stat.S_ISLNK(st.st_mode):
+            via = "a directory above it is a symlink: the file is"
+        raise _refuse(path, f"{via} {target}, outside the working directory {base}", exclude_with)
     if stat.S_ISLNK(st.st_mode):
-        target = Path(os.path.realpath(full))
-        if not target.is_relative_to(base):
-            raise _refuse(
-                path,
-                f"it is a symlink to {target}, outside the working directory {base}",
-                exclude_with,
-            )
         try:
             st = os.stat(target)
         except OSError:
@@ -305,7 +309,13 @@ def _hashed(entry: _Entry) -> WorkspaceFile:
     """The entry with its content's sha256, read once, streaming. The size is what was read
     (a file that changed since its ``lstat`` is shipped as it is now)."""
     try:
-        with open(entry.source, "rb") as fh:
+        # Non-blocking: a file swapped for a fifo since its lstat must not hang the open.
+        fd = os.open(entry.source, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise WorkspacePackError(
+                    f"cannot ship {entry.path!r}: it stopped being a regular file while packed"
+                )
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
             size = fh.tell()
     except OSError as exc:

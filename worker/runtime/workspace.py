@@ -28,7 +28,7 @@ from service.core.artifacts import attempt_dir, workspace_cache_dir, workspace_d
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.wire import workspace as wire
 from worker.attempt import FailureReason
-from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.fetch import CheckpointFetchError, fetch_file, verified
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,17 @@ def _place(
     if wire.path_problem(f.path) is not None:  # the model checked it; a second look is cheap
         raise WorkspaceFetchError(f"workspace path {f.path!r} is not allowed")
     dest = root.joinpath(*f.path.split("/"))
-    dest.parent.mkdir(parents=True, exist_ok=True)
     url = wire.ATTEMPT_WORKSPACE_FILE_PATH.format(sha256=f.sha256)
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         if cache is None:
-            fetch_file(client, url, dest, size_bytes=f.size_bytes, sha256=f.sha256, tmp_dir=tmp_dir)
+            # Staged under its sha256, then moved: fetch_file's temp name adds to the file's
+            # own, which may already be NAME_MAX (255 bytes) long.
+            staged = tmp_dir / f".workspace-{f.sha256}"
+            fetch_file(
+                client, url, staged, size_bytes=f.size_bytes, sha256=f.sha256, tmp_dir=tmp_dir
+            )
+            os.replace(staged, dest)
         else:
             cached = cache / f.sha256[:2] / f.sha256
             if not verified(cached, f.size_bytes, f.sha256):
@@ -132,7 +138,11 @@ def _place(
             shutil.copyfile(cached, dest, follow_symlinks=False)
             if not verified(dest, f.size_bytes, f.sha256):  # the cache is shared: check
                 raise WorkspaceFetchError(f"workspace file {f.path}: its cached copy changed")
-    except CheckpointFetchError as exc:
+    except (CheckpointFetchError, AttemptRequestError) as exc:
+        # AttemptRequestError: the API refused the file (404: its stored bytes are gone or
+        # cut short), not retryable; still this workspace's failure, a setup failure.
         raise WorkspaceFetchError(f"workspace file {f.path}: {exc.detail}") from None
+    except OSError as exc:  # a full disk, a quota: this host cannot hold the workspace
+        raise WorkspaceFetchError(f"workspace file {f.path}: cannot write it here: {exc}") from None
     with contextlib.suppress(OSError):
         os.chmod(dest, f.mode)

@@ -24,8 +24,9 @@ that does not exist; a file another owner uploaded still counts as missing for y
    the status when bytes are missing; 422 when the sha256 does not match: discarded).
    An empty file has no chunk: begin, then commit.
 3. ``POST WORKSPACES_PATH`` ``WorkspaceCreate`` → 201 ``WorkspaceSummary`` (200 for a digest
-   the owner already has): 422 listing the files not uploaded; 413 ``WorkspaceTooLargeError``
-   beyond the server's limits.
+   the owner already has): 422 listing the files not uploaded, or declared with another
+   size than the uploaded file's (``size_mismatch``); 413 ``WorkspaceTooLargeError`` beyond
+   the server's limits.
 4. ``GET WORKSPACE_PATH`` → ``Manifest``.
 
 Attempt token (a rank of a job whose spec names the workspace):
@@ -43,8 +44,10 @@ Why not ``UploadStart``/``UploadStatus`` of the checkpoint uploads: those name a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
+import itertools
 import re
 from collections.abc import Iterable
 from typing import Annotated
@@ -71,6 +74,8 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 MODE_FILE = 0o644
 MODE_EXECUTABLE = 0o755  # the executable bit is the only one kept
 MAX_PART_BYTES = 255  # NAME_MAX on Linux
+_BAD_PARTS = ("//", "/./", "/../")  # an empty, "." or ".." part, within "/" + path + "/"
+_LONG_PART_RE = re.compile(rb"[^/]{%d}" % (MAX_PART_BYTES + 1))
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1 control characters
 MAX_MISSING_FILES = 5000  # files per MissingFiles request (~100 bytes of JSON each)
 LARGEST_SHOWN = 5  # files a too-large error names
@@ -100,12 +105,15 @@ def path_problem(path: str) -> str | None:
         return "it is absolute (paths are relative to the workspace)"
     if len(encoded) > MAX_PATH_BYTES:
         return f"it is longer than {MAX_PATH_BYTES} bytes"
-    for part in path.split("/"):
-        if part in ("", ".", ".."):
-            shown = "an empty part ('//' or a trailing '/')" if not part else f"a {part!r} part"
-            return f"it has {shown}: write the normalised path"
-        if len(part.encode("utf-8")) > MAX_PART_BYTES:
-            return f"its part {part[:40]!r}… is longer than {MAX_PART_BYTES} bytes"
+    # C-level checks first: a path of 2,000 parts is checked without a Python-level loop.
+    wrapped = f"/{path}/"
+    if any(bad in wrapped for bad in _BAD_PARTS) or _LONG_PART_RE.search(encoded):
+        for part in path.split("/"):
+            if part in ("", ".", ".."):
+                shown = "an empty part ('//' or a trailing '/')" if not part else f"a {part!r} part"
+                return f"it has {shown}: write the normalised path"
+            if len(part.encode("utf-8")) > MAX_PART_BYTES:
+                return f"its part {part[:40]!r}… is longer than {MAX_PART_BYTES} bytes"
     return None
 
 
@@ -150,19 +158,21 @@ class Manifest(_Wire):
 
     @model_validator(mode="after")
     def _one_tree(self) -> Manifest:
-        paths: set[str] = set()
-        for f in self.files:
-            if f.path in paths:
-                raise ValueError(f"workspace path {f.path!r} is listed twice")
-            paths.add(f.path)
-        for f in self.files:
-            parent = f.path
-            while "/" in parent:
-                parent = parent.rsplit("/", 1)[0]
-                if parent in paths:
-                    raise ValueError(
-                        f"workspace path {parent!r} is a file and also the directory of {f.path!r}"
-                    )
+        # Sorted, a path's descendants ``p/…`` follow one another from the first path not
+        # below ``p + "/"``: one bisect per file. Linear in the bytes of the paths (times a
+        # log), where walking each path's parents is quadratic in a deep path's length
+        # (8 s for an 11 MB body of 2,700 paths 2,000 levels deep).
+        ordered = sorted(f.path for f in self.files)
+        for before, path in itertools.pairwise(ordered):
+            if before == path:
+                raise ValueError(f"workspace path {path!r} is listed twice")
+        for path in ordered:
+            below = path + "/"
+            i = bisect.bisect_left(ordered, below)
+            if i < len(ordered) and ordered[i].startswith(below):
+                raise ValueError(
+                    f"workspace path {path!r} is a file and also the directory of {ordered[i]!r}"
+                )
         return self
 
     def digest(self) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, cast
 
+from pydantic import ValidationError
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
@@ -76,17 +77,21 @@ def find_file(session: Session, owner: str, sha256: str) -> WorkspaceFile | None
 
 def present_sha256s(session: Session, owner: str, sha256s: Iterable[str]) -> set[str]:
     """Which of ``sha256s`` the owner has as committed files."""
+    return set(present_sizes(session, owner, sha256s))
+
+
+def present_sizes(session: Session, owner: str, sha256s: Iterable[str]) -> dict[str, int]:
+    """The size in bytes of each of ``sha256s`` the owner has as a committed file."""
     wanted = sorted(set(sha256s))
-    found: set[str] = set()
+    found: dict[str, int] = {}
     for i in range(0, len(wanted), IN_BATCH):
-        found.update(
-            session.scalars(
-                select(WorkspaceFile.sha256).where(
-                    WorkspaceFile.owner == owner,
-                    WorkspaceFile.sha256.in_(wanted[i : i + IN_BATCH]),
-                )
+        rows = session.execute(
+            select(WorkspaceFile.sha256, WorkspaceFile.size_bytes).where(
+                WorkspaceFile.owner == owner,
+                WorkspaceFile.sha256.in_(wanted[i : i + IN_BATCH]),
             )
         )
+        found.update((sha256, size) for sha256, size in rows)
     return found
 
 
@@ -275,27 +280,63 @@ def use_workspaces(session: Session, owner: str, digests: Iterable[tuple[str, li
         raise SpecValidationError(errors)
 
 
+class WorkspaceDamagedError(DdpqError):
+    """A stored manifest that is no longer a valid one (its row was edited or damaged): 410,
+    as a damaged checkpoint, so that a rank gives up at once instead of retrying a 500."""
+
+    status_code = 410
+    code = "workspace_damaged"
+
+
 def manifest_of(row: Workspace) -> Manifest:
-    """A stored workspace's manifest (validated when it was stored)."""
-    return Manifest.model_validate(row.manifest)
+    """A stored workspace's manifest (validated when it was stored, and again now: a rank
+    lays it out on disk).
+
+    Raises:
+        WorkspaceDamagedError: the stored row is not a valid manifest any more (410).
+    """
+    try:
+        return Manifest.model_validate(row.manifest)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise WorkspaceDamagedError(
+            f"the stored manifest of workspace {row.digest[:12]}… is damaged "
+            f"({'.'.join(map(str, first['loc']))}: {first['msg']}); upload the workspace "
+            "again (`ddpq run` does) and resubmit"
+        ) from None
 
 
-def missing_file_errors(manifest: Manifest, present: set[str]) -> list[dict[str, Any]]:
+def missing_file_errors(manifest: Manifest, present: dict[str, int]) -> list[dict[str, Any]]:
     """One ``{loc, msg, type}`` per file of ``manifest`` whose content is not in ``present``
-    (the first ``MISSING_LISTED``, then one line counting the rest)."""
+    (sha256 → size in bytes of the owner's committed files), or whose declared size is not
+    the uploaded file's: a size that lies would slip past ``DDPQ_WORKSPACE_MAX_BYTES`` and
+    fail every rank's check. The first ``MISSING_LISTED``, then one line counting the rest."""
     errors: list[dict[str, Any]] = []
     absent = [(i, f) for i, f in enumerate(manifest.files) if f.sha256 not in present]
-    for i, f in absent[:MISSING_LISTED]:
+    wrong = [
+        (i, f)
+        for i, f in enumerate(manifest.files)
+        if f.sha256 in present and present[f.sha256] != f.size_bytes
+    ]
+    for i, f in wrong[:MISSING_LISTED]:
+        errors.append({
+            "loc": ["body", "manifest", "files", i, "size_bytes"],
+            "msg": f"file {f.path!r} is declared {f.size_bytes} bytes, but the uploaded file "
+            f"with sha256 {f.sha256} is {present[f.sha256]} bytes: declare its real size",
+            "type": "size_mismatch",
+        })  # fmt: skip
+    for i, f in absent[: max(0, MISSING_LISTED - len(errors))]:
         errors.append({
             "loc": ["body", "manifest", "files", i, "sha256"],
             "msg": f"file {f.path!r} (sha256 {f.sha256}, {f.size_bytes} bytes) was not "
             "uploaded: upload it (POST /workspaces/files) before storing the manifest",
             "type": "file_not_uploaded",
         })  # fmt: skip
-    if len(absent) > MISSING_LISTED:
+    unlisted = len(absent) + len(wrong) - len(errors)
+    if unlisted > 0:
         errors.append({
             "loc": ["body", "manifest", "files"],
-            "msg": f"and {len(absent) - MISSING_LISTED} more files not uploaded",
+            "msg": f"and {unlisted} more files not uploaded or of the wrong size",
             "type": "file_not_uploaded",
         })  # fmt: skip
     return errors

@@ -104,7 +104,7 @@ def _store_manifest(db: Database, owner: str, manifest: Manifest) -> WorkspaceSt
             held.last_used_at = now
             crud.touch_files(session, owner, shas, now)
             return WorkspaceStored(digest, held.file_count, held.total_bytes, created=False)
-        present = crud.present_sha256s(session, owner, shas)
+        present = crud.present_sizes(session, owner, shas)
         errors = crud.missing_file_errors(manifest, present)
         if errors:
             raise crud.WorkspaceFilesMissingError(errors)
