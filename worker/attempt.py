@@ -265,13 +265,15 @@ def write_rank_error(
     at_s: float,
     *,
     traceback_text: str | None = None,
+    exc_type: str | None = None,
 ) -> Path:
     """Record why ``rank`` failed: ``{rank, reason, exc_type, message, traceback, time}``.
 
     ``at_s`` is when the exception was caught (epoch seconds), so the worker can name the
     earliest failing rank; collateral failures of other ranks come later. ``reason`` is
     ``reason_of(exc)``. ``traceback_text`` replaces the exception's own traceback (the
-    watchdog passes the stalled thread's stack: its exception was never raised).
+    watchdog passes the stalled thread's stack: its exception was never raised), and
+    ``exc_type`` its type's name (a user's script: the exception its traceback named).
     """
     path = artifacts.rank_error_path(artifact_dir, job_id, attempt, rank)
     write_json_atomic(
@@ -279,7 +281,7 @@ def write_rank_error(
         {
             "rank": rank,
             "reason": str(reason_of(exc)),
-            "exc_type": type(exc).__name__,
+            "exc_type": exc_type or type(exc).__name__,
             "message": str(exc),
             "traceback": traceback_text or "".join(traceback.format_exception(exc)),
             "time": at_s,

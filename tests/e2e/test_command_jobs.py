@@ -18,7 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TUTORIAL = REPO / "examples" / "tutorial" / "train.py"
-CLI = [sys.executable, "-c", "from service.cli.main import main; main()"]
+# The console script, as a user runs it: ``python -c`` would put the working directory
+# first on sys.path, where a project's own ``service`` package would stand in for ddpq's.
+CLI = [str(Path(sys.executable).parent / "ddpq")]
 
 
 def git_repo(root: Path) -> Path:
@@ -123,12 +125,27 @@ def test_a_script_that_raises_names_the_rank_and_the_exception(
 
 
 def test_a_cancelled_command_job_stops_its_ranks(deployment: Any, tmp_path: Path) -> None:
+    """The script saves on SIGTERM and exits 0, as torchrun scripts often do: the signal
+    reaches it at once, and the job still ends cancelled (it did not finish its work)."""
     dep = deployment
     dep.start_worker()
     work = tmp_path / "sleepy"
     work.mkdir()
     (work / "sleep.py").write_text(
-        "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)\n"
+        textwrap.dedent(
+            """
+            import signal, sys, time
+
+            def save_and_leave(signum, frame):
+                print("saving snapshot", flush=True)
+                sys.exit(0)
+
+            signal.signal(signal.SIGTERM, save_and_leave)
+            print("started", flush=True)
+            while True:
+                time.sleep(0.1)
+            """
+        )
     )
     run = ddpq(dep, work, "run", "-n", "2", "--", "sleep.py")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -141,3 +158,39 @@ def test_a_cancelled_command_job_stops_its_ranks(deployment: Any, tmp_path: Path
     dep.wait_state(job_id, ("cancelled",), 60)
     assert dep.processes(job_id) == [], "no rank outlives the cancel"
     assert time.monotonic() - t0 < 60
+    for rank, text in rank_logs(dep, job_id).items():
+        assert "saving snapshot" in text, f"rank {rank} never got the SIGTERM:\n{text[-2000:]}"
+
+
+def test_a_project_may_have_its_own_worker_and_service_packages(
+    deployment: Any, tmp_path: Path
+) -> None:
+    """ddpq's own packages (``worker``, ``service``) must not stand in for the project's: the
+    script runs in a process of its own, as under torchrun. It also finds its checkpoint
+    directory ready and logs with its own logging set-up."""
+    dep = deployment
+    dep.start_worker()
+    work = tmp_path / "mine"
+    (work / "worker").mkdir(parents=True)
+    (work / "worker" / "__init__.py").write_text("def helper():\n    return 'project worker'\n")
+    (work / "service.py").write_text("NAME = 'project service'\n")
+    (work / "main.py").write_text(
+        textwrap.dedent(
+            """
+            import logging, os, sys
+            import torch.distributed as dist
+            from service import NAME
+            from worker import helper
+
+            logging.basicConfig(level=logging.INFO, format="mine: %(message)s")
+            dist.init_process_group("gloo")
+            logging.info("%s / %s / argv0=%s", helper(), NAME, sys.argv[0])
+            assert os.path.isdir(os.environ["DDPQ_CHECKPOINT_DIR"])
+            dist.destroy_process_group()
+            """
+        )
+    )
+    run = ddpq(dep, work, "run", "-n", "2", "--wait", "--", "main.py")
+    assert run.returncode == 0, run.stdout + run.stderr + dep.diagnostics(job_id_of(run.stdout))
+    logs = rank_logs(dep, job_id_of(run.stdout))
+    assert "mine: project worker / project service / argv0=main.py" in logs[0], logs[0][-2000:]

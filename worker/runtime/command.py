@@ -1,91 +1,183 @@
-"""A command job's rank: the user's script, run as torchrun would run it, inside ddpq's rank.
+"""A command job's rank: the user's script, started as torchrun starts it, watched by ddpq.
 
 torchrun starts ``python train.py args`` in every rank with its standard environment (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ddpq's ranks are
-``python -m worker.runtime`` (forked warm, see ``worker.runtime.agent``), so the script runs
-here with ``runpy``, exactly as ``python`` would run it: ``__name__ == "__main__"``,
-``sys.argv`` the command, ``sys.path[0]`` the script's folder (the working directory for
-``-m``), the workspace as the working directory. The script calls ``init_process_group``
-itself, from that environment; ddpq does not initialise the process group for it.
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ddpq's rank
+(``python -m worker.runtime``, forked warm by ``worker.runtime.agent``) first brings the
+job's workspace onto this host (``worker.runtime.workspace``), then starts exactly that:
+``python <command>`` in the workspace, with the rank's environment, its output going to the
+rank's log. The script is its own process, as under torchrun, so nothing of ddpq's reaches
+it: not its imported packages (a project may have its own ``worker`` or ``service``), not its
+logging set-up, not its signal handlers; ``sys.argv`` and tracebacks are the script's own.
 
-Running in ddpq's process, rather than as a child, keeps what a rank already has: the output
-goes to the rank's log, a raised exception becomes the rank's error file with its traceback
-(so a failure names the rank and the exception), and a stop signal ends it after the grace
-(``worker.runtime.signals``).
+The rank stays as the script's supervisor:
+- a stop signal (cancel, preemption, worker shutdown) is passed on to the script at once,
+  and the rank then exits ``128 + signum`` whatever the script returns (a script that saves
+  and exits 0 on SIGTERM has not finished its job);
+- a non-zero exit becomes the rank's error file: the exception and the last traceback lines
+  parsed from the script's stderr (``parse_traceback``), else the exit code or signal;
+- an exit 0 leaves the rank's ``finished`` marker (its peers' "connection closed" afterwards
+  are not blamed on it), and rank 0 writes ``result.json``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import runpy
+import re
+import signal
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from service.core.artifacts import checkpoint_dir, rank_log_path
 from service.core.errors import DdpqError
 from service.core.spec.model import JobSpec
 from worker.attempt import ExitCode, FailureReason, mark_finished, write_result
 from worker.runtime.attempt_client import AttemptClient
+from worker.runtime.signals import StopFlag
 from worker.runtime.topology import RankEnv
 from worker.runtime.workspace import materialize
 
 log = logging.getLogger(__name__)
+# How often the rank looks at the script and its stop flag (seconds).
+POLL_S = 0.1
+# Most bytes of the script's log tail read back to find its traceback.
+TAIL_BYTES = 256_000
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+# Lines of the script's output kept as the "traceback" of an exit without one.
+LAST_LINES = 20
+_EXCEPTION_RE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
+# torch.distributed prefixes an uncaught exception's lines with the rank (``[rank1]: ``).
+_RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]: ?", re.M)
 
 
-class ScriptExitError(DdpqError):
-    """The user's script ended with ``sys.exit(code)`` for a code other than 0 or None."""
+class ScriptFailedError(DdpqError):
+    """The user's script exited non-zero. ``exc_type`` and ``message`` are the exception its
+    traceback named (``"ValueError"``, ``"bad shape"``), else ``ScriptExit`` and its exit code
+    or signal; ``traceback_text`` the traceback's lines as the script printed them."""
 
     status_code = 500
-    code = "script_exit"
+    code = "script_failed"
     reason = FailureReason.ERROR
 
-    def __init__(self, code: object) -> None:
-        self.exit_code = code
-        what = f"exit code {code}" if isinstance(code, int) else f"exit message {code!r}"
-        super().__init__(f"the script called sys.exit with {what}")
+    def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:
+        self.exc_type, self.message, self.traceback_text = exc_type, message, traceback_text
+        super().__init__(message)
 
 
-def run_command(spec: JobSpec, env: RankEnv, api: AttemptClient, artifact_dir: Path) -> int:
-    """Fetch the workspace (once per host), then run ``spec.command`` in it.
+@dataclass(frozen=True)
+class ParsedTraceback:
+    """The last Python traceback in a text: the exception's type and message, and the
+    traceback's lines from its header to the exception line."""
+
+    exc_type: str
+    message: str
+    text: str
+
+
+def parse_traceback(text: str) -> ParsedTraceback | None:
+    """The last ``Traceback (most recent call last):`` block of ``text`` (a rank's output),
+    with the exception line that ends it: the first line after the header that is not a
+    frame line (frames and their source lines are indented). torch's ``[rankN]: `` line
+    prefixes are dropped first. None without a traceback."""
+    text = _RANK_PREFIX_RE.sub("", text)
+    start = text.rfind(TRACEBACK_HEADER)
+    if start < 0:
+        return None
+    lines = text[start:].splitlines()
+    for i, line in enumerate(lines[1:], start=1):
+        if not line or line[0].isspace():
+            continue
+        match = _EXCEPTION_RE.match(line)
+        if match is None:
+            return None
+        return ParsedTraceback(
+            match["type"], (match["message"] or "").strip(), "\n".join(lines[: i + 1])
+        )
+    return None
+
+
+def run_command(
+    spec: JobSpec, env: RankEnv, api: AttemptClient, artifact_dir: Path, stop: StopFlag
+) -> int:
+    """Fetch the workspace (once per host), run ``python <spec.command>`` in it, and turn its
+    end into the rank's.
 
     Returns:
-        ``ExitCode.OK`` when the script returned or exited with 0 (rank 0 writes result.json
-        with no metrics: a script that reports nothing still succeeds).
+        ``ExitCode.OK`` when the script exited 0 (rank 0 writes result.json with no metrics:
+        a script that reports nothing still succeeds); ``128 + signum`` when a stop signal
+        came, whatever the script did then.
     Raises:
         WorkspaceFetchError: the workspace could not be brought onto this host.
-        ScriptExitError: ``sys.exit`` with a non-zero code.
-        Exception: whatever the script raised (the caller records it as the rank's error).
+        ScriptFailedError: the script exited non-zero (or was killed) without a stop signal.
     """
     assert spec.command is not None, "run_command is for command jobs"
     root = materialize(api, artifact_dir, env.job_id, env.attempt)
-    os.chdir(root)
-    command = list(spec.command)
-    log.info("running %s in %s", " ".join(command), root)
+    # DDPQ_CHECKPOINT_DIR: the job's directory on this host, kept across its attempts here.
+    checkpoint_dir(artifact_dir, env.job_id).mkdir(parents=True, exist_ok=True)
+    log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    start = log_path.stat().st_size if log_path.exists() else 0
+    log.info("running python %s in %s", " ".join(spec.command), root)
+    child = subprocess.Popen(  # output: the rank's own stdout/stderr, i.e. its log
+        [sys.executable, *spec.command], cwd=root, env=dict(os.environ), stdin=subprocess.DEVNULL
+    )
+    code = _wait(child, stop)
+    if stop.is_set() and stop.signum is not None:
+        log.warning("stopped (%s); the script exited with %s", stop.reason, code)
+        return 128 + stop.signum
+    if code == 0:
+        mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
+        if env.rank == 0:
+            write_result(
+                artifact_dir, env.job_id, env.attempt, step=0, final_metrics={}, checkpoint=None
+            )
+        return ExitCode.OK
+    raise _failure(code, _tail(log_path, start))
+
+
+def _wait(child: subprocess.Popen[bytes], stop: StopFlag) -> int:
+    """The script's exit code (negative: the signal that killed it), passing a stop signal on
+    to it once. The rank itself then waits for it, as torchrun would; the launcher's SIGKILL
+    bounds that wait."""
+    passed_on = False
+    while True:
+        try:
+            return child.wait(POLL_S)
+        except subprocess.TimeoutExpired:
+            if stop.is_set() and not passed_on:
+                sig = stop.signum if stop.signum is not None else signal.SIGTERM
+                child.send_signal(sig)
+                stop.seen_at_step_boundary()  # the script stops now: no grace exit for us
+                passed_on = True
+
+
+def _tail(path: Path, start: int) -> str:
+    """What the script wrote to the rank's log (its last ``TAIL_BYTES``)."""
     try:
-        _run_python(root, command)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ScriptExitError(exc.code) from None
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
-    if env.rank == 0:
-        write_result(
-            artifact_dir, env.job_id, env.attempt, step=0, final_metrics={}, checkpoint=None
-        )
-    return ExitCode.OK
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(start, size - TAIL_BYTES))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
-def _run_python(root: Path, command: list[str]) -> None:
-    """``python <command>`` in this process, as the interpreter's own command line would."""
-    if command[0] in ("-m", "--module"):
-        module, args = command[1], command[2:]
-        sys.argv = [module, *args]  # runpy puts the module's file in argv[0]
-        sys.path.insert(0, str(root))
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    script = root.joinpath(*command[0].split("/"))
-    sys.argv = [str(script), *command[1:]]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
+def _failure(code: int, output: str) -> ScriptFailedError:
+    """The rank's error for a script that exited ``code``: its traceback when it printed
+    one, else the exit code or the signal."""
+    parsed = parse_traceback(output)
+    if parsed is not None:
+        return ScriptFailedError(parsed.exc_type, parsed.message, parsed.text)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = f"the script was killed by {name}"
+    else:
+        how = f"the script exited with code {code}"
+    last = "\n".join(output.rstrip().splitlines()[-LAST_LINES:])
+    return ScriptFailedError("ScriptExit", f"{how} without a Python traceback", last)

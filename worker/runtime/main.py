@@ -48,7 +48,7 @@ from worker.attempt import (
 from worker.processes import has_tags, set_parent_death_signal
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.saver import CheckpointSaver, make_checkpointer
-from worker.runtime.command import run_command
+from worker.runtime.command import ScriptFailedError, run_command
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
 from worker.runtime.metrics.buffer import Sink
 from worker.runtime.metrics.sink import make_sink
@@ -173,7 +173,7 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
         spec = load_spec(artifact_dir, env)
         me = check_attempt(api, env)
         if spec.is_command:  # the user's script initialises its own process group
-            return run_command(spec, env, api, artifact_dir)
+            return run_command(spec, env, api, artifact_dir, stop)
         ctx = init_distributed(spec, env)
         code = _train(spec, ctx, env, settings, api, artifact_dir, stop, me)
         if code == ExitCode.OK:
@@ -191,6 +191,13 @@ def _run(env: RankEnv, settings: Settings, artifact_dir: Path, stop: StopFlag) -
             # A peer stopping on the same signal breaks our collectives: not a failure.
             log.warning("stopped (%s) with %s: %s", stop.reason, type(exc).__name__, exc)
             return _stop_code(stop)
+        if isinstance(exc, ScriptFailedError):  # the script's own traceback, in its log
+            log.error("rank %d failed: the script ended with %s", env.rank, exc.exc_type)
+            write_rank_error(
+                artifact_dir, env.job_id, env.attempt, env.rank, exc, at_s,
+                traceback_text=exc.traceback_text, exc_type=exc.exc_type,
+            )  # fmt: skip
+            return ExitCode.FAILED
         log.exception("rank %d failed", env.rank)
         write_rank_error(artifact_dir, env.job_id, env.attempt, env.rank, exc, at_s)
         return ExitCode.FAILED
