@@ -37,8 +37,10 @@ def oversubscription_note(spec: JobSpec, cpus: int) -> dict[str, int] | None:
     r = spec.resources
     if r.gpus_per_node or r.nproc_per_node <= cpus:
         return None
-    batch = spec.training.batch_size
-    return {"nproc_per_node": r.nproc_per_node, "cpus": cpus, "batch_size": batch}
+    note = {"nproc_per_node": r.nproc_per_node, "cpus": cpus}
+    if not spec.is_command:  # a script's batch size is its own, not the spec's
+        note["batch_size"] = spec.training.batch_size
+    return note
 
 
 @dataclass

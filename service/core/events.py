@@ -111,12 +111,18 @@ def _trial_retried(d: Mapping[str, Any]) -> str:
 
 
 def _more_ranks(d: Mapping[str, Any]) -> str:
-    n, cpus, batch = d["nproc_per_node"], d["cpus"], d["batch_size"]
+    n, cpus, batch = d["nproc_per_node"], d["cpus"], d.get("batch_size")
+    # A command job's note has no batch_size: its script chooses its own.
+    global_batch = (
+        f"the global batch is {n} × batch_size {batch} = {n * batch} samples per step"
+        if batch is not None
+        else f"the global batch is {n} × the script's batch size"
+    )
     return (
         f"{n} ranks on {cpus} CPU core{'s' if cpus != 1 else ''} of this worker: the ranks "
-        f"share cores, so each step is slower; the global batch is {n} × batch_size {batch} "
-        f"= {n * batch} samples per step, which changes learning and accuracy against a run "
-        f"with fewer ranks (lower resources.nproc_per_node to {cpus} to match the cores)"
+        f"share cores, so each step is slower; {global_batch}, which changes learning and "
+        f"accuracy against a run with fewer ranks (lower resources.nproc_per_node to {cpus} "
+        "to match the cores)"
     )
 
 
@@ -173,7 +179,9 @@ WORDING: dict[EventKind, Wording] = {
     EventKind.EARLY_STOPPED: Wording(
         ("rung", "step", "metric", "value", "cut", "n", "reduction_factor"), _early_stopped
     ),
-    EventKind.MORE_RANKS_THAN_CORES: Wording(("nproc_per_node", "cpus", "batch_size"), _more_ranks),
+    EventKind.MORE_RANKS_THAN_CORES: Wording(
+        ("nproc_per_node", "cpus", "batch_size?"), _more_ranks
+    ),
     EventKind.SCHEDULER_PENDING: Wording(
         ("code", "words"), lambda d: f"scheduler pending: {d['code']} — {d['words']}"
     ),

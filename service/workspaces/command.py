@@ -220,9 +220,9 @@ def resolve_resources(
 
 
 def check_script(command: list[str], paths: Collection[str], root: Path) -> list[str]:
-    """``command`` with its script as a path in the workspace (an absolute path inside
-    ``root`` becomes relative); a ``-m module`` command is returned as it is (the module may
-    be installed on the workers).
+    """``command`` with its script as a normalised path in the workspace (``./train.py`` is
+    ``train.py``; an absolute path inside ``root`` becomes relative); a ``-m module``
+    command is returned as it is (the module may be installed on the workers).
 
     Args:
         command: the spec's command (``TypedCommand.command``).
@@ -251,7 +251,7 @@ def check_script(command: list[str], paths: Collection[str], root: Path) -> list
             "relative to the working directory; is the file there, and not excluded by "
             ".gitignore or .ddpqignore?)"
         )
-    return [relative if PurePosixPath(script).is_absolute() else script, *command[1:]]
+    return [relative, *command[1:]]  # normalised: ``./train.py`` is ``train.py``
 
 
 def default_job_name(command: list[str]) -> str:

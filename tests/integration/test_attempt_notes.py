@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core.config import Settings
-from service.core.events import EventKind
+from service.core.events import EventKind, render
 from service.core.pending_reasons import describe_slurm_reason
 from service.core.spec.model import JobSpec
 from service.store.db import Database
@@ -112,3 +112,19 @@ def test_oversubscription_note_only_for_cpu_jobs() -> None:
     assert oversubscription_note(spec(nproc_per_node=3), cpus=2) is not None
     assert oversubscription_note(spec(nproc_per_node=2), cpus=2) is None
     assert oversubscription_note(spec(nproc_per_node=4, gpus_per_node=4), cpus=2) is None
+
+
+def test_a_command_jobs_oversubscription_note_claims_no_batch_size() -> None:
+    """A script picks its own batch size: the note must not quote the spec's default."""
+    command = JobSpec.model_validate(
+        {
+            "name": "c",
+            "command": ["t.py"],
+            "workspace": "ab" * 32,
+            "resources": {"nproc_per_node": 3},
+        }
+    )
+    note = oversubscription_note(command, cpus=2)
+    assert note == {"nproc_per_node": 3, "cpus": 2}
+    text = render(EventKind.MORE_RANKS_THAN_CORES, note) or ""
+    assert "the script's batch size" in text and "batch_size 32" not in text
