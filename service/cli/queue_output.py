@@ -3,6 +3,7 @@ FILE --dry-run``)."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -65,6 +66,10 @@ def format_dry_run(answer: dict[str, Any]) -> RenderableType:
         else:
             parts.append(Text(f"# plan ({plan['launcher']})", style="bold"))
             parts.append(Text(printable(plan["text"], keep_newlines=True)))
+    command = (answer.get("spec") or {}).get("command")
+    if command:  # the plan starts ddpq's rank; what that rank starts is the user's
+        shown = shlex.join(["python", *map(str, command)])
+        parts.append(cell(f"each rank runs: {shown} (in its attempt's workspace/ directory)"))
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()

@@ -155,6 +155,7 @@ def test_dry_run_shows_the_plan_and_sends_no_file(api: FakeWorkspaceApi, repo: P
                      "--nproc-per-node=2", "train.py"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "would upload 5 files" in result.output and "nothing was stored" in result.output
+    assert "each rank runs: python train.py" in result.output, "the user's command, not ddpq's"
     assert api.chunk_bytes_received == 0 and api.uploads == {} and api.jobs == {}
     assert not any(path.endswith("/workspaces/files") for _, path in api.requests)
     (spec,) = api.dry_runs
