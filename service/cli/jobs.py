@@ -35,6 +35,7 @@ from service.cli.output import (
     metric_points_csv,
 )
 from service.cli.queue_output import format_dry_run
+from service.cli.workspace_output import ship_spec_workspace
 from service.client import ApiError, ApiUnreachableError, DdpqClient
 from service.core.config import Settings
 from service.core.limits import METRIC_PAGE_POINTS
@@ -150,6 +151,10 @@ def submit(
     with friendly_errors():
         settings = load_settings()
         client = make_client(settings)
+        # A command job's directory ("workspace: ." or none) ships as `ddpq run` ships it.
+        spec = ship_spec_workspace(
+            spec, spec_file.parent, err if as_json else out, client, settings, upload=not dry_run
+        )
         if dry_run:
             answer = client.dry_run(spec, job_id=as_job)
             if as_json:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from service.cli.common import (
     app,
@@ -23,12 +22,14 @@ from service.cli.common import (
 from service.cli.jobs import wait_for_job, with_overrides
 from service.cli.output import cell
 from service.cli.queue_output import format_dry_run
-from service.client import ApiError, DdpqClient
+from service.cli.workspace_output import (
+    pack_or_fail,
+    print_missing,
+    print_pack_summary,
+    upload_and_say,
+)
 from service.core.launchers import launcher_names
-from service.core.wire.workspace import WorkspaceTooLargeError, format_size
 from service.workspaces.command import command_job_spec, plan_command
-from service.workspaces.pack import PackedWorkspace, pack_workspace
-from service.workspaces.upload import missing_files
 
 COMMAND_HELP = (
     "What to run, as you would type it: train.py ARGS, -m pkg.train ARGS, python train.py "
@@ -55,34 +56,6 @@ def parse_env(assignments: list[str]) -> dict[str, str]:
             fail(f"--env {assignment!r}: write NAME=VALUE", "e.g. --env LR=0.1 (repeatable)")
         env[name] = value
     return env
-
-
-def print_pack_summary(console: Console, packed: PackedWorkspace) -> None:
-    """The pack's file count, total size, digest and five largest files."""
-    how = "the files git lists" if packed.listing == "git" else "all files, less .ddpqignore's"
-    manifest = packed.manifest
-    console.print(cell(f"workspace {packed.root} ({how})"))
-    console.print(
-        cell(
-            f"  {manifest.file_count} files, {format_size(manifest.total_bytes)}, "
-            f"digest {packed.digest[:12]}"
-        )
-    )
-    console.print("  largest:")
-    for f in packed.largest():
-        console.print(cell(f"    {format_size(f.size_bytes):>10}  {f.path}"))
-
-
-def _print_missing(console: Console, client: DdpqClient, packed: PackedWorkspace) -> None:
-    """What an upload would send (a dry run asks, and sends nothing)."""
-    try:
-        missing = missing_files(client, packed.manifest)
-    except ApiError as exc:  # an API without workspaces: the plan below says the rest
-        console.print(cell(f"  (the API did not say which files it lacks: HTTP {exc.status_code})"))
-        return
-    size = sum(ref.size_bytes for ref in missing)
-    console.print(cell(f"  would upload {len(missing)} files ({format_size(size)}); the API has "
-                       "the rest"))  # fmt: skip
 
 
 @app.command(
@@ -143,15 +116,7 @@ def run_command(
             nnodes=nnodes,
             gpus_per_node=gpus_per_node,
         )
-        try:
-            packed = pack_workspace(
-                workdir,
-                max_bytes=settings.workspace_max_bytes,
-                max_files=settings.workspace_max_files,
-            )
-        except WorkspaceTooLargeError as exc:
-            largest = "".join(f"\n  {format_size(size):>10}  {path}" for path, size in exc.largest)
-            fail(f"{exc.summary}; its largest files:{largest}", exc.fix)
+        packed = pack_or_fail(workdir, settings)
         print_pack_summary(console, packed)
         spec: dict[str, Any] = command_job_spec(
             plan, packed, name=name, launcher=launcher, env=parse_env(env_values or [])
@@ -159,24 +124,14 @@ def run_command(
         spec = with_overrides(spec, set_values or [])
         client = make_client(settings)
         if dry_run:
-            _print_missing(console, client, packed)
+            print_missing(console, client, packed)
             answer = client.dry_run(spec)
             if as_json:
                 print_json(answer)
             else:
                 out.print(format_dry_run(answer))
             return
-        try:
-            sent = client.upload_workspace(packed)
-        except KeyboardInterrupt:
-            err.print("upload stopped: run the same command again to resume it")
-            raise typer.Exit(130) from None
-        if sent.sent_files:
-            size = format_size(sent.sent_bytes)
-            console.print(cell(f"  uploaded {sent.sent_files} files ({size}) in "
-                               f"{sent.elapsed_s:.1f} s"))  # fmt: skip
-        else:
-            console.print("  uploaded nothing: the API has every file")
+        upload_and_say(console, client, packed)
         job = client.submit(spec)
         if as_json:
             print_json(job)

@@ -22,12 +22,14 @@ from service.cli.common import (
     err,
     fail,
     friendly_errors,
+    load_settings,
     make_client,
     out,
     print_json,
 )
 from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
+from service.cli.workspace_output import ship_spec_workspace
 from service.client import ApiUnreachableError, DdpqClient
 from service.core.spec.overrides import OverridePathError, parse_assignment
 from service.core.states import ENDED_SWEEP_STATES, SweepState, TrialOutcome
@@ -132,7 +134,11 @@ def submit_command(
     """Submit a sweep; with --wait, show live counts by outcome and exit 0 if it succeeds."""
     spec = load_spec_file(spec_file)
     with friendly_errors():
-        client = make_client()
+        settings = load_settings()
+        client = make_client(settings)
+        if isinstance(spec.get("base"), dict):  # a command job's directory, shipped first
+            base = ship_spec_workspace(spec["base"], spec_file.parent, out, client, settings)
+            spec = {**spec, "base": base}
         sweep = client.submit_sweep(spec, idempotency_key=idempotency_key)
         out.print(
             cell(f"sweep {sweep['id']} {sweep['name']!r} {sweep['state']}: {counts_line(sweep)}")

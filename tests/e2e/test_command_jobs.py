@@ -90,7 +90,7 @@ def test_the_tutorial_script_runs_unchanged_through_ddpq_run(
     assert "uploaded nothing" in again.stdout + again.stderr, "an unchanged tree uploads 0 bytes"
     (work / "train.py").write_text((work / "train.py").read_text() + "\n# edited\n")
     edited = ddpq(dep, work, "run", "-n", "2", "--", "train.py", "--epochs", "1")
-    assert "uploaded 1 files" in edited.stdout + edited.stderr, edited.stdout + edited.stderr
+    assert "uploaded 1 file " in edited.stdout + edited.stderr, edited.stdout + edited.stderr
     for other in (job_id_of(again.stdout), job_id_of(edited.stdout)):
         dep.wait_state(other, ("succeeded",), 300)
 
@@ -194,3 +194,43 @@ def test_a_project_may_have_its_own_worker_and_service_packages(
     assert run.returncode == 0, run.stdout + run.stderr + dep.diagnostics(job_id_of(run.stdout))
     logs = rank_logs(dep, job_id_of(run.stdout))
     assert "mine: project worker / project service / argv0=main.py" in logs[0], logs[0][-2000:]
+
+
+def test_a_spec_file_and_a_sweep_file_ship_their_directory(deployment: Any, tmp_path: Path) -> None:
+    """``ddpq submit`` and ``ddpq sweep submit`` of a command job without a digest pack the
+    spec file's directory (or ``workspace: <dir>``), upload it and submit its digest."""
+    dep = deployment
+    dep.start_worker(slots=2)
+    work = tmp_path / "proj"
+    (work / "src").mkdir(parents=True)
+    (work / "src" / "show.py").write_text(
+        "import os, sys\nprint('LR', os.environ.get('LR'), 'args', sys.argv[1:], flush=True)\n"
+    )
+    (work / "job.yaml").write_text("name: one\ncommand: [src/show.py, --x, '1']\n")
+    (tmp_path / "sweep.yaml").write_text(
+        textwrap.dedent(
+            """
+            name: lr
+            base: {name: t, command: [src/show.py], workspace: proj}
+            axes: {env.LR: {grid: ["0.1", "0.01"]}}
+            max_concurrent: 2
+            """
+        )
+    )
+    dry = ddpq(dep, work, "submit", "job.yaml", "--dry-run")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "each rank runs: python src/show.py --x 1" in dry.stdout, dry.stdout
+    run = ddpq(dep, work, "submit", "job.yaml", "--wait")
+    assert run.returncode == 0, run.stdout + run.stderr
+    job_id = job_id_of(run.stdout)
+    assert "args ['--x', '1']" in rank_logs(dep, job_id)[0]
+    swept = ddpq(dep, tmp_path, "sweep", "submit", "sweep.yaml", "--wait")
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert "uploaded nothing" in swept.stdout, "the same tree: every file is there already"
+    seen = {
+        line.split()[1]
+        for other in range(job_id + 1, job_id + 3)
+        for line in rank_logs(dep, other)[0].splitlines()
+        if line.startswith("LR ")
+    }
+    assert seen == {"0.1", "0.01"}, seen

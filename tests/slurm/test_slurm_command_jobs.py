@@ -66,4 +66,4 @@ def test_a_command_job_runs_on_two_nodes_from_its_workspace(
         assert f"rank {rank} of 2 on " in logs[rank] and "sum 3" in logs[rank], logs[rank]
     nodes = {(attempt_dir / "workspace" / f"wrote-by-rank-{r}.txt").read_text() for r in (0, 1)}
     assert len(nodes) == 2, f"one rank per node, got {nodes}"
-    assert "workspace: 1 files" in logs[0] + logs[1], "a rank fetched it through the API"
+    assert "workspace: 1 file," in logs[0] + logs[1], "a rank fetched it through the API"

@@ -71,9 +71,11 @@ def materialize(client: AttemptClient, artifact_dir: Path, job_id: int, attempt:
         for f in manifest.files:
             _place(client, f, root, cache, parent)
         (parent / DONE_NAME).touch()
+    count = manifest.file_count
     log.info(
-        "workspace: %d files, %s, in %s",
-        manifest.file_count,
+        "workspace: %d file%s, %s, in %s",
+        count,
+        "" if count == 1 else "s",
         wire.format_size(manifest.total_bytes),
         root,
     )
