@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class FakeWorkspaceApi:
         self.batch_max_bytes = batch.BATCH_MAX_BYTES
         self.batch_refuses: set[str] = set()
         self.end_state = "succeeded"  # what GET /jobs/{id} says a job became
+        self._lock = threading.Lock()
 
     def client(self) -> DdpqClient:
         """A real ``DdpqClient`` whose requests this fake answers."""
@@ -67,6 +69,10 @@ class FakeWorkspaceApi:
 
     # -- the transport ----------------------------------------------------------------------------
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:  # the client sends batches from two threads at once
+            return self._answer(request)
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.requests.append((request.method, path))
         assert path.startswith(API), path

@@ -103,8 +103,10 @@ def test_an_api_with_a_lower_cap_gets_batches_halved_until_they_fit(
     root.mkdir()
     for i in range(10):
         (root / f"f{i}.bin").write_bytes(os.urandom(100_000))
-    result = api.client().upload_workspace(root)
+    sent: list[str] = []
+    result = api.client().upload_workspace(root, on_file=lambda path, size: sent.append(path))
     assert (result.sent_files, result.sent_bytes) == (10, 1_000_000)
+    assert sorted(sent) == [f"f{i}.bin" for i in range(10)], "each file told once"
     batches = sum(1 for r in api.requests if r[1].endswith("/files/batch"))
     assert batches == 2 + 5, "1 MB and 500 kB refused (413), then five of 200 kB"
     assert not any(r[1].endswith("/chunks") for r in api.requests)
