@@ -285,10 +285,7 @@ def store_file_batch(
     with db.session() as session:
         present = crud.present_sha256s(session, owner, good)
         new = [pair for sha256, pair in good.items() if sha256 not in present]
-        ids = [
-            row.id
-            for row in batches.reserve_uploads(session, owner, [r for r, _ in new], store.name)
-        ]
+        ids = batches.reserve_uploads(session, owner, [r for r, _ in new], store.name)
     if new:
         keys = [upload_key(upload_id) for upload_id in ids]
         try:
