@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -23,8 +24,11 @@ from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.workspace import FileRef
 from service.store.auth.tokens import create_token
+from service.store.checkpoints.backends.base import CheckpointStore
 from service.store.db import Database
 from service.store.models import WorkspaceFile, WorkspaceUpload
+from service.store.workspaces.stores import make_workspace_stores, upload_key
+from service.store.workspaces.upload_service import store_file_batch
 from tests.live import serve_app
 from tests.uploads import bearer, mint, running_job
 from tests.workspaces import API, manifest, name_workspace, sha
@@ -218,3 +222,39 @@ def test_the_client_sends_a_300_file_tree_in_a_few_requests(
         again = client.upload_workspace(root)
         assert (again.sent_files, again.sent_bytes, again.digest) == (0, 0, first.digest)
         assert counting.paths == [API + wire.MISSING_PATH, API + wire.WORKSPACES_PATH]
+
+
+def test_a_file_committed_meanwhile_by_another_batch_keeps_that_one(
+    db: Database, app_settings: Settings
+) -> None:
+    """Two batches of one file at once: the one whose rows commit first counts; the other
+    answers the file stored too, its own upload abandoned and its bytes dropped."""
+    stores = make_workspace_stores(app_settings, db)
+    store = stores[app_settings.checkpoint_store]
+    data = b"print('twice')\n"
+    kwargs = {"store_name": store.name, "max_bytes": app_settings.workspace_max_bytes}
+
+    class _Racing:
+        """The store, with another batch of the same file run inside ``put_files``."""
+
+        name = store.name
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(store, attr)
+
+        def put_files(self, files: Any) -> list[str]:
+            other = store_file_batch(db, stores, "alice", [(ref(data), data)], **kwargs)
+            assert other.stored == [sha(data)]
+            return list(store.put_files(files))
+
+    racing = {store.name: cast(CheckpointStore, _Racing())}
+    answer = store_file_batch(db, racing, "alice", [(ref(data), data)], **kwargs)
+    assert (answer.stored, answer.refused) == ([sha(data)], [])
+    with db.session(write=False) as s:
+        states = {i: st for i, st in s.execute(select(WorkspaceUpload.id, WorkspaceUpload.state))}
+        (kept,) = s.scalars(select(WorkspaceFile)).all()
+    assert sorted(states.values()) == ["abandoned", "committed"]
+    assert states[kept.upload_id] == "committed"
+    lost = next(i for i, state in states.items() if state == "abandoned")
+    assert store.size(kept.location) == len(data)
+    assert store.received_size(upload_key(lost)) == 0, "the abandoned copy's bytes are gone"
