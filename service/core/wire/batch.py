@@ -32,7 +32,9 @@ from service.core.errors import DdpqError
 from service.core.wire.attempt import DEFAULT_CHUNK_BYTES
 from service.core.wire.workspace import FileRef, Sha256
 
-BATCH_CONTENT_TYPE = "application/x-ddpq-file-batch"
+# The route names the framing; the media type is the standard one for raw bytes (a made-up
+# one would be opaque to OpenAPI tools: schemathesis cannot send it).
+BATCH_CONTENT_TYPE = "application/octet-stream"
 # Files per batch: the header stays ~100 KB, and one batch is one transaction's rows.
 BATCH_MAX_FILES = 1000
 # The largest file a batch carries; larger ones go with the chunk protocol (one file's
