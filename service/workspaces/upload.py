@@ -106,7 +106,8 @@ def upload_packed(
     Args:
         api: the workspace routes (``DdpqClient``).
         packed: from ``pack_workspace`` (limits already checked).
-        on_file: called with ``(path, size_bytes)`` before each file is sent.
+        on_file: called with ``(path, size_bytes)`` once per file, before it is sent (a
+            batch's files before the batch).
 
     Raises:
         WorkspaceUploadError: a file's chunks refused ``MAX_CHUNK_REFUSALS`` times in a row,
@@ -122,7 +123,14 @@ def upload_packed(
     small = [ref for ref in missing if ref.size_bytes <= BATCH_FILE_MAX_BYTES]
     single = [ref for ref in missing if ref.size_bytes > BATCH_FILE_MAX_BYTES]
     sources = {ref.sha256: packed.sources[path_of[ref.sha256]] for ref in small}
-    batched = _send_batches(api, small, sources, lambda ref: _announce(on_file, path_of, ref))
+    told: set[str] = set()
+
+    def tell(ref: FileRef) -> None:  # once per file, though a batch may go again after a 413
+        if on_file is not None and ref.sha256 not in told:
+            told.add(ref.sha256)
+            on_file(path_of[ref.sha256], ref.size_bytes)
+
+    batched = _send_batches(api, small, sources, tell)
     for ref in small:
         if ref.sha256 in batched:
             sent_files += 1
@@ -131,8 +139,7 @@ def upload_packed(
             single.append(ref)
     for ref in single:
         path = path_of[ref.sha256]
-        if on_file is not None and ref.size_bytes > BATCH_FILE_MAX_BYTES:
-            on_file(path, ref.size_bytes)
+        tell(ref)
         sent_bytes += _upload_file(api, ref, packed.sources[path])
         sent_files += 1
     summary = api.create_workspace(packed.manifest)
@@ -149,13 +156,6 @@ def upload_packed(
         sent_bytes=sent_bytes,
         elapsed_s=time.monotonic() - started,
     )
-
-
-def _announce(
-    on_file: Callable[[str, int], None] | None, path_of: dict[str, str], ref: FileRef
-) -> None:
-    if on_file is not None:
-        on_file(path_of[ref.sha256], ref.size_bytes)
 
 
 def _read_whole(ref: FileRef, source: Path) -> bytes:
@@ -200,29 +200,24 @@ def _send_batches(
     The budget starts at ``BATCH_MAX_BYTES`` and halves on each 413 of the first batch (an
     API with a smaller chunk cap), down to ``MIN_CHUNK_BYTES``; once one batch went, the
     rest go ``BATCHES_IN_FLIGHT`` at once (the client reads and sends one while the API
-    hashes and stores another). ``announce`` is called once per file, before it is sent.
+    hashes and stores another). ``announce`` is called with each file before it is sent
+    (again when its batch goes again after a 413).
     """
     pending = deque(refs)
     budget = BATCH_MAX_BYTES
     stored: set[str] = set()
-    announced: set[str] = set()
 
     def send(taken: list[FileRef]) -> BatchAnswer:
         pairs = [(ref, _read_whole(ref, sources[ref.sha256])) for ref in taken]
         return api.send_workspace_batch(pairs)
-
-    def announce_once(taken: list[FileRef]) -> None:
-        for ref in taken:
-            if ref.sha256 not in announced:
-                announced.add(ref.sha256)
-                announce(ref)
 
     while pending and budget >= MIN_CHUNK_BYTES:  # the first batch, until one fits
         taken = _take_batch(pending, budget)
         if not taken:  # the next file alone is over the (shrunk) budget: one by one
             pending.popleft()
             continue
-        announce_once(taken)
+        for ref in taken:
+            announce(ref)
         try:
             stored.update(send(taken).stored)
             break
@@ -239,7 +234,8 @@ def _send_batches(
         else:
             pending.popleft()  # over the budget alone: one by one
     for taken in groups:
-        announce_once(taken)
+        for ref in taken:
+            announce(ref)
     with ThreadPoolExecutor(BATCHES_IN_FLIGHT) as pool:
         for answer in pool.map(send, groups):  # an error ends the upload, as one at a time
             stored.update(answer.stored)

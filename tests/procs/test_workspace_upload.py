@@ -191,3 +191,19 @@ def test_a_file_that_shrank_after_packing_is_refused_saying_so(tmp_path: Path) -
     (root / "a.txt").write_text("short")
     with pytest.raises(FileShrankError, match=r"ended at byte 5 of 13: it changed"):
         upload_packed(api.client(), packed)
+
+
+def test_an_api_whose_cap_no_batch_fits_gets_every_file_alone(tmp_path: Path) -> None:
+    api = FakeWorkspaceApi()
+    api.batch_max_bytes = 1000  # below the smallest budget a client halves to (64 KiB)
+    root = tmp_path / "w"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.bin").write_bytes(os.urandom(800))
+    sent: list[str] = []
+    result = api.client().upload_workspace(root, on_file=lambda path, size: sent.append(path))
+    assert (result.sent_files, result.sent_bytes) == (3, 2400)
+    assert sorted(sent) == ["f0.bin", "f1.bin", "f2.bin"], "each file told once"
+    assert sum(1 for r in api.requests if r[1].endswith("/chunks")) == 3
+    batches = sum(1 for r in api.requests if r[1].endswith("/files/batch"))
+    assert batches == 9, "16 MiB halved down to 64 KiB: nine 413s, then one by one"
