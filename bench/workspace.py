@@ -3,9 +3,10 @@
 - **upload**: pack + upload of a fresh tree (2,000 files / 50 MB of incompressible bytes of
   varied sizes at the default size; tiny: 200 files / 5 MB) from a temporary directory to a
   live ``ddpq serve`` on loopback (SQLite, filesystem store), as ``DdpqClient.upload_workspace``
-  does it (``pack_workspace``, ask which files are missing, begin + chunks + commit per file,
-  ``POST /workspaces``), ÷ ``tar c DIR | sha256sum`` of the same tree (a subprocess pipeline;
-  the page cache warm for both: the tar anchor runs once untimed first). Goal ≤ 3×.
+  does it (``pack_workspace``, ask which files are missing, the small ones in batches of up
+  to 16 MiB, each bigger one begin + chunks + commit, ``POST /workspaces``), ÷ ``tar c DIR |
+  sha256sum`` of the same tree (a subprocess pipeline; the page cache warm for both: the tar
+  anchor runs once untimed first). Goal ≤ 3×.
 - **re-submit**: the same tree again, unchanged: pack + ask-missing + (nothing to send) +
   ``POST /workspaces``. Absolute seconds (median), ratio to the 0.5 s goal, and the file bytes
   it sent (must be 0).
@@ -370,7 +371,9 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     }
     res.notes.append(
         "upload = pack_workspace (walk, lstat, sha256 of every file) + upload_workspace (POST "
-        "missing, then per missing file: begin, chunk(s), commit; then POST /workspaces) to "
+        "missing, then the files of at most 1 MiB in batches (POST /workspaces/files/batch, "
+        "up to 16 MiB each) and each bigger one begin, chunk(s), commit; then POST "
+        "/workspaces) to "
         "`ddpq serve` on SQLite with the filesystem store, a fresh tree of os.urandom files "
         "(log-normal sizes) per rep; anchor = `tar c -C DIR . | sha256sum` of the same tree, "
         "run once untimed first; server_cpu_s = the serve process's user+system CPU; "

@@ -37,7 +37,7 @@ from service.api.workspaces import routes as workspaces
 from service.core.config import Settings, get_settings
 from service.core.wire import API_PREFIX
 from service.core.wire.attempt import UPLOAD_CHUNK_PATH
-from service.core.wire.workspace import FILE_CHUNK_PATH, WORKSPACES_PATH
+from service.core.wire.workspace import FILE_CHUNK_PATH, FILES_BATCH_PATH, WORKSPACES_PATH
 from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
 from service.store.migrate import check_database
@@ -54,8 +54,9 @@ def _path_re(*paths: str) -> re.Pattern[str]:
     return re.compile("^(?:" + "|".join(escaped) + ")$")
 
 
-# Chunk uploads (checkpoints, workspace files) carry their own cap, checked as they stream.
-CHUNK_UPLOAD_PATH_RE = _path_re(UPLOAD_CHUNK_PATH, FILE_CHUNK_PATH)
+# Chunk uploads (checkpoints, workspace files) and batches of small workspace files carry
+# their own cap (the chunk cap), checked as they stream.
+CHUNK_UPLOAD_PATH_RE = _path_re(UPLOAD_CHUNK_PATH, FILE_CHUNK_PATH, FILES_BATCH_PATH)
 # POST /workspaces carries a whole manifest: up to workspace_max_files entries.
 WORKSPACE_CREATE_PATH_RE = _path_re(WORKSPACES_PATH)
 # Bytes of manifest JSON allowed per file (a long path included), above max_body_bytes.

@@ -1,9 +1,10 @@
 """A fake of ddpq's workspace routes and job submission, played at the HTTP boundary
 (``httpx.MockTransport``) so the real ``DdpqClient`` and ``ddpq run`` code is exercised:
 workspace files stored per owner by sha256, uploads with the chunk protocol of
-``service.core.wire.workspace`` (offset checks, chunk sha256, commit verification), manifests
-by digest, and jobs that a test can end. It records every request and every chunk byte, so a
-test can tell exactly what was sent.
+``service.core.wire.workspace`` (offset checks, chunk sha256, commit verification), batches
+of small files (``service.core.wire.batch``: each file checked against its sha256), manifests
+by digest, and jobs that a test can end. It records every request and every file byte that
+arrived (in chunks or batches), so a test can tell exactly what was sent.
 
 Once the API has the real routes, the same tests can run against it (``DdpqClient`` over a
 live server) instead.
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from service.client import DdpqClient
-from service.core.wire import API_PREFIX
+from service.core.wire import API_PREFIX, batch
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER
 
@@ -48,9 +50,14 @@ class FakeWorkspaceApi:
         self.jobs: dict[int, dict[str, Any]] = {}
         self.dry_runs: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []
-        self.chunk_bytes_received = 0
+        self.chunk_bytes_received = 0  # file bytes taken, from chunks and batches alike
         self.faults: list[str | None] = []
+        # The most file bytes a batch may carry (413 beyond, as a smaller chunk cap would),
+        # and the sha256 of files a batch refuses as if they arrived damaged.
+        self.batch_max_bytes = batch.BATCH_MAX_BYTES
+        self.batch_refuses: set[str] = set()
         self.end_state = "succeeded"  # what GET /jobs/{id} says a job became
+        self._lock = threading.Lock()
 
     def client(self) -> DdpqClient:
         """A real ``DdpqClient`` whose requests this fake answers."""
@@ -62,6 +69,10 @@ class FakeWorkspaceApi:
 
     # -- the transport ----------------------------------------------------------------------------
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:  # the client sends batches from two threads at once
+            return self._answer(request)
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.requests.append((request.method, path))
         assert path.startswith(API), path
@@ -72,6 +83,8 @@ class FakeWorkspaceApi:
             asked = wire.MissingFiles.model_validate_json(request.content)
             missing = [f.sha256 for f in asked.files if f.sha256 not in self.files]
             return self._json(200, {"missing": missing})
+        if route == wire.FILES_BATCH_PATH and method == "POST":
+            return self._batch(request.content)
         if route == wire.FILES_PATH and method == "POST":
             return self._begin(wire.FileUploadStart.model_validate_json(request.content))
         if parts[:2] == ["workspaces", "files"] and len(parts) >= 3:
@@ -111,6 +124,27 @@ class FakeWorkspaceApi:
             upload.state = "committed"
         self.uploads[upload.upload_id] = upload
         return self._json(201, self._status(upload))
+
+    def _batch(self, body: bytes) -> httpx.Response:
+        try:
+            files = batch.split_batch(body, self.batch_max_bytes)
+        except (batch.BatchFramingError, batch.BatchTooLargeError) as exc:
+            return self._json(exc.status_code, {"detail": str(exc), "code": exc.code})
+        stored: list[str] = []
+        refused: list[dict[str, str]] = []
+        for ref, data in files:
+            if ref.sha256 in self.batch_refuses or hashlib.sha256(data).hexdigest() != ref.sha256:
+                refused.append({"sha256": ref.sha256, "reason": "sha256 mismatch"})
+                continue
+            if ref.sha256 not in self.files:  # a committed upload, as the real API writes
+                upload = _Upload(len(self.uploads) + 1, ref.sha256, ref.size_bytes)
+                upload.data.extend(data)
+                upload.state = "committed"
+                self.uploads[upload.upload_id] = upload
+                self.files[ref.sha256] = data
+                self.chunk_bytes_received += len(data)
+            stored.append(ref.sha256)
+        return self._json(200, {"stored": stored, "refused": refused})
 
     def _chunk(self, upload: _Upload, request: httpx.Request) -> httpx.Response:
         fault = self.faults.pop(0) if self.faults else None

@@ -18,8 +18,9 @@ class BodySizeLimit:
     """ASGI middleware: answer 413 to a request body over ``max_bytes`` bytes, before the app
     sees any of it (checked on Content-Length and again while the body streams in).
 
-    PUTs to a path matching ``exempt`` pass untouched and unbuffered: routes that stream
-    their body and enforce a cap of their own (checkpoint and workspace file chunks).
+    PUTs and POSTs to a path matching ``exempt`` pass untouched and unbuffered: routes that
+    stream their body and enforce a cap of their own (checkpoint and workspace file chunks,
+    batches of small workspace files).
     ``larger`` gives ``(method, path regex, max_bytes)`` of requests allowed a bigger body
     (a workspace's manifest)."""
 
@@ -86,7 +87,7 @@ class BodySizeLimit:
     def _exempt(self, scope: Scope) -> bool:
         return (
             scope["type"] == "http"
-            and scope["method"] == "PUT"
+            and scope["method"] in ("PUT", "POST")
             and self.exempt is not None
             and self.exempt.match(scope["path"]) is not None
         )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from service.core.config import Settings
 from service.core.errors import DdpqError
 from service.core.spec.overrides import apply_overrides
+from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER
 from service.workspaces.command import command_job_spec, plan_command
@@ -61,6 +62,24 @@ class WorkspaceCalls:
         """Begin (or find again, to resume) the upload of one workspace file."""
         answer = self._json("POST", wire.FILES_PATH, json=start.model_dump())
         return wire.FileUploadStatus.model_validate(answer)
+
+    def send_workspace_batch(
+        self, files: Sequence[tuple[wire.FileRef, bytes]]
+    ) -> batch.BatchAnswer:
+        """Send many whole small files in one request (``service.core.wire.batch``):
+        ``(ref, data)`` pairs, at most ``BATCH_MAX_FILES``, each at most
+        ``BATCH_FILE_MAX_BYTES``.
+
+        Returns:
+            The files the API now has for the caller and those it refused (with why).
+        Raises:
+            ApiError: 413 for a body over the API's chunk cap (send smaller batches); 422
+                for a body that does not split into its files.
+        """
+        headers = {"Content-Type": batch.BATCH_CONTENT_TYPE}
+        body = batch.encode_batch(files)
+        answer = self._json("POST", wire.FILES_BATCH_PATH, content=body, headers=headers)
+        return batch.BatchAnswer.model_validate(answer)
 
     def workspace_file_status(self, upload_id: int) -> wire.FileUploadStatus:
         """Where a workspace file's upload stands (its resume point)."""

@@ -1,5 +1,6 @@
-"""Uploading a packed workspace: ask which files the API lacks, send only those (each with the
-checkpoint uploads' chunk protocol and loop, ``service.core.wire.chunks``), then store the
+"""Uploading a packed workspace: ask which files the API lacks, send only those (the small ones
+many per request, ``service.core.wire.batch``; the others, and any a batch refused, each with
+the checkpoint uploads' chunk protocol and loop, ``service.core.wire.chunks``), then store the
 manifest. An unchanged directory sends no file; after editing one file, only that one goes.
 
 The HTTP calls are ``WorkspaceApi``'s (``DdpqClient`` implements it); this module decides
@@ -9,13 +10,22 @@ what to send and in which order, and how to go on after a refused or misplaced c
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from service.core.errors import DdpqError
-from service.core.wire.chunks import MAX_CHUNK_REFUSALS, send_file_chunks
+from service.core.wire.attempt import MIN_CHUNK_BYTES
+from service.core.wire.batch import (
+    BATCH_FILE_MAX_BYTES,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_FILES,
+    BatchAnswer,
+)
+from service.core.wire.chunks import MAX_CHUNK_REFUSALS, FileShrankError, send_file_chunks
 from service.core.wire.workspace import (
     MAX_MISSING_FILES,
     FileRef,
@@ -29,6 +39,9 @@ from service.workspaces.calls import FileOffsetError
 from service.workspaces.pack import PackedWorkspace
 
 COMMITTED, ABANDONED = "committed", "abandoned"
+# Batches sent at once after the first: one read and sent while the API stores another (more
+# only add memory, 16 MiB each, on a 2-core API).
+BATCHES_IN_FLIGHT = 2
 # Commits of one file that found bytes missing (the API lost some), before giving up.
 MAX_COMMIT_TRIES = 5
 
@@ -48,6 +61,7 @@ class WorkspaceApi(Protocol):
     (a ``DdpqError`` whose ``status_code`` is the answer's)."""
 
     def workspace_missing(self, files: Sequence[FileRef]) -> list[str]: ...
+    def send_workspace_batch(self, files: Sequence[tuple[FileRef, bytes]]) -> BatchAnswer: ...
     def begin_workspace_file(self, start: FileUploadStart) -> FileUploadStatus: ...
     def send_workspace_chunk(
         self, upload_id: int, offset: int, data: bytes
@@ -92,7 +106,8 @@ def upload_packed(
     Args:
         api: the workspace routes (``DdpqClient``).
         packed: from ``pack_workspace`` (limits already checked).
-        on_file: called with ``(path, size_bytes)`` before each file is sent.
+        on_file: called with ``(path, size_bytes)`` once per file, before it is sent (a
+            batch's files before the batch).
 
     Raises:
         WorkspaceUploadError: a file's chunks refused ``MAX_CHUNK_REFUSALS`` times in a row,
@@ -104,10 +119,27 @@ def upload_packed(
     started = time.monotonic()
     sent_files = sent_bytes = 0
     path_of = {f.sha256: f.path for f in packed.manifest.files}  # one path per content
-    for ref in missing_files(api, packed.manifest):
+    missing = missing_files(api, packed.manifest)
+    small = [ref for ref in missing if ref.size_bytes <= BATCH_FILE_MAX_BYTES]
+    single = [ref for ref in missing if ref.size_bytes > BATCH_FILE_MAX_BYTES]
+    sources = {ref.sha256: packed.sources[path_of[ref.sha256]] for ref in small}
+    told: set[str] = set()
+
+    def tell(ref: FileRef) -> None:  # once per file, though a batch may go again after a 413
+        if on_file is not None and ref.sha256 not in told:
+            told.add(ref.sha256)
+            on_file(path_of[ref.sha256], ref.size_bytes)
+
+    batched = _send_batches(api, small, sources, tell)
+    for ref in small:
+        if ref.sha256 in batched:
+            sent_files += 1
+            sent_bytes += ref.size_bytes
+        else:  # refused, or batches too big for this API: one by one
+            single.append(ref)
+    for ref in single:
         path = path_of[ref.sha256]
-        if on_file is not None:
-            on_file(path, ref.size_bytes)
+        tell(ref)
         sent_bytes += _upload_file(api, ref, packed.sources[path])
         sent_files += 1
     summary = api.create_workspace(packed.manifest)
@@ -124,6 +156,90 @@ def upload_packed(
         sent_bytes=sent_bytes,
         elapsed_s=time.monotonic() - started,
     )
+
+
+def _read_whole(ref: FileRef, source: Path) -> bytes:
+    """The file's first ``ref.size_bytes`` bytes (a file grown since it was packed is then
+    refused by the API, its sha256 not matching, and sent again alone to say so).
+
+    Raises:
+        FileShrankError: it is shorter than when it was packed.
+    """
+    with open(source, "rb") as fh:
+        data = fh.read(ref.size_bytes)
+    if len(data) != ref.size_bytes:
+        raise FileShrankError(
+            f"{source} ended at byte {len(data)} of {ref.size_bytes}: it changed while it "
+            "was being sent"
+        )
+    return data
+
+
+def _take_batch(pending: deque[FileRef], budget: int) -> list[FileRef]:
+    """The next files of ``pending`` that fit one batch of ``budget`` bytes (taken off it)."""
+    taken: list[FileRef] = []
+    size = 0
+    while pending and len(taken) < BATCH_MAX_FILES:
+        if size + pending[0].size_bytes > budget:
+            break
+        taken.append(pending.popleft())
+        size += taken[-1].size_bytes
+    return taken
+
+
+def _send_batches(
+    api: WorkspaceApi,
+    refs: Sequence[FileRef],
+    sources: dict[str, Path],
+    announce: Callable[[FileRef], None],
+) -> set[str]:
+    """Send the small files ``refs`` in batches of at most ``BATCH_MAX_FILES`` files and a
+    byte budget; the sha256 of each file the API now has. Those refused, or left over, are
+    not in it: send them one by one.
+
+    The budget starts at ``BATCH_MAX_BYTES`` and halves on each 413 of the first batch (an
+    API with a smaller chunk cap), down to ``MIN_CHUNK_BYTES``; once one batch went, the
+    rest go ``BATCHES_IN_FLIGHT`` at once (the client reads and sends one while the API
+    hashes and stores another). ``announce`` is called with each file before it is sent
+    (again when its batch goes again after a 413).
+    """
+    pending = deque(refs)
+    budget = BATCH_MAX_BYTES
+    stored: set[str] = set()
+
+    def send(taken: list[FileRef]) -> BatchAnswer:
+        pairs = [(ref, _read_whole(ref, sources[ref.sha256])) for ref in taken]
+        return api.send_workspace_batch(pairs)
+
+    while pending and budget >= MIN_CHUNK_BYTES:  # the first batch, until one fits
+        taken = _take_batch(pending, budget)
+        if not taken:  # the next file alone is over the (shrunk) budget: one by one
+            pending.popleft()
+            continue
+        for ref in taken:
+            announce(ref)
+        try:
+            stored.update(send(taken).stored)
+            break
+        except DdpqError as exc:
+            if exc.status_code != 413:
+                raise
+            budget //= 2  # the API's chunk cap is lower than ours: smaller batches
+            pending.extendleft(reversed(taken))
+    groups: list[list[FileRef]] = []
+    while pending and budget >= MIN_CHUNK_BYTES:
+        taken = _take_batch(pending, budget)
+        if taken:
+            groups.append(taken)
+        else:
+            pending.popleft()  # over the budget alone: one by one
+    for taken in groups:
+        for ref in taken:
+            announce(ref)
+    with ThreadPoolExecutor(BATCHES_IN_FLIGHT) as pool:
+        for answer in pool.map(send, groups):  # an error ends the upload, as one at a time
+            stored.update(answer.stored)
+    return stored
 
 
 def _upload_file(api: WorkspaceApi, ref: FileRef, source: Path) -> int:

@@ -261,6 +261,7 @@ def test_ranks_read_their_own_jobs_workspace_only(
         ("PUT", wire.FILE_CHUNK_PATH.format(upload_id=1),
          {"params": {"offset": 0}, "content": b"x"}),
         ("POST", wire.FILE_COMMIT_PATH.format(upload_id=1), {}),
+        ("POST", wire.FILES_BATCH_PATH, {"content": b'{"files": []}\n'}),
         ("POST", wire.WORKSPACES_PATH, {"json": {"manifest": manifest(files)}}),
         ("GET", wire.WORKSPACE_PATH.format(digest=digest(files)), {}),
     ]  # fmt: skip

@@ -20,6 +20,7 @@ from service.api.chunks import in_thread, receive_chunk, upload_lock
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.files import workspace_stores
 from service.api.http import MAX_INT64, json_response
+from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER, MAX_SIZE_BYTES
 from service.store.workspaces import service as workspaces
@@ -138,6 +139,58 @@ def begin_file_route(
         max_bytes=settings.workspace_max_bytes,
     )
     return _status(begun.status, 201 if begun.created else 200)
+
+
+@router.post(
+    wire.FILES_BATCH_PATH,
+    response_model=batch.BatchAnswer,
+    summary="Upload many small workspace files at once",
+    responses={
+        413: {"description": "The body is over the chunk cap (DDPQ_CHECKPOINT_CHUNK_BYTES)"},
+        422: {"description": "The body does not split into the files its header lists"},
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {batch.BATCH_CONTENT_TYPE: {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def file_batch_route(request: Request, ctx: ContextDep) -> batch.BatchAnswer:
+    """Keep many whole small files (each at most ``BATCH_FILE_MAX_BYTES``) sent in one body:
+    a JSON line listing each file's sha256 and size, then their bytes in that order
+    (``service.core.wire.batch``). Answers which files you now have and each one refused
+    with its reason (its bytes do not match its sha256: nothing of it kept).
+
+    Caller: a user (the default owner with auth off), for their own files: a file another
+    owner has counts for nothing here. An attempt token is 401. 413 for a body over the
+    chunk cap (plus the header's); 422 for a body that does not split into its files.
+    """
+    settings = ctx.settings
+    cap = batch.batch_body_cap(settings.checkpoint_chunk_bytes)
+    too_large = batch.BatchTooLargeError(batch.too_large_message(settings.checkpoint_chunk_bytes))
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise too_large
+    pieces: list[bytes] = []
+    received = 0
+    async for piece in request.stream():  # counted as it arrives: no more than cap is held
+        received += len(piece)
+        if received > cap:
+            raise too_large
+        pieces.append(piece)
+    body = b"".join(pieces)
+    db, stores, owner = ctx.db, workspace_stores(request.app), ctx.caller.owner
+
+    def store_batch() -> batch.BatchAnswer:
+        kept = uploads.store_file_batch(
+            db, stores, owner, batch.split_batch(body, settings.checkpoint_chunk_bytes),
+            store_name=settings.checkpoint_store, max_bytes=settings.workspace_max_bytes,
+        )  # fmt: skip
+        refused = [batch.BatchRefusal(sha256=s, reason=r) for s, r in kept.refused]
+        return batch.BatchAnswer(stored=kept.stored, refused=refused)
+
+    return await in_thread(store_batch)
 
 
 @router.get(

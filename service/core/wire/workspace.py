@@ -23,6 +23,14 @@ that does not exist; a file another owner uploaded still counts as missing for y
    ``FileUploadStatus`` ``committed`` once the whole file's size and sha256 match (409 with
    the status when bytes are missing; 422 when the sha256 does not match: discarded).
    An empty file has no chunk: begin, then commit.
+   Small files (at most ``BATCH_FILE_MAX_BYTES``, 1 MiB) may instead go many at once:
+   ``POST FILES_BATCH_PATH`` with a body of one JSON line listing each file's sha256 and
+   size, then their bytes concatenated in that order (``service.core.wire.batch`` gives the
+   framing and its caps) → ``BatchAnswer``: the files you now have (sent, or had before) and
+   each refused with its reason (bytes not matching the sha256; nothing kept of it: send it
+   again, or with the chunk protocol); 422 for a body that does not split into its files;
+   413 for one over the chunk cap in bytes. One request and one transaction per batch,
+   instead of three of each per file.
 3. ``POST WORKSPACES_PATH`` ``WorkspaceCreate`` → 201 ``WorkspaceSummary`` (200 for a digest
    the owner already has): 422 listing the files not uploaded, or declared with another
    size than the uploaded file's (``size_mismatch``); 413 ``WorkspaceTooLargeError`` beyond
@@ -62,6 +70,7 @@ from service.core.wire.attempt import ATTEMPT_PREFIX, MAX_SIZE_BYTES
 WORKSPACES_PATH = "/workspaces"  # POST WorkspaceCreate → 201 WorkspaceSummary
 MISSING_PATH = "/workspaces/missing"  # POST MissingFiles → MissingAnswer
 FILES_PATH = "/workspaces/files"  # POST FileUploadStart → 201 FileUploadStatus
+FILES_BATCH_PATH = "/workspaces/files/batch"  # POST header line + bytes → BatchAnswer
 FILE_UPLOAD_PATH = "/workspaces/files/{upload_id}"  # GET → FileUploadStatus
 FILE_CHUNK_PATH = "/workspaces/files/{upload_id}/chunks"  # PUT ?offset=N → FileUploadStatus
 FILE_COMMIT_PATH = "/workspaces/files/{upload_id}/commit"  # POST → FileUploadStatus

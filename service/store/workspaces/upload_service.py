@@ -1,6 +1,7 @@
 """Workspace file upload use cases: begin an upload, tell where it stands, take each chunk
 (``open_file_chunk`` gives the checkpoint uploads' ``ChunkReceiver``, the caller streams the
-request body into it, ``finish_file_chunk`` keeps it and counts it), commit. The bytes go
+request body into it, ``finish_file_chunk`` keeps it and counts it), commit; or keep a batch
+of small whole files at once (``store_file_batch``). The bytes go
 through the checkpoint store backends (``stores``); the rows say what is committed
 (``crud``). Each function owns its transactions and returns plain values.
 
@@ -10,7 +11,12 @@ already has a file with this sha256 gets its committed upload back at once.
 
 from __future__ import annotations
 
-from service.core.wire.workspace import check_limits
+import hashlib
+from collections.abc import Sequence
+
+from service.core.errors import ConflictError
+from service.core.wire.batch import BATCH_FILE_MAX_BYTES
+from service.core.wire.workspace import FileRef, check_limits
 from service.store.checkpoints.backends.base import (
     CheckpointStore,
     CheckpointStoreError,
@@ -23,9 +29,9 @@ from service.store.checkpoints.stores import CheckpointStores
 from service.store.checkpoints.uploads import UploadStateError
 from service.store.db import Database
 from service.store.models import WorkspaceUpload
-from service.store.workspaces import crud
+from service.store.workspaces import batches, crud
 from service.store.workspaces.stores import upload_key
-from service.store.workspaces.values import FileUploadBegun, FileUploadState
+from service.store.workspaces.values import BatchStored, FileUploadBegun, FileUploadState
 
 
 class ChunkTooLargeError(CheckpointInputError):
@@ -221,3 +227,84 @@ def commit_file_upload(
         state = _state(row, chunk_bytes)
     hashes.forget(upload_id)
     return state
+
+
+def _batch_refusal(ref: FileRef, data: bytes, cap: int | None, max_bytes: int) -> str | None:
+    """Why a file of a batch cannot be kept, or None when it can."""
+    if ref.size_bytes > BATCH_FILE_MAX_BYTES:
+        return (
+            f"{ref.size_bytes} bytes is more than a batch carries per file "
+            f"({BATCH_FILE_MAX_BYTES}): send it with the chunk protocol (POST /workspaces/files)"
+        )
+    if ref.size_bytes > min(max_bytes, cap if cap is not None else max_bytes):
+        return f"{ref.size_bytes} bytes is more than this server stores per file"
+    if hashlib.sha256(data).hexdigest() != ref.sha256:
+        return (
+            f"its {len(data)} bytes do not match its sha256 (a wrong size or sha256, or "
+            "changed on the way): nothing kept, send it again"
+        )
+    return None
+
+
+def store_file_batch(
+    db: Database,
+    stores: CheckpointStores,
+    owner: str,
+    files: Sequence[tuple[FileRef, bytes]],
+    *,
+    store_name: str,
+    max_bytes: int,
+) -> BatchStored:
+    """Keep the owner's whole small files ``files`` (``(ref, data)`` pairs, split from a
+    batch body) that match their sha256, in ``store_name``: their upload rows reserved in one
+    transaction, their bytes stored together (``CheckpointStore.put_files``), then every row
+    committed in one more. A file the owner already has is acknowledged, not stored again; a
+    file listed twice counts once.
+
+    Args:
+        max_bytes: the workspace bytes cap (``DDPQ_WORKSPACE_MAX_BYTES``), here per file.
+
+    Raises:
+        CheckpointStoreError: the store is not available here or could not write the bytes
+            (503: nothing of the batch is kept; send it again).
+        ConflictError: a concurrent commit got in between (409: send the batch again).
+    """
+    store = _store(stores, store_name)
+    cap = store.max_size_bytes()
+    good: dict[str, tuple[FileRef, bytes]] = {}
+    refused: dict[str, str] = {}
+    for ref, data in files:
+        if ref.sha256 in good:
+            continue
+        reason = _batch_refusal(ref, data, cap, max_bytes)
+        if reason is None:
+            good[ref.sha256] = (ref, data)
+            refused.pop(ref.sha256, None)
+        else:
+            refused.setdefault(ref.sha256, reason)
+    with db.session() as session:
+        present = crud.present_sha256s(session, owner, good)
+        new = [pair for sha256, pair in good.items() if sha256 not in present]
+        ids = batches.reserve_uploads(session, owner, [r for r, _ in new], store.name)
+    if new:
+        keys = [upload_key(upload_id) for upload_id in ids]
+        try:
+            locations = store.put_files(
+                [(key, data) for key, (_, data) in zip(keys, new, strict=True)]
+            )
+            kept = [(i, ref, loc) for i, (ref, _), loc in zip(ids, new, locations, strict=True)]
+            try:
+                with db.session() as session:
+                    dropped = batches.commit_uploads(session, owner, store.name, kept)
+            except ConflictError:  # another commit of one of these files won: it counts
+                with db.session() as session:
+                    dropped = batches.commit_uploads(session, owner, store.name, kept)
+        except Exception:
+            with db.session() as session:
+                batches.abandon_uploads(session, ids)
+            for key in keys:
+                store.discard(key)
+            raise
+        for upload_id in dropped:
+            store.discard(upload_key(upload_id))
+    return BatchStored(list(good), list(refused.items()))

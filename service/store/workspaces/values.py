@@ -49,3 +49,13 @@ class WorkspacesReaped:
     workspaces: int
     files: int
     uploads: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStored:
+    """What became of a batch of small files (the wire's ``BatchAnswer``): ``stored``, the
+    sha256 of each file the owner now has, in the order sent; ``refused``, ``(sha256,
+    reason)`` of each file not kept."""
+
+    stored: list[str]
+    refused: list[tuple[str, str]]

@@ -14,7 +14,7 @@ Every method is synchronous and may block on I/O: call them from a worker thread
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,6 +91,16 @@ class CheckpointStore(Protocol):
 
     def finalize(self, key: UploadKey) -> str:
         """Turn the complete partial into a committed file; its ``location``."""
+
+    def put_files(self, files: Sequence[tuple[UploadKey, bytes]]) -> list[str]:
+        """Store many whole small files at once, each as ``begin`` + one chunk +
+        ``finalize`` would (durable when this returns), at a lower cost per file: their
+        ``location`` in order. For a batch of workspace files (a few MiB in all).
+
+        Raises:
+            CheckpointStoreError: a file could not be written (some may have been: the
+                caller discards every key of the batch).
+        """
 
     def open_read(self, location: str, start: int = 0) -> Iterator[bytes]:
         """The committed file at ``location`` from byte ``start``, in blocks.

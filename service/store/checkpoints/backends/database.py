@@ -9,7 +9,7 @@ over their own table (``chunks=WorkspaceChunk``: upload ids of the two kinds ove
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TypeAlias
 
 from sqlalchemy import delete, func, select
@@ -135,6 +135,17 @@ class DatabaseStore:
 
     def finalize(self, key: UploadKey) -> str:
         return str(int(key.upload_id))
+
+    def put_files(self, files: Sequence[tuple[UploadKey, bytes]]) -> list[str]:
+        # One row per non-empty file (an empty one has none, as after its upload), all in
+        # one transaction: the batch's bytes are there together or not at all.
+        with self.db.session() as session:
+            session.add_all(
+                self.chunks(upload_id=key.upload_id, offset_bytes=0, data=data)
+                for key, data in files
+                if data
+            )
+        return [self.finalize(key) for key, _ in files]
 
     @staticmethod
     def _upload_id(location: str) -> int:

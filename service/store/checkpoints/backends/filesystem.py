@@ -14,12 +14,14 @@ this one (the same id) or another host's (it must upload).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from service.core.artifacts import (
     checkpoint_dir,
@@ -45,6 +47,44 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _syncfs() -> Callable[[int], int] | None:
+    """Linux's ``syncfs(fd)`` (not in ``os``), or None where libc has none."""
+    try:
+        found = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+    except OSError:
+        return None
+    if found is None:
+        return None
+    found.argtypes, found.restype = [ctypes.c_int], ctypes.c_int
+    return cast("Callable[[int], int]", found)
+
+
+def _sync_batch(paths: Sequence[Path]) -> None:
+    """Make the files ``paths`` (written, renamed into place) and their directories durable.
+
+    One ``syncfs`` of their filesystem where Linux has it: a single journal commit for the
+    whole batch, where an fsync per file cost 0.5–4 ms each on a shared disk (1–8 s for a
+    2,000-file workspace). Elsewhere, an fsync per file, then per directory once.
+    """
+    sync = _syncfs()
+    dirs = sorted({p.parent for p in paths})
+    if sync is not None and dirs:
+        fd = os.open(dirs[0], os.O_RDONLY)
+        try:
+            if sync(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        finally:
+            os.close(fd)
+        return
+    for path in paths:
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+    for d in dirs:
+        _fsync_dir(d)
 
 
 class _FileChunk:
@@ -168,6 +208,25 @@ class FilesystemStore:
         except OSError as exc:
             raise CheckpointStoreError(f"cannot finalize upload {key.upload_id}: {exc}") from None
         return final.relative_to(self.root).as_posix()
+
+    def put_files(self, files: Sequence[tuple[UploadKey, bytes]]) -> list[str]:
+        finals: list[Path] = []
+        try:
+            for key, data in files:
+                partial, final = self._partial(key), self._final(key)
+                if not finals or partial.parent != finals[-1].parent:
+                    partial.parent.mkdir(parents=True, exist_ok=True)
+                # Written whole as a partial, then renamed: a final name only ever holds a
+                # whole file, as after ``finalize``.
+                partial.write_bytes(data)
+                os.replace(partial, final)
+                finals.append(final)
+            _sync_batch(finals)
+        except OSError as exc:
+            raise CheckpointStoreError(
+                f"cannot store a batch of {len(files)} files: {exc}"
+            ) from None
+        return [final.relative_to(self.root).as_posix() for final in finals]
 
     def discard(self, key: UploadKey) -> None:
         # Only for an upload that never committed (abandoned): its finalized file, if the
