@@ -24,7 +24,7 @@ workers=${DDPQ_TEST_WORKERS:-4}
 xdist=()
 if [ "$workers" != "0" ]; then
   # loadgroup: tests that share the Slurm cluster or the root network namespace keep one
-  # process (their xdist_group, tests/conftest.py).
+  # process (tests/conftest.py: XDIST_GROUPS, read by its pytest_xdist_make_scheduler).
   xdist=(-n "$workers" --dist loadgroup)
 fi
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -37,11 +38,29 @@ PG_FIXTURES = frozenset({"pg_schema_url", "pg_schema", "pg_deployment"})
 XDIST_GROUPS = {"tests/slurm/": "slurm", "tests/e2e/test_checkpoint_hosts.py": "netns"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup``: xdist's group scheduling, with each test's group taken
+    from its path (``XDIST_GROUPS``; any other test is a group of its own), so the tests
+    that share the Slurm cluster or the root network namespace run one at a time on one
+    process. xdist reads an ``xdist_group`` mark by rewriting a private node id field that
+    pytest 9 no longer reads, so its marks group nothing here."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PathGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in XDIST_GROUPS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return nodeid
+
+    return PathGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that reaches PostgreSQL ``postgres`` (the ``[postgresql]`` half of the
-    dialect parameter, and users of the PostgreSQL fixtures), and put the tests that share a
-    cluster or the root network namespace in their ``xdist_group``."""
+    dialect parameter, and users of the PostgreSQL fixtures), and spread the heavy tests."""
     root = Path(str(config.rootpath))
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -49,10 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if "postgresql" in params or fixtures & PG_FIXTURES:
             item.add_marker(pytest.mark.postgres)
-        where = Path(str(item.path)).relative_to(root).as_posix()
-        for prefix, group in XDIST_GROUPS.items():
-            if where.startswith(prefix):
-                item.add_marker(pytest.mark.xdist_group(group))
     items[:] = _spread_heavy(items, root)
 
 
