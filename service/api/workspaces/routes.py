@@ -54,6 +54,9 @@ class Sha256Convertor(Convertor[str]):
 register_url_convertor("sha256", Sha256Convertor())
 # The contract's path, its digest matched only as a sha256 (the OpenAPI path stays the same).
 WORKSPACE_ROUTE = wire.WORKSPACE_PATH.replace("{digest}", "{digest:sha256}")
+# An upload's id is a number: ``/workspaces/files/batch`` is another route, not an upload
+# (else OPTIONS/GET there would advertise and try this one).
+FILE_UPLOAD_ROUTE = wire.FILE_UPLOAD_PATH.replace("{upload_id}", "{upload_id:int}")
 
 UploadIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="The upload's id.")]
 DigestPath = Annotated[
@@ -194,7 +197,7 @@ async def file_batch_route(request: Request, ctx: ContextDep) -> batch.BatchAnsw
 
 
 @router.get(
-    wire.FILE_UPLOAD_PATH,
+    FILE_UPLOAD_ROUTE,
     response_model=wire.FileUploadStatus,
     summary="Where a workspace file upload stands",
     responses=UPLOAD_ERRORS,
