@@ -81,7 +81,12 @@ def guarded_requests(app: Any) -> list[tuple[str, str]]:
     for path, operations in app.openapi()["paths"].items():
         if path in OPEN_PATHS:
             continue
-        concrete = path.replace("{job_id}", "1").replace("{step}", "1").replace("{digest}", DIGEST)
+        concrete = (
+            path.replace("{job_id}", "1")
+            .replace("{step}", "1")
+            .replace("{upload_id}", "1")  # a workspace upload's route matches numbers only
+            .replace("{digest}", DIGEST)
+        )
         found += [(method.upper(), concrete) for method in sorted(operations)]
     return found
 

@@ -47,7 +47,12 @@ DIGEST = "0" * 64
 
 def concrete_path(path: str) -> str:
     """An OpenAPI path with its parameters filled in (ids 1, a digest of zeros)."""
-    return path.replace("{job_id}", "1").replace("{step}", "1").replace("{digest}", DIGEST)
+    return (
+        path.replace("{job_id}", "1")
+        .replace("{step}", "1")
+        .replace("{upload_id}", "1")  # a workspace upload's route matches numbers only
+        .replace("{digest}", DIGEST)
+    )
 
 
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)  # a fixed time: bodies compare as bytes
