@@ -1,6 +1,6 @@
 """The whole way of a workspace over real HTTP, on SQLite and PostgreSQL, from each store: the
 user's client uploads a tree to the API, a job names it, and a rank's side
-(``worker.runtime.workspace.materialize`` with its attempt token) lays out the same files."""
+(``worker.runtime.script.workspace.materialize`` with its attempt token) lays out the same files."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.live import serve_app
 from tests.uploads import mint, running_job
 from tests.workspaces import name_workspace
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.workspace import materialize
+from worker.runtime.script.workspace import materialize
 
 
 @pytest.mark.parametrize("store", ["filesystem", "database"])

@@ -1,4 +1,4 @@
-"""A rank's workspace fetch (``worker.runtime.workspace.materialize``) over the real routes
+"""A rank's workspace fetch (``worker.runtime.script.workspace.materialize``) over the real routes
 when what the API serves is not what the manifest says: the stored bytes corrupted or cut
 after the upload, the stored manifest edited (a size, a path), a host's cache poisoned. The
 rank refuses with ``WorkspaceFetchError`` naming the file, and nothing lands outside
@@ -24,7 +24,7 @@ from tests.live import serve_app
 from tests.uploads import mint, running_job
 from tests.workspaces import name_workspace, sha
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.workspace import LOCK_NAME, WorkspaceFetchError, materialize
+from worker.runtime.script.workspace import LOCK_NAME, WorkspaceFetchError, materialize
 
 TRAIN = b"print('train')\n" * 50
 DATA = os.urandom(3000)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from service.workspaces.command import RunCommandError, check_script
-from worker.runtime.command import parse_traceback
+from worker.runtime.script.run import parse_traceback
 
 TORCH_PREFIXED = """\
 some output

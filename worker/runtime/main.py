@@ -48,11 +48,11 @@ from worker.attempt import (
 from worker.processes import has_tags, set_parent_death_signal
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.saver import CheckpointSaver, make_checkpointer
-from worker.runtime.command import ScriptFailedError, run_command
 from worker.runtime.distributed import DistContext, init_distributed, shutdown_distributed
 from worker.runtime.metrics.buffer import Sink
 from worker.runtime.metrics.sink import make_sink
 from worker.runtime.rank_output import rank_logging, redirect_output
+from worker.runtime.script.run import ScriptFailedError, run_command
 from worker.runtime.signals import StopFlag, StopRequested, stop_signal_handlers
 from worker.runtime.topology import RankEnv, RankEnvironmentError
 from worker.runtime.train.context import Entrypoint, TrainContext, load_entrypoint

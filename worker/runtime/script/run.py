@@ -3,7 +3,7 @@
 torchrun starts ``python train.py args`` in every rank with its standard environment (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ddpq's rank
 (``python -m worker.runtime``, forked warm by ``worker.runtime.agent``) first brings the
-job's workspace onto this host (``worker.runtime.workspace``), then starts exactly that:
+job's workspace onto this host (``worker.runtime.script.workspace``), then starts exactly that:
 ``python <command>`` in the workspace, with the rank's environment, its output going to the
 rank's log. The script is its own process, as under torchrun, so nothing of ddpq's reaches
 it: not its imported packages (a project may have its own ``worker`` or ``service``), not its
@@ -35,9 +35,9 @@ from service.core.errors import DdpqError
 from service.core.spec.model import JobSpec
 from worker.attempt import ExitCode, FailureReason, mark_finished, write_result
 from worker.runtime.attempt_client import AttemptClient
+from worker.runtime.script.workspace import materialize
 from worker.runtime.signals import StopFlag
 from worker.runtime.topology import RankEnv
-from worker.runtime.workspace import materialize
 
 log = logging.getLogger(__name__)
 # How often the rank looks at the script and its stop flag (seconds).
