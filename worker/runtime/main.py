@@ -229,7 +229,7 @@ def load_spec(artifact_dir: Path, env: RankEnv) -> JobSpec:
             f"the spec file {path} does not hold a valid job spec ({count} error(s)): {exc}"
         ) from None
     # What validate_spec adds across fields (the deployment's own rules were the API's call).
-    dumped = spec.model_dump(include={"task", "command", "workspace"})
+    dumped = spec.model_dump(include={"task", "command", "workspace", "checkpoints", "metrics"})
     problems = command_problems(dumped, user_code_allowed=True)
     if problems:
         said = "; ".join(f"{field}: {msg}" for field, msg in problems)

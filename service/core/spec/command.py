@@ -154,6 +154,12 @@ def command_problems(data: dict[str, Any], *, user_code_allowed: bool) -> list[t
                     "workers (with DDPQ_RANK_USER set when auth is on)",
                 )
             )
-    elif workspace is not None:
-        problems.append(("workspace", "a workspace is for a command job: give command too"))
+    else:
+        if workspace is not None:
+            problems.append(("workspace", "a workspace is for a command job: give command too"))
+        for field in ("checkpoints", "metrics"):
+            if data.get(field) is not None:
+                problems.append(
+                    (field, f"{field} names files of your own script: it is for a command job")
+                )
     return problems

@@ -34,6 +34,7 @@ from service.core.metrics.points import MAX_STEP
 from service.core.spec.command import Command, Env, WorkspaceDigest, command_problems
 from service.core.spec.deployment import settings_problems
 from service.core.spec.errors import error_loc, pydantic_errors
+from service.core.spec.followed import FollowedCheckpoints, ScriptMetrics
 from service.core.spec.task_configs import BUILTIN_TASK_CONFIGS
 from service.core.spec.text import display_text, json_value_problems
 
@@ -214,6 +215,12 @@ class JobSpec(_Part):
         default=None, description="The digest of the uploaded directory a command runs in."
     )
     env: Env = Field(default_factory=dict, description="Variables set for every rank.")
+    checkpoints: FollowedCheckpoints | None = Field(
+        default=None, description="A command job: the checkpoint file its script writes."
+    )
+    metrics: ScriptMetrics | None = Field(
+        default=None, description="A command job: where its script writes TensorBoard scalars."
+    )
 
     @property
     def resolved_backend(self) -> Literal["nccl", "gloo"]:
@@ -331,7 +338,7 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
     if spec is not None:
         for loc, msg in cross_field_problems(spec):
             bad(loc, msg)
-        dumped = spec.model_dump(include={"task", "command", "workspace"})
+        dumped = spec.model_dump(include={"task", "command", "workspace", "checkpoints", "metrics"})
         for field, msg in command_problems(dumped, user_code_allowed=settings.user_code_allowed):
             bad((field,), msg)
     # Once the model built, check its coerced values ("200" and 200.0 became 200).
