@@ -39,6 +39,9 @@ API_URL = "DDPQ_API_URL"
 ATTEMPT_TOKEN = "DDPQ_ATTEMPT_TOKEN"
 # The job's checkpoint directory on the rank's host (shared by its attempts there).
 CHECKPOINT_DIR = "DDPQ_CHECKPOINT_DIR"
+# A command job's script: the checkpoint step its rank restored before starting it (a followed
+# checkpoint file), when it did.
+RESUMED_FROM_STEP = "DDPQ_RESUMED_FROM_STEP"
 # The worker's database URL: never in a rank's environment (see inherited_env), named here so
 # the worker can tell it apart.
 DATABASE_URL = "DDPQ_DATABASE_URL"

@@ -93,6 +93,25 @@ def run_command(
         list[str] | None,
         typer.Option("--env", metavar="NAME=VALUE", help="Environment of the ranks. Repeatable."),
     ] = None,
+    checkpoint_path: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint-path",
+            metavar="PATH",
+            help="A file (or glob) your script saves, relative to the directory: each new "
+            "version becomes a checkpoint and the newest is put back before a relaunch "
+            "(spec checkpoints.path).",
+        ),
+    ] = None,
+    tensorboard: Annotated[
+        str | None,
+        typer.Option(
+            "--tensorboard",
+            metavar="DIR",
+            help="Where your script's SummaryWriter writes, relative to the directory: its "
+            "scalars become the job's metrics (spec metrics.tensorboard).",
+        ),
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
     dry_run: Annotated[
         bool,
@@ -121,6 +140,10 @@ def run_command(
         spec: dict[str, Any] = command_job_spec(
             plan, packed, name=name, launcher=launcher, env=parse_env(env_values or [])
         )
+        if checkpoint_path is not None:
+            spec["checkpoints"] = {"path": checkpoint_path}
+        if tensorboard is not None:
+            spec["metrics"] = {"tensorboard": tensorboard}
         spec = with_overrides(spec, set_values or [])
         client = make_client(settings)
         if dry_run:

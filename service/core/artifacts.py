@@ -311,8 +311,11 @@ def rank_error_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) ->
     return attempt_dir(artifact_dir, job_id, attempt) / rank_error_name(rank)
 
 
-def metrics_spill_path(artifact_dir: Path, job_id: int, attempt: int) -> Path:
+def metrics_spill_path(artifact_dir: Path, job_id: int, attempt: int, writer: str = "") -> Path:
     """Where rank 0 spills metric points it could not write yet (database down or slow), one
-    JSON object per line, oldest first: ``…/attempt-<n>/metrics-spill.jsonl``. Removed once
-    replayed; left behind (with every unsent point) only if the database never came back."""
-    return attempt_dir(artifact_dir, job_id, attempt) / "metrics-spill.jsonl"
+    JSON object per line, oldest first: ``…/attempt-<n>/metrics-spill.jsonl``, or
+    ``metrics-spill-<writer>.jsonl`` for a second writer of the same rank (a command job's
+    script beside its rank process). Removed once replayed; left behind (with every unsent
+    point) only if the database never came back."""
+    suffix = f"-{writer}" if writer else ""
+    return attempt_dir(artifact_dir, job_id, attempt) / f"metrics-spill{suffix}.jsonl"

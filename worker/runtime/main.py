@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
+from ddpq import _state as ddpq_session
 from service.core.artifacts import rank_log_path, spec_path
 from service.core.config import Settings
 from service.core.errors import DdpqError, StaleAttemptError
@@ -328,15 +329,18 @@ def _train(
             watchdog=watchdog,
             attempt_self=me,
         )
+        ddpq_session.use(ctx)  # the ddpq library's calls in the entrypoint reach this context
         returned = entrypoint(ctx)
         mark_finished(artifact_dir, env.job_id, env.attempt, env.rank)
         ctx.close()
     except BaseException as exc:
+        ddpq_session.use(None)
         watchdog.stop()
         if not watchdog.stepped:
             mark_before_first_step(exc)  # the same spec would fail the same way: no retry
         _close_quietly(sink, checkpointer)
         raise
+    ddpq_session.use(None)
     watchdog.stop()
     sink.close()
     checkpointer.close()

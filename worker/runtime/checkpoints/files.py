@@ -83,10 +83,15 @@ def publish_checkpoint(tmp: Path, final_path: Path) -> None:
     _fsync_dir(final_path.parent)
 
 
-def load_checkpoint_file(path: Path, device: torch.device) -> dict[str, Any]:
+def load_checkpoint_file(path: Path, device: torch.device, *, any_object: bool = False) -> Any:
     """Load one of our own checkpoint files onto ``device`` (weights_only=False: it holds RNG
-    states and optimizer state written by ddpq itself)."""
+    states and optimizer state written by ddpq itself, or what a script saved with
+    ``ddpq.save_checkpoint``: ``any_object`` then accepts what is not a dict).
+
+    Raises:
+        ValueError: not a dict (unless ``any_object``).
+    """
     state = torch.load(path, map_location=device, weights_only=False)
-    if not isinstance(state, dict):
+    if not any_object and not isinstance(state, dict):
         raise ValueError(f"{path} does not hold a checkpoint dict")
     return state

@@ -375,15 +375,22 @@ def retry_delay_s(failures: int) -> float:
     return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(failures - 1, 16)))
 
 
-def make_sink(env: RankEnv, ctx: DistContext | None, *, artifact_dir: Path | None = None) -> Sink:
+def make_sink(
+    env: RankEnv, ctx: DistContext | None, *, artifact_dir: Path | None = None, writer: str = ""
+) -> Sink:
     """The one place that decides who writes metrics: an ApiSink on rank 0 (with its own
     ``AttemptClient`` for ``env.api_url`` and ``env.attempt_token``), else the null object
     NullSink.
 
-    With ``artifact_dir``, rank 0 spills to the attempt's ``metrics_spill_path`` there.
+    With ``artifact_dir``, rank 0 spills to the attempt's ``metrics_spill_path`` there
+    (``writer`` names a second writer's own file).
     """
     if env.rank == 0:
         client = AttemptClient(env.api_url, env.attempt_token)
-        spill = metrics_spill_path(artifact_dir, env.job_id, env.attempt) if artifact_dir else None
+        spill = (
+            metrics_spill_path(artifact_dir, env.job_id, env.attempt, writer)
+            if artifact_dir
+            else None
+        )
         return ApiSink(ctx, client, spill_path=spill)
     return NullSink(ctx)

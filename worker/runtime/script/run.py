@@ -21,6 +21,7 @@ The rank stays as the script's supervisor:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -33,8 +34,15 @@ from pathlib import Path
 from service.core.artifacts import checkpoint_dir, rank_log_path
 from service.core.errors import DdpqError
 from service.core.spec.model import JobSpec
-from worker.attempt import ExitCode, FailureReason, mark_finished, write_result
+from worker.attempt import (
+    RESUMED_FROM_STEP,
+    ExitCode,
+    FailureReason,
+    mark_finished,
+    write_result,
+)
 from worker.runtime.attempt_client import AttemptClient
+from worker.runtime.script import follow
 from worker.runtime.script.workspace import materialize
 from worker.runtime.signals import StopFlag
 from worker.runtime.topology import RankEnv
@@ -113,18 +121,34 @@ def run_command(
         ScriptFailedError: the script exited non-zero (or was killed) without a stop signal.
     """
     assert spec.command is not None, "run_command is for command jobs"
-    root = materialize(api, artifact_dir, env.job_id, env.attempt)
+    restore = functools.partial(follow.restore, spec, api, artifact_dir, env.job_id, env.attempt)
+    root = materialize(api, artifact_dir, env.job_id, env.attempt, then=restore)
     # DDPQ_CHECKPOINT_DIR: the job's directory on this host, kept across its attempts here.
     checkpoint_dir(artifact_dir, env.job_id).mkdir(parents=True, exist_ok=True)
     log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
+    child_env = dict(os.environ)
+    restored = follow.restored_step(artifact_dir, env.job_id, env.attempt)
+    if restored is not None:
+        child_env[RESUMED_FROM_STEP] = str(restored)
+    follower = (
+        follow.ScriptFollower(spec, env, artifact_dir, root, stop, restored)
+        if env.rank == 0
+        else None
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     start = log_path.stat().st_size if log_path.exists() else 0
     log.info("running python %s in %s", " ".join(spec.command), root)
-    child = subprocess.Popen(  # output: the rank's own stdout/stderr, i.e. its log
-        [sys.executable, *spec.command], cwd=root, env=dict(os.environ), stdin=subprocess.DEVNULL
-    )
-    code = _wait(child, stop)
+    try:
+        if follower is not None:
+            follower.start()
+        child = subprocess.Popen(  # output: the rank's own stdout/stderr, i.e. its log
+            [sys.executable, *spec.command], cwd=root, env=child_env, stdin=subprocess.DEVNULL
+        )
+        code = _wait(child, stop)
+    finally:
+        if follower is not None:
+            follower.close()
     if stop.is_set() and stop.signum is not None:
         log.warning("stopped (%s); the script exited with %s", stop.reason, code)
         return 128 + stop.signum

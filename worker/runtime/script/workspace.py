@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from service.core.artifacts import attempt_dir, workspace_cache_dir, workspace_dir
@@ -46,9 +47,18 @@ class WorkspaceFetchError(DdpqError):
     reason = FailureReason.SETUP
 
 
-def materialize(client: AttemptClient, artifact_dir: Path, job_id: int, attempt: int) -> Path:
+def materialize(
+    client: AttemptClient,
+    artifact_dir: Path,
+    job_id: int,
+    attempt: int,
+    then: Callable[[Path], object] | None = None,
+) -> Path:
     """This attempt's working directory on this host, with every file of the job's workspace.
 
+    Args:
+        then: called with the directory once its files are in place, by the rank that fetched
+            them and before the others see it complete (e.g. restore a followed checkpoint).
     Returns:
         The directory (``workspace_dir``), complete and verified.
     Raises:
@@ -70,6 +80,8 @@ def materialize(client: AttemptClient, artifact_dir: Path, job_id: int, attempt:
         cache = _usable_cache(workspace_cache_dir(artifact_dir))
         for f in manifest.files:
             _place(client, f, root, cache, parent)
+        if then is not None:
+            then(root)
         (parent / DONE_NAME).touch()
     count = manifest.file_count
     log.info(

@@ -15,28 +15,22 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from service.core.config import Settings
-from service.core.metrics.points import checked_report
 from service.core.spec.model import JobSpec
-from service.core.wire.attempt import AttemptSelf, InitFrom
+from service.core.wire.attempt import AttemptSelf
 from worker.entrypoints import EntrypointError, import_failed, no_function
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpoints.fetch import StartPoint, agree_on_start
-from worker.runtime.checkpoints.files import load_checkpoint_file
 from worker.runtime.checkpoints.saver import CheckpointSaver
 from worker.runtime.distributed import (
     DistContext,
     ResumableDistributedSampler,
-    StopVote,
     all_reduce_sum_,
     make_sampler,
     wrap_model,
 )
 from worker.runtime.metrics.buffer import Sink
+from worker.runtime.session import RankSession
 from worker.runtime.signals import StopFlag
-from worker.runtime.timeline import AttemptFacts
-from worker.runtime.train.nonfinite import REPORTED_LOSS, NonFinitePolicy, first_nonfinite
-from worker.runtime.train.progress import ProgressClock
-from worker.runtime.watchdog import NullWatchdog, StallWatchdog
+from worker.runtime.watchdog import StallWatchdog
 
 log = logging.getLogger(__name__)
 Entrypoint = Callable[["TrainContext"], Any]
@@ -72,9 +66,11 @@ def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
     return func
 
 
-class TrainContext:
+class TrainContext(RankSession):
     """What ``def train(ctx): ...`` receives: identity, device, config, and the job's services.
-    Built-in tasks are entrypoints over it too (``worker.tasks``).
+    Built-in tasks are entrypoints over it too (``worker.tasks``); its metrics, checkpoints
+    and stop vote are the rank's ``RankSession`` (``worker.runtime.session``), the same one
+    the ``ddpq`` library's calls reach in this rank.
 
     Attributes:
         rank, local_rank, world_size: this rank's place in the job.
@@ -116,31 +112,12 @@ class TrainContext:
         watchdog: StallWatchdog | None = None,
         attempt_self: AttemptSelf | None = None,
     ) -> None:
-        self.spec, self.config = spec, dict(spec.config)
-        # GET /attempts/self at start (None: the API could not be asked): its init_from.
-        self._attempt_self = attempt_self
-        self._start: StartPoint | None = None
-        self._start_agreed = False
-        self.rank, self.local_rank, self.world_size = dist.rank, dist.local_rank, dist.world_size
-        self.device, self.job_id, self.attempt = dist.device, job_id, attempt
-        self.dist, self.sink, self.checkpointer, self.stop_flag = dist, sink, checkpointer, stop
-        self.watchdog: StallWatchdog | NullWatchdog = (
-            watchdog if watchdog is not None else NullWatchdog()
-        )
-        self.nonfinite = NonFinitePolicy(spec.training.nonfinite_loss, dist.rank)
-        self.clock = ProgressClock()
-        # The resume step, restore time, start and checkpoint stall rank 0 tells the API.
-        self.facts = AttemptFacts(sink)
-        self._api, self._artifact_dir = api, artifact_dir
-        self._vote = StopVote(dist)
-        self.last_step = 0
-        self.last_epoch: int | None = None
-        # For progress and ETA; set it when you know it (e.g. epochs × len(loader)).
-        self.total_steps: int | None = spec.training.max_steps
-        self.stopped = False
-        self._known_names: set[str] = set()  # names ``report`` checked already
-        self._check_losses = self.nonfinite.checks_reports
-        self._warned_skip = False
+        super().__init__(
+            spec=spec, dist=dist, sink=sink, checkpointer=checkpointer, stop=stop, api=api,
+            artifact_dir=artifact_dir, job_id=job_id, attempt=attempt, watchdog=watchdog,
+            attempt_self=attempt_self,
+        )  # fmt: skip
+        self.config = dict(spec.config)
 
     def report(
         self,
@@ -149,141 +126,9 @@ class TrainContext:
         **metrics: float | torch.Tensor,
     ) -> None:
         """Record metrics at global ``step`` (1-based): ``ctx.report(step, loss=loss)``.
-
-        Tensors stay on their device until a batch is flushed (no host sync per call); floats
-        are taken as they are. Only rank 0's values are kept: average over ranks first with
-        ``all_reduce_mean`` if you want the global mean. Duplicate (name, step) are ignored.
-
-        ``training.nonfinite_loss: fail`` applies to the metric ``loss`` on every rank: a
-        float is checked at this call; a tensor when its batch is flushed (the flush copies
-        it to the host anyway), so ``NonFiniteLossError`` is raised by the ``report`` call
-        that flushes: the first report, then within ``FLUSH_EVERY_POINTS`` tensor reports or
-        ``FLUSH_INTERVAL_S`` seconds (``worker.runtime.metrics.buffer``) of the bad step, or at
-        the latest when the entrypoint returns. The points up to it are recorded first.
-
-        Raises:
-            ValueError: a step below 1 or past 2**53 - 1, an epoch outside 0..2**31 - 1, or a
-                metric name over 100 characters (``service.core.metrics.points.checked_report``):
-                raised here, in your loop, rather than the point being dropped at the write.
-                Integer numpy scalars and 0-d tensors are fine as ``step`` and ``epoch``.
-            NonFiniteLossError: a NaN/inf ``loss`` with ``training.nonfinite_loss: fail``
-                (its ``reason`` is ``nonfinite_loss``).
-        """
-        step, epoch = checked_report(step, epoch, metrics, self._known_names)
-        if not self.facts.began:  # before the first point: its resume step goes first
-            self.facts.begin_at_report(step)
-        sink = self.sink
-        for name, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                sink.report(step, epoch, value, name)
-            else:
-                sink.report_values(step, epoch, {name: value})
-                if name == REPORTED_LOSS and self._check_losses:
-                    self.nonfinite.check_reported(step, float(value))
-        if step > self.last_step:
-            self.last_step = step
-        if epoch is not None:
-            self.last_epoch = epoch
-        if not self._check_losses and not self._warned_skip and REPORTED_LOSS in metrics:
-            self._warn_skip_not_applied()
-        self.watchdog.step_finished(self.last_step)  # a step finished (the first call starts it)
-        if sink.flush_due() or sink.time_due():
-            self.flush()
-
-    def flush(self) -> None:
-        """Hand buffered metrics to the writer now (rank 0; no collective).
-
-        Raises:
-            NonFiniteLossError: a buffered tensor ``loss`` was NaN/inf with
-                ``training.nonfinite_loss: fail`` (after the batch was handed over).
-        """
-        bad = first_nonfinite(self.sink.buffered(REPORTED_LOSS)) if self._check_losses else None
-        progress = self.clock.progress(self.last_step, self.total_steps, self.last_epoch)
-        self.sink.flush(progress, average=False)
-        if bad is not None:
-            self.nonfinite.check_reported(*bad)
-
-    def local_stop(self) -> bool:
-        """This rank's own reason to stop, not yet agreed with its peers: a signal (cancel,
-        preemption) or a fenced-off write (the attempt is stale)."""
-        signalled = self.stop_flag.seen_at_step_boundary()  # called at every step boundary
-        return signalled or self.sink.should_stop() or self.checkpointer.should_stop()
-
-    @property
-    def init_from(self) -> InitFrom | None:
-        """The spec's ``init_from`` as the API resolved it (source job, step, ``mode``), when
-        known; it applies only while the job has no checkpoint of its own."""
-        return self._attempt_self.init_from if self._attempt_self is not None else None
-
-    def agree_on_start(self) -> StartPoint | None:
-        """Where this rank starts, the same on every rank: this job's newest intact checkpoint
-        (``kind`` ``resume``), else its ``init_from`` checkpoint (``kind`` ``init``), fetched
-        onto this host if need be; None on a fresh start. A collective, decided once (later
-        calls return the same answer without one)."""
-        if not self._start_agreed:
-            with self.facts.restoring():
-                self._start = agree_on_start(
-                    self.dist, self._api, self._artifact_dir, self.job_id, self.attempt,
-                    self._attempt_self,
-                )  # fmt: skip
-            self._start_agreed = True
-            # The attempt's resume step (told to the API when training begins: ``facts``):
-            # an init_from start resumes nothing of this job's own, so earlier attempts'
-            # points are all superseded.
-            start = self._start
-            self.facts.resume_step = start.step if start is not None else 0
-        return self._start
-
-    def agree_on_resume(self) -> Path | None:
-        """The newest intact checkpoint of this job (any attempt), the same on every rank;
-        None on a fresh start or an ``init_from`` start. A collective."""
-        start = self.agree_on_start()
-        return start.path if start is not None and start.kind == "resume" else None
-
-    def _warn_skip_not_applied(self) -> None:
-        self._warned_skip = True
-        log.warning(
-            "training.nonfinite_loss=skip_step does not apply to a custom loop: ddpq does not "
-            "run its optimizer step, so non-finite losses are recorded as they are (use 'fail' "
-            "to stop the job on one, or skip the step in the loop)"
-        )
-
-    def save_checkpoint(self, state: dict[str, Any], step: int, epoch: int = 0) -> None:
-        """Checkpoint ``state`` (e.g. model/optimizer state dicts) at ``step``: tensors are
-        copied to CPU now, the file is written in the background (rank 0 only)."""
-        with self.watchdog.pause(), self.facts.checkpoint_stall():  # a slow disk: no stall
-            self.checkpointer.save(step, epoch, lambda: state)
-        self.last_step = max(self.last_step, step)
-        self.watchdog.step_finished(self.last_step)
-
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        """The newest intact checkpoint of this job (any attempt), loaded onto ``device``;
-        None on a fresh start. A collective: every rank loads the same one. Training counts
-        as begun from here (the resume step is told to the API).
-
-        A job without a checkpoint of its own but with ``init_from`` gets the source job's
-        checkpoint: whole with mode ``full``; with ``weights_only`` only its ``"model"``
-        entry (``{"model": ...}``: no optimizer, no step, so the loop starts at step 1)."""
-        start = self.agree_on_start()
-        if start is None:
-            self.facts.begin(0)
-            return None
-        with self.facts.restoring():
-            state = load_checkpoint_file(start.path, self.device)
-        if start.kind == "init" and start.mode == "weights_only":
-            state = {"model": state["model"]} if "model" in state else {}
-        self.clock.restart(int(state.get("step", 0) or 0))
-        self.facts.begin(self.facts.resume_step or 0)
-        return state
-
-    def should_stop(self) -> bool:
-        """True when the job must stop (cancel, preemption, or this attempt was fenced off);
-        every rank gets the same answer at the same call. Call once per step on every rank,
-        then save a checkpoint and return."""
-        self.watchdog.step_finished(self.last_step)
-        if self._vote.poll(self.local_stop(), False).stop:
-            self.stopped = True
-        return self.stopped
+        Only rank 0's values are kept: average over ranks first with ``all_reduce_mean`` if
+        you want the global mean. See ``RankSession.report_metrics`` for the checks and errors."""
+        self.report_metrics(step, epoch, metrics)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to ``device`` and wrap it for the job's strategy (DDP or DataParallel).
@@ -302,15 +147,3 @@ class TrainContext:
         out = tensor.detach().clone()
         all_reduce_sum_(out, self.dist)
         return out / self.world_size
-
-    def close(self) -> None:
-        """Flush what is buffered and settle the last stop vote (after the entrypoint returns).
-
-        Raises:
-            NonFiniteLossError: see ``flush``.
-        """
-        try:
-            if self.sink.pending or self.last_step != self.clock.mark_step:
-                self.flush()
-        finally:
-            self._vote.close()

@@ -26,7 +26,6 @@ from service.core.spec.model import Training
 from worker.runtime.checkpoints.fetch import StartPoint
 from worker.runtime.checkpoints.files import load_checkpoint_file
 from worker.runtime.distributed import (
-    StopVote,
     all_reduce_sum_,
     make_sampler,
     unwrap_model,
@@ -136,7 +135,7 @@ class Trainer:
         t = self.spec.training
         resumed_step = self._resume(self.start) if self.start is not None else None
         self.ctx.facts.begin(resumed_step or 0)  # before the first point (see timeline.py)
-        vote = StopVote(self.dist)
+        vote = self.ctx.vote  # the rank's one stop vote (its session's)
         stopped = False
         evaluated_at: int | None = None
         self.model.train()
