@@ -1,5 +1,6 @@
 """Benchmark #1: steps/s of a 2-rank gloo DDP loop with ddpq's rank-0 sink (posting to a live
-``ddpq serve``'s attempt API, as ranks do) vs its anchors."""
+``ddpq serve``'s attempt API, as ranks do) vs its anchors; the Trainer's ``sink.report``, a
+custom entrypoint's ``ctx.report`` and a script's ``ddpq.report``, each into a job of its own."""
 
 from __future__ import annotations
 
@@ -62,10 +63,13 @@ def _free_port() -> int:
 def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     """One rank: every mode for ``steps`` steps per repetition, interleaved; rank 0 writes the
     figures to ``cfg['out']``."""
+    import ddpq
+    from ddpq import _state as ddpq_state
     from service.core.spec.model import JobSpec
     from worker.runtime.checkpoints.saver import NullCheckpointer
     from worker.runtime.distributed import DistContext
     from worker.runtime.metrics.sink import make_sink
+    from worker.runtime.session import RankSession
     from worker.runtime.signals import StopFlag
     from worker.runtime.topology import RankEnv
     from worker.runtime.train.context import TrainContext
@@ -92,6 +96,15 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
         checkpointer=NullCheckpointer(), stop=StopFlag(), api=None,
         artifact_dir=Path(cfg["out"]).parent, job_id=cfg["ctx_job_id"], attempt=1,
     )  # fmt: skip
+    # A script's path: ``ddpq.report`` into the process's session (its own job's rows).
+    lib_sink = make_sink(env_of(cfg["lib_job_id"], cfg["lib_token"]), ctx)
+    lib_session = RankSession(
+        spec=JobSpec.model_validate({"name": "bench", "task": "examples.custom_loop:train"}),
+        dist=ctx, sink=lib_sink,
+        checkpointer=NullCheckpointer(), stop=StopFlag(), api=None,
+        artifact_dir=Path(cfg["out"]).parent, job_id=cfg["lib_job_id"], attempt=1,
+    )  # fmt: skip
+    ddpq_state.use(lib_session)
     naive = sqlite3.connect(cfg["naive_path"]) if rank == 0 else None
     if naive is not None:
         naive.execute("CREATE TABLE IF NOT EXISTS m (name TEXT, step INT, value REAL)")
@@ -101,6 +114,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
         mlflow.start_run()
     report_ns: list[int] = []
     ctx_report_ns: list[int] = []
+    lib_report_ns: list[int] = []
     step = 0
 
     def train_step() -> torch.Tensor:
@@ -126,6 +140,12 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
         train_ctx.report(step, 0, loss=loss)  # flushes (no collective) when due: timed too
         ctx_report_ns.append(time.perf_counter_ns() - t0)
 
+    def run_lib() -> None:
+        loss = train_step()
+        t0 = time.perf_counter_ns()
+        ddpq.report(step, epoch=0, loss=loss)  # flushes (no collective) when due: timed too
+        lib_report_ns.append(time.perf_counter_ns() - t0)
+
     def run_naive() -> None:
         loss = train_step()
         if naive is not None:
@@ -144,6 +164,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
         "none": train_step,
         "ddpq": run_ddpq,
         "ddpq_ctx": run_ctx,
+        "ddpq_lib": run_lib,
         "naive": run_naive,
     }
     if cfg["mlflow"]:
@@ -160,6 +181,8 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
             sink.flush()  # the segment's tail: its cost belongs to ddpq
         if name == "ddpq_ctx":
             train_ctx.flush()
+        if name == "ddpq_lib":
+            lib_session.flush()
         if name == "mlflow_async" and mlflow is not None:
             mlflow.flush_async_logging()
 
@@ -168,6 +191,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     )
     sink.close()
     ctx_sink.close()
+    lib_sink.close()
     if mlflow is not None:
         mlflow.end_run()
     if rank == 0:
@@ -177,6 +201,8 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
             "ctx_report_ns": ctx_report_ns,
             "written": getattr(sink, "written", None),
             "ctx_written": getattr(ctx_sink, "written", None),
+            "lib_report_ns": lib_report_ns,
+            "lib_written": getattr(lib_sink, "written", None),
         }
         Path(cfg["out"]).write_text(json.dumps(out))
     dist.barrier()  # tear down together (rank 1 once aborted in teardown while rank 0 closed)
@@ -196,8 +222,12 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))
     url = sqlite_url(tmp)
     db = migrated(url)
-    job_id, ctx_job_id = active_jobs(db, 2)
-    tokens = attempt_token(db, job_id), attempt_token(db, ctx_job_id)
+    job_id, ctx_job_id, lib_job_id = active_jobs(db, 3)
+    tokens = (
+        attempt_token(db, job_id),
+        attempt_token(db, ctx_job_id),
+        attempt_token(db, lib_job_id),
+    )
     db.dispose()
     use_mlflow = (import_mlflow() is not None) if mlflow is None else mlflow
     cfg = {
@@ -206,6 +236,8 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
         "ctx_job_id": ctx_job_id,
         "token": tokens[0],
         "ctx_token": tokens[1],
+        "lib_job_id": lib_job_id,
+        "lib_token": tokens[2],
         "naive_path": str(tmp / "naive.db"),
         "mlflow": use_mlflow,
         "mlflow_uri": f"sqlite:///{tmp / 'mlflow.db'}",
@@ -226,6 +258,8 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
     p99_us = percentile(data["report_ns"], 99) / 1000
     ctx_p99_us = percentile(data["ctx_report_ns"], 99) / 1000
     ctx_paired = [d / n for d, n in zip(rates["ddpq_ctx"], rates["none"], strict=True)]
+    lib_paired = [d / n for d, n in zip(rates["ddpq_lib"], rates["none"], strict=True)]
+    lib_p99_us = percentile(data["lib_report_ns"], 99) / 1000
     res.figures = {
         "steps_per_rep": steps,
         "reps": reps,
@@ -236,11 +270,15 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
         "ctx_report_call_p50_us": round(percentile(data["ctx_report_ns"], 50) / 1000, 2),
         "ctx_report_call_p99_us": round(ctx_p99_us, 2),
         "ctx_points_written": data["ctx_written"],
+        "lib_report_call_p50_us": round(percentile(data["lib_report_ns"], 50) / 1000, 2),
+        "lib_report_call_p99_us": round(lib_p99_us, 2),
+        "lib_points_written": data["lib_written"],
         "mlflow": use_mlflow,
     }
     res.ratios = {
         "ddpq_vs_none": round(median(paired), 4),
         "ddpq_ctx_vs_none": round(median(ctx_paired), 4),
+        "ddpq_lib_vs_none": round(median(lib_paired), 4),
         "naive_vs_none": ratio(med["naive"], med["none"]),
         "mlflow_sync_vs_none": ratio(med.get("mlflow_sync"), med["none"]),
         "mlflow_async_vs_none": ratio(med.get("mlflow_async"), med["none"]),
@@ -249,6 +287,7 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
         "ddpq_vs_none>=0.99": median(paired) >= STEPS_RATIO_GOAL,
         "report_p99<=20us": p99_us <= REPORT_P99_GOAL_US,
         "ctx_report_p99<=20us": ctx_p99_us <= REPORT_P99_GOAL_US,
+        "ddpq_lib_vs_none>=0.99": median(lib_paired) >= STEPS_RATIO_GOAL,
     }
     if not use_mlflow:
         res.notes.append("MLflow anchors not measured: mlflow not importable")
@@ -258,7 +297,8 @@ def run(size: str, *, workdir: Path | None = None, mlflow: bool | None = None) -
         "FLUSH_EVERY_POINTS reports (the trainer's count rule; its 2 s time rule not used); "
         "report_call = the Trainer's sink.report (flush not timed); ctx_report_call = a "
         "custom entrypoint's ctx.report(step, 0, loss=loss) into its own job (ddpq_ctx; "
-        "the call that flushes is timed too)"
+        "the call that flushes is timed too); lib_report_call = a script's "
+        "ddpq.report(step, epoch=0, loss=loss) through the process's session (ddpq_lib)"
     )
     return res
 

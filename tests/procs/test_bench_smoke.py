@@ -38,6 +38,7 @@ def test_reporting_tiny(tmp_path: Path) -> None:
     # Every report()ed point reached the database (steps × reps on rank 0).
     assert fig["points_written"] == fig["steps_per_rep"] * fig["reps"], fig
     assert fig["report_call_p99_us"] > 0
+    assert fig["lib_points_written"] == fig["steps_per_rep"] * fig["reps"], "ddpq.report's too"
 
 
 @pytest.mark.slow
@@ -114,3 +115,15 @@ def test_workspace_tiny(tmp_path: Path) -> None:
     # Correctness, not timing: a fresh tree sends every byte, an unchanged one none.
     assert all(u["sent_bytes"] == fig["tree"]["bytes"] for u in fig["upload"]), fig["upload"]
     assert fig["resubmit_sent_bytes_max"] == 0, fig["resubmit"]
+
+
+@pytest.mark.slow
+def test_followed_tiny(tmp_path: Path) -> None:
+    from bench import followed
+
+    res = followed.run("tiny", workdir=tmp_path)
+    _measured(res, "followed_vs_plain_epoch_s")
+    # Correctness, not timing: a followed run records each snapshot version, a plain run none.
+    fig = res.figures
+    assert fig["checkpoints_per_run"]["plain"] == [0], fig
+    assert fig["checkpoints_per_run"]["followed"] == [fig["epochs"]], fig

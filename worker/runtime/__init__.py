@@ -1,1 +1,2 @@
-"""Code that runs inside every rank: dist init, trainer loop, metrics sink, checkpoints, signals."""
+"""Code that runs inside every rank: dist init, trainer loop, the rank's session (metrics sink,
+checkpoints, stop vote), signals."""

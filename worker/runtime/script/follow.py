@@ -8,6 +8,11 @@
   metric points (tag → name, global_step → step) through the rank's metrics writer, read as
   the event files grow (``worker.runtime.script.tensorboard``).
 
+A version that completes once a stop was asked for (cancel, preemption, shutdown) is held
+until the script has ended: a script killed by the signal may have been cut off in the middle
+of writing it (the kernel closes its files either way), so it is uploaded only when the script
+exited on its own.
+
 The follower polls every ``POLL_S`` seconds on a thread of its own, beside the script, so it
 never slows the script but by the copy of a new checkpoint version. A followed checkpoint's
 step is the newest scalar step seen when its version completed, or one more than the previous
@@ -97,7 +102,8 @@ class ScriptFollower:
         stop: StopFlag,
         restored_step: int | None = None,
     ) -> None:
-        self._root = root
+        self._root, self._stop = root, stop
+        self._held: list[Path] = []  # versions completed after a stop was asked for
         self._last_step = 0  # the newest scalar step seen
         self._checkpoint_step = restored_step or 0
         self._sink: Sink | None = None
@@ -144,11 +150,20 @@ class ScriptFollower:
         version's step counts the epoch it ends)."""
         if self._scalars is not None:
             self._take_scalars(self._scalars.poll())
-        if self._files is not None and self._checkpointer is not None:
-            for path in self._files.completed():
-                step = max(self._last_step, self._checkpoint_step + 1)
-                self._checkpoint_step = step
-                self._checkpointer.save_file(step, 0, path, relative_name(self._root, path))
+        if self._files is not None:
+            completed = self._files.completed()
+            if self._stop.is_set():
+                self._held += [p for p in completed if p not in self._held]
+            else:
+                self._save(completed)
+
+    def _save(self, paths: list[Path]) -> None:
+        if self._checkpointer is None:
+            return
+        for path in paths:
+            step = max(self._last_step, self._checkpoint_step + 1)
+            self._checkpoint_step = step
+            self._checkpointer.save_file(step, 0, path, relative_name(self._root, path))
 
     def _take_scalars(self, scalars: list[Scalar]) -> None:
         sink, facts = self._sink, self._facts
@@ -170,9 +185,15 @@ class ScriptFollower:
             self._last_step = max(self._last_step, s.step)
         sink.flush(Progress(self._last_step, None, None, None, None), average=False)
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None) -> None:
         """Stop polling, take what the script left (a last poll), write the points and wait
-        for the checkpoint copies and uploads in flight (bounded as at a rank's end)."""
+        for the checkpoint copies and uploads in flight (bounded as at a rank's end).
+
+        Args:
+            exit_code: how the script ended (negative: the signal that killed it; None: it
+                did not start). Versions held since a stop are uploaded only when the script
+                exited on its own (``exit_code`` ≥ 0).
+        """
         if not self.active:
             return
         self._done.set()
@@ -180,6 +201,15 @@ class ScriptFollower:
             self._thread.join()
         try:
             self.poll()
+            if self._held and exit_code is not None and exit_code >= 0:
+                self._save(self._held)
+            elif self._held:
+                names = ", ".join(relative_name(self._root, p) for p in self._held)
+                log.warning(
+                    "not uploaded: %s, written while the script was being stopped and then "
+                    "killed (it may be cut short); the previous version stays the newest",
+                    names,
+                )
         except Exception:
             log.exception("following the script's files (last look)")
         if self._files is not None:

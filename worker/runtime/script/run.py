@@ -42,7 +42,6 @@ from worker.attempt import (
     write_result,
 )
 from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.script import follow
 from worker.runtime.script.workspace import materialize
 from worker.runtime.signals import StopFlag
 from worker.runtime.topology import RankEnv
@@ -121,24 +120,30 @@ def run_command(
         ScriptFailedError: the script exited non-zero (or was killed) without a stop signal.
     """
     assert spec.command is not None, "run_command is for command jobs"
-    restore = functools.partial(follow.restore, spec, api, artifact_dir, env.job_id, env.attempt)
-    root = materialize(api, artifact_dir, env.job_id, env.attempt, then=restore)
+    child_env = dict(os.environ)
+    follower = None
+    if spec.checkpoints is None and spec.metrics is None:
+        root = materialize(api, artifact_dir, env.job_id, env.attempt)
+    else:  # the script's own files to follow (imported only for such jobs)
+        from worker.runtime.script import follow
+
+        restore = functools.partial(
+            follow.restore, spec, api, artifact_dir, env.job_id, env.attempt
+        )
+        root = materialize(api, artifact_dir, env.job_id, env.attempt, then=restore)
+        restored = follow.restored_step(artifact_dir, env.job_id, env.attempt)
+        if restored is not None:
+            child_env[RESUMED_FROM_STEP] = str(restored)
+        if env.rank == 0:
+            follower = follow.ScriptFollower(spec, env, artifact_dir, root, stop, restored)
     # DDPQ_CHECKPOINT_DIR: the job's directory on this host, kept across its attempts here.
     checkpoint_dir(artifact_dir, env.job_id).mkdir(parents=True, exist_ok=True)
     log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
-    child_env = dict(os.environ)
-    restored = follow.restored_step(artifact_dir, env.job_id, env.attempt)
-    if restored is not None:
-        child_env[RESUMED_FROM_STEP] = str(restored)
-    follower = (
-        follow.ScriptFollower(spec, env, artifact_dir, root, stop, restored)
-        if env.rank == 0
-        else None
-    )
     sys.stdout.flush()
     sys.stderr.flush()
     start = log_path.stat().st_size if log_path.exists() else 0
     log.info("running python %s in %s", " ".join(spec.command), root)
+    code: int | None = None
     try:
         if follower is not None:
             follower.start()
@@ -148,7 +153,7 @@ def run_command(
         code = _wait(child, stop)
     finally:
         if follower is not None:
-            follower.close()
+            follower.close(code)
     if stop.is_set() and stop.signum is not None:
         log.warning("stopped (%s); the script exited with %s", stop.reason, code)
         return 128 + stop.signum

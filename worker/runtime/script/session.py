@@ -92,8 +92,7 @@ class ScriptSession(RankSession):
     def finish(self) -> None:
         """At the script's exit: write what was reported and wait for the checkpoint in flight
         and its upload (bounded as at a rank's end). Never raises."""
-        for step in (functools.partial(self.sink.flush, average=False), self.sink.close,
-                     self.checkpointer.close):  # fmt: skip
+        for step in (self.flush, self.sink.close, self.checkpointer.close):
             try:
                 step()
             except Exception:
