@@ -32,7 +32,9 @@ def is_glob(path: str) -> bool:
     return any(ch in GLOB_CHARS for ch in path)
 
 
-WorkspacePath = Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_workspace_path)]
+WorkspacePath = Annotated[
+    str, Field(min_length=1, max_length=1024), AfterValidator(_workspace_path)
+]
 
 
 class FollowedCheckpoints(BaseModel):
