@@ -160,6 +160,12 @@ class CheckpointOut(_Out):
     store: str = Field(
         default="filesystem", description="Where the bytes are: 'filesystem' or 'database'."
     )
+    file_name: str | None = Field(
+        default=None,
+        description="A followed checkpoint's file in the command job's workspace (its "
+        "checkpoints.path, e.g. 'snapshot.pt'), put back there before the next attempt; null "
+        "for a checkpoint ddpq wrote itself.",
+    )
 
 
 class CheckpointListOut(_Out):
@@ -331,6 +337,7 @@ def checkpoint_out(ckpt: CheckpointInfo, artifact_dir: Path | None = None) -> Ch
         created_at=ckpt.created_at,
         path=path,
         store=ckpt.store,
+        file_name=ckpt.file_name,
     )
 
 

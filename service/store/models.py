@@ -267,7 +267,9 @@ class Checkpoint(Base):
     ``location`` where in it (a path relative to the artifact root; an upload id); ``path``
     is the file's name under an artifact root (``jobs/<id>/checkpoints/step-<step>.pt``, or
     where a rank sharing the API's filesystem recorded it). ``resumed_by_attempt`` is the last
-    attempt that downloaded it to resume (retention keeps it for that attempt)."""
+    attempt that downloaded it to resume (retention keeps it for that attempt). ``file_name``
+    is the workspace file a followed checkpoint is a version of (a command job's
+    ``checkpoints.path``, put back there before the next attempt); None for ddpq's own."""
 
     __tablename__ = "checkpoints"
 
@@ -287,6 +289,7 @@ class Checkpoint(Base):
     location: Mapped[str] = mapped_column(Text, default="", server_default="")
     committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     resumed_by_attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    file_name: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (UniqueConstraint("job_id", "step"),)
 
@@ -294,7 +297,8 @@ class Checkpoint(Base):
 class CheckpointUpload(Base):
     """A checkpoint file on its way from rank 0 to a store, chunk by chunk: ``received_bytes``
     of ``size_bytes`` have arrived. ``state``: ``receiving`` → ``committed`` (its checkpoints
-    row written) or ``abandoned`` (superseded, corrupt, stale; its bytes discarded)."""
+    row written) or ``abandoned`` (superseded, corrupt, stale; its bytes discarded).
+    ``file_name``: the checkpoint's (``Checkpoint.file_name``), written to its row at commit."""
 
     __tablename__ = "checkpoint_uploads"
 
@@ -310,6 +314,7 @@ class CheckpointUpload(Base):
     store: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    file_name: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (Index("ix_checkpoint_uploads_job_id_state", "job_id", "state"),)
 

@@ -203,8 +203,9 @@ def test_checkpoints_list_and_download(api: TestClient, db: Database, settings: 
     assert [c["step"] for c in listed] == [20, 10]
     assert set(listed[0]) == {
         "step", "epoch", "epoch_number", "attempt", "size_bytes", "sha256", "created_at", "path",
-        "store",
+        "store", "file_name",
     }  # fmt: skip
+    assert listed[0]["file_name"] is None, "ddpq's own checkpoint: no workspace file"
     assert [c["path"] for c in listed] == [
         f"jobs/{job_id}/checkpoints/step-20.pt",
         f"jobs/{job_id}/checkpoints/step-10.pt",

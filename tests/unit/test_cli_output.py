@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from service.api.schemas import progress_out
+from service.cli.job_data import checkpoints_table
 from service.cli.output import (
     epoch_number,
     field_error_lines,
@@ -168,3 +169,11 @@ def test_the_cli_shows_the_apis_epoch_number_not_its_own_arithmetic() -> None:
     assert epoch_number({"epoch": 4, "epoch_number": 5}) == 5
     assert epoch_number({"epoch": 4}) == 5, "an older server: only the 0-based epoch"
     assert epoch_number({"epoch": None}) is None
+
+
+def test_the_checkpoints_table_names_a_followed_checkpoints_file_only_when_there_is_one() -> None:
+    base = {"step": 10, "epoch": 0, "epoch_number": 1, "attempt": 1, "size_bytes": 1000,
+            "sha256": "a" * 64, "created_at": NOW.isoformat(), "store": "filesystem"}  # fmt: skip
+    followed = render(checkpoints_table(3, [base | {"file_name": "ckpt/e1.pt"}, base]), 120)
+    assert "file" in followed.splitlines()[2] and "ckpt/e1.pt" in followed
+    assert "file" not in render(checkpoints_table(3, [base]), 120).splitlines()[2]

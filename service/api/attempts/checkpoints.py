@@ -32,6 +32,7 @@ def checkpoint_entry(info: CheckpointInfo) -> wire.CheckpointEntry:
         path=info.path,
         size_bytes=info.size_bytes,
         sha256=info.sha256,
+        file_name=info.file_name,
     )
 
 
@@ -65,9 +66,10 @@ def record_checkpoint_route(
     """Record a checkpoint file rank 0 wrote and verified into the API's own artifact
     directory (a rank that shares the API's filesystem; others upload), then apply
     retention (the server deletes what it lets go). A re-record of a step replaces it.
-    ``path`` must resolve inside this job's artifact directory. The server reads the file
-    first: one it cannot verify (missing, another size or sha256, no shared filesystem
-    store) is refused and noted as a failed save in the job's events.
+    ``path`` must resolve inside this job's artifact directory; ``file_name`` (a followed
+    checkpoint's workspace file) is kept with the row. The server reads the file first: one
+    it cannot verify (missing, another size or sha256, no shared filesystem store) is
+    refused and noted as a failed save in the job's events.
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
     superseded`` when the attempt is not current (nothing recorded), 422 for a file the
@@ -86,6 +88,7 @@ def record_checkpoint_route(
         sha256=record.sha256,
         artifact_root=settings.resolved_artifact_dir,
         store_kind=settings.checkpoint_store,
+        file_name=record.file_name,
     )
     return checkpoint_entry(info)
 

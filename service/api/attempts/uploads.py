@@ -96,7 +96,8 @@ async def begin_upload_route(
 ) -> Response:
     """Begin the upload of a checkpoint file rank 0 wrote: 201 with its status, or 200 with
     the same upload when this attempt began ``(step, sha256)`` before (resume at
-    ``received_bytes``). Older pending uploads of the job are abandoned.
+    ``received_bytes``). Older pending uploads of the job are abandoned. ``file_name`` (a
+    followed checkpoint's workspace file) goes to the checkpoint's row at the commit.
 
     Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
     the attempt is not current; 413 when the store caps files below ``size_bytes``.
@@ -113,6 +114,7 @@ async def begin_upload_route(
             sha256=start.sha256,
             store_name=settings.checkpoint_store,
             chunk_bytes=settings.checkpoint_chunk_bytes,
+            file_name=start.file_name,
         )
     )
     return _status_json(begun.status, 201 if begun.created else 200)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.core.limits import MAX_PATH_BYTES
 
@@ -56,6 +56,24 @@ MAX_STEP = 2**53 - 1
 MAX_EPOCH = 2**31 - 1
 MAX_SIZE_BYTES = 2**63 - 1
 Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+
+
+def _checked_file_name(name: str) -> str:
+    # Imported here: service.core.wire.workspace imports this module at its top.
+    from service.core.wire.workspace import path_problem
+
+    problem = path_problem(name)
+    if problem is not None:
+        raise ValueError(f"file_name {name!r} is not a path inside the workspace: {problem}")
+    return name
+
+
+# A followed checkpoint's file, relative to the command job's workspace (``snapshot.pt``,
+# ``ckpt/epoch-3.pt``): where it is put back before the next attempt. None: a checkpoint of
+# ddpq's own (``jobs/<id>/checkpoints/step-<n>.pt``).
+FileName = Annotated[
+    str, Field(min_length=1, max_length=MAX_PATH_BYTES), AfterValidator(_checked_file_name)
+]
 
 
 def encode_value(value: float) -> float | str | None:
@@ -135,6 +153,8 @@ class CheckpointRecord(_Wire):
     # The written file before rank 0 renames it to ``path`` (it records first, so a fenced-off
     # attempt replaces no file); the server verifies this one. None: the file is at ``path``.
     staged_path: str | None = Field(default=None, min_length=1, max_length=MAX_PATH_BYTES)
+    # The workspace file this checkpoint is a version of (``FileName``); None for ddpq's own.
+    file_name: FileName | None = None
 
 
 class CheckpointFailure(_Wire):
@@ -154,7 +174,8 @@ class CheckpointDeletion(_Wire):
 
 
 class CheckpointEntry(_Wire):
-    """One committed checkpoint of the job (any attempt), for resume."""
+    """One committed checkpoint of the job (any attempt), for resume. ``file_name``: the
+    workspace file a followed checkpoint is a version of (None for ddpq's own)."""
 
     step: int
     epoch: int
@@ -162,6 +183,7 @@ class CheckpointEntry(_Wire):
     path: str
     size_bytes: int
     sha256: str
+    file_name: FileName | None = None
 
 
 class CheckpointList(_Wire):
@@ -263,6 +285,9 @@ class UploadStart(_Wire):
     # A checkpoint file is never empty (and an empty one would hold no chunk to store).
     size_bytes: int = Field(ge=1, le=MAX_SIZE_BYTES)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # The workspace file this checkpoint is a version of (``FileName``); None for ddpq's own.
+    # Kept with the upload and written to the checkpoint's row at the commit.
+    file_name: FileName | None = None
 
 
 class UploadStatus(_Wire):

@@ -28,9 +28,11 @@ def record_checkpoint(
     sha256: str,
     store: str = "filesystem",
     location: str | None = None,
+    file_name: str | None = None,
 ) -> Checkpoint:
     """Record a committed checkpoint of the current attempt; a re-record of the same step
-    replaces it. ``location`` (default: ``path``) is where ``store`` keeps the bytes.
+    replaces it. ``location`` (default: ``path``) is where ``store`` keeps the bytes;
+    ``file_name`` the workspace file a followed checkpoint is a version of (None: ddpq's own).
 
     Raises:
         StaleAttemptError / NotFoundError: the attempt is fenced off (see ``check_attempt``).
@@ -50,7 +52,7 @@ def record_checkpoint(
         path if location is None else location,
         now,
     )
-    ckpt.resumed_by_attempt = None
+    ckpt.resumed_by_attempt, ckpt.file_name = None, file_name
     session.flush()
     return ckpt
 

@@ -120,6 +120,7 @@ def record_and_retain(
     sha256: str,
     store: str,
     location: str,
+    file_name: str | None = None,
 ) -> tuple[Checkpoint, list[DoomedFile]]:
     """Write the checkpoint row of a complete, verified file (``crud.record_checkpoint``:
     fenced, a re-record of ``step`` replaces it), then apply retention: the one sequence
@@ -144,5 +145,6 @@ def record_and_retain(
         sha256=sha256,
         store=store,
         location=location,
+        file_name=file_name,
     )
     return ckpt, doomed + apply_retention(session, job_id)

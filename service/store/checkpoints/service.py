@@ -58,6 +58,7 @@ def checkpoint_info(ckpt: Checkpoint) -> CheckpointInfo:
         sha256=ckpt.sha256,
         store=ckpt.store,
         created_at=ckpt.created_at,
+        file_name=ckpt.file_name,
     )
 
 
@@ -151,6 +152,7 @@ def record_shared(
     sha256: str,
     artifact_root: Path,
     store_kind: str,
+    file_name: str | None = None,
 ) -> CheckpointInfo:
     """Record a checkpoint file rank 0 wrote into the API's own artifact directory (a rank
     sharing this filesystem), once the server verified it; then apply retention and delete
@@ -162,6 +164,8 @@ def record_shared(
         size_bytes, sha256: what the rank says the file holds (bytes, lowercase hex).
         artifact_root: the API's resolved artifact directory.
         store_kind: ``Settings.checkpoint_store``; only ``filesystem`` accepts a record.
+        file_name: the workspace file a followed checkpoint is a version of (checked by the
+            wire model); None for ddpq's own.
     Raises:
         CheckpointInputError: the file cannot be verified (422; the job got a "checkpoint at
             step N not written: …" event first), or ``path`` lies outside the job's
@@ -200,6 +204,7 @@ def record_shared(
             sha256=sha256,
             store="filesystem",
             location=location,
+            file_name=file_name,
         )
 
     return _record(db, stores, write)

@@ -36,10 +36,12 @@ def begin_upload(
     sha256: str,
     store_name: str,
     chunk_bytes: int,
+    file_name: str | None = None,
 ) -> UploadBegun:
     """Begin the upload of a checkpoint file into store ``store_name``, or find the one this
-    attempt began for ``(step, sha256)`` (resume it). Older pending uploads of the job are
-    abandoned and their bytes dropped.
+    attempt began for ``(step, sha256, file_name)`` (resume it). Older pending uploads of the
+    job are abandoned and their bytes dropped. ``file_name``: the workspace file a followed
+    checkpoint is a version of (its row gets it at the commit); None for ddpq's own.
 
     Raises:
         CheckpointTooLargeError: the store caps files below ``size_bytes`` (413).
@@ -56,7 +58,7 @@ def begin_upload(
     with superseded_on_fence(), db.session() as session:
         upload, created, discards = uploads.begin_upload(
             session, ref.job_id, ref.attempt, step=step, epoch=epoch, size_bytes=size_bytes,
-            sha256=sha256, store=store.name,
+            sha256=sha256, store=store.name, file_name=file_name,
         )  # fmt: skip
         key = uploads.upload_key(upload)
         if not created:

@@ -71,13 +71,17 @@ def begin_upload(
     size_bytes: int,
     sha256: str,
     store: str,
+    file_name: str | None = None,
 ) -> tuple[CheckpointUpload, bool, list[PendingDiscard]]:
-    """Begin (or find again) the upload of one checkpoint file of the current attempt.
+    """Begin (or find again) the upload of one checkpoint file of the current attempt
+    (``file_name``: the workspace file a followed checkpoint is a version of, kept for the
+    commit).
 
-    The same ``(attempt, step, sha256)`` begun before and not abandoned is returned as it is
-    (an interrupted upload resumes at its ``received_bytes``). Otherwise a new upload starts,
-    and the job's other receiving uploads of an older step (or of the same step with other
-    bytes, or of an earlier attempt) are abandoned: only the newest checkpoint needs to go.
+    The same ``(attempt, step, sha256, file_name)`` begun before and not abandoned is
+    returned as it is (an interrupted upload resumes at its ``received_bytes``). Otherwise a
+    new upload starts, and the job's other receiving uploads of an older step (or of the same
+    step with other bytes, or of an earlier attempt) are abandoned: only the newest
+    checkpoint needs to go.
 
     Returns:
         ``(upload, created, discards)``: drop the ``discards``' bytes after commit.
@@ -92,6 +96,7 @@ def begin_upload(
             CheckpointUpload.attempt == attempt,
             CheckpointUpload.step == step,
             CheckpointUpload.sha256 == sha256,
+            CheckpointUpload.file_name.is_not_distinct_from(file_name),
             CheckpointUpload.state != ABANDONED,
         )
         .order_by(CheckpointUpload.id.desc())
@@ -123,6 +128,7 @@ def begin_upload(
         store=store,
         created_at=now,
         updated_at=now,
+        file_name=file_name,
     )
     session.add(upload)
     session.flush()
@@ -273,6 +279,7 @@ def commit_upload(
         sha256=upload.sha256,
         store=upload.store,
         location=location,
+        file_name=upload.file_name,
     )
 
 

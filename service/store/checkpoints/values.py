@@ -13,8 +13,9 @@ from service.store.checkpoints.backends.base import UploadKey
 class CheckpointInfo:
     """A committed checkpoint: ``step`` (global step), ``epoch`` (0-based), the ``attempt``
     that wrote it, ``path`` as stored (absolute, or relative to the artifact root),
-    ``size_bytes``, ``sha256`` (hex), the ``store`` holding its bytes and when it was
-    recorded (``created_at``, tz-aware UTC)."""
+    ``size_bytes``, ``sha256`` (hex), the ``store`` holding its bytes, when it was
+    recorded (``created_at``, tz-aware UTC) and, for a followed checkpoint, the workspace
+    ``file_name`` it is a version of (None for ddpq's own)."""
 
     step: int
     epoch: int
@@ -24,6 +25,7 @@ class CheckpointInfo:
     sha256: str
     store: str
     created_at: datetime
+    file_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

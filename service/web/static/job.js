@@ -225,7 +225,7 @@
                 href: d.API + "/" + base + "/checkpoints/" + c.step + "/file",
                 download: "job-" + jobId + "-step-" + c.step + ".pt",
               },
-              "download",
+              c.file_name ? "download " + c.file_name : "download",
             ),
           ),
         ),

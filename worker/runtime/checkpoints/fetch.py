@@ -133,7 +133,7 @@ def fetch_file(
             tmp.unlink()
 
 
-def _list_checkpoints(client: AttemptClient) -> list[wire.CheckpointEntry]:
+def read_checkpoint_list(client: AttemptClient) -> list[wire.CheckpointEntry]:
     """The job's checkpoint list, retried with backoff (and ``Retry-After``) for up to
     ``RESUME_LIST_WAIT_S`` while the API is unavailable: a rank may start during an outage."""
     deadline_s = time.monotonic() + RESUME_LIST_WAIT_S
@@ -224,24 +224,35 @@ def find_resume_checkpoint(
     client: AttemptClient, artifact_dir: Path, job_id: int, attempt: int = 0,
     *, attempt_self: wire.AttemptSelf | None = None,
 ) -> int | None:  # fmt: skip
-    """The step of the newest committed checkpoint that is (or could be brought) on this host
-    intact, from ``GET /attempts/self/checkpoints``. One whose bytes are damaged at the source
-    (the download does not verify) or gone (404) is recorded deleted so nothing picks it
-    again (best effort); one that could not be fetched (the API unavailable, a link cut too
-    often) is only skipped: its stored copy may be fine.
+    """The step of the newest committed checkpoint of ddpq's own (a followed file's is put
+    back by ``restore_followed``) that is, or could be brought, on this host intact
+    (``first_usable_checkpoint``); None when there is nothing to resume from.
+    ``attempt_self``: ``GET /attempts/self`` if read already (for ``shares_api_store``).
 
-    Args:
-        attempt_self: ``GET /attempts/self`` if read already (for ``shares_api_store``).
-    Returns:
-        The step, or None when there is nothing to resume from.
     Raises:
         StaleAttemptError: the attempt is fenced off.
         ApiUnavailableError: the list could not be read within ``RESUME_LIST_WAIT_S``
             (starting from nothing instead would redo finished steps: the rank fails).
     """
+    entries = [e for e in read_checkpoint_list(client) if e.file_name is None]
+    chosen = first_usable_checkpoint(
+        client, entries, artifact_dir, job_id, attempt, attempt_self=attempt_self
+    )
+    return None if chosen is None else chosen.step
+
+
+def first_usable_checkpoint(
+    client: AttemptClient, entries: list[wire.CheckpointEntry], artifact_dir: Path, job_id: int,
+    attempt: int, *, attempt_self: wire.AttemptSelf | None = None,
+) -> wire.CheckpointEntry | None:  # fmt: skip
+    """The first of ``entries`` (newest first) whose file is, or could be brought, on this
+    host intact (``ensure_local``); None when none could be had. One whose bytes are damaged
+    at the source (the download does not verify) or gone (404) is recorded deleted so nothing
+    picks it again (best effort); one that could not be fetched (the API unavailable, a link
+    cut too often) is only skipped: its stored copy may be fine. Raises StaleAttemptError
+    when the attempt is fenced off."""
     bad: list[int] = []
-    chosen: int | None = None
-    entries = _list_checkpoints(client)
+    chosen: wire.CheckpointEntry | None = None
     shared = bool(entries) and shares_api_store(client, artifact_dir, attempt_self)
     for entry in entries:
         try:
@@ -250,13 +261,12 @@ def find_resume_checkpoint(
             log.warning("checkpoint step=%d unusable, trying the previous one: %s", entry.step,
                         exc)  # fmt: skip
             bad.append(entry.step)
-            continue
         except (CheckpointFetchError, ApiUnavailableError) as exc:
             log.warning("checkpoint step=%d could not be fetched, trying the previous one: %s",
                         entry.step, exc)  # fmt: skip
-            continue
-        chosen = entry.step
-        break
+        else:
+            chosen = entry
+            break
     if bad:
         try:
             client.record_deletions(bad)
@@ -374,7 +384,7 @@ def _fetch_on_this_node(
         raise ValueError("the first rank of every node needs an AttemptClient")
     try:
         if code > 0:
-            entries = {e.step: e for e in _list_checkpoints(client)}
+            entries = {e.step: e for e in read_checkpoint_list(client)}
             if code not in entries:
                 raise CheckpointFetchError(f"checkpoint step {code} is no longer listed")
             ensure_local(client, entries[code], artifact_dir, job_id, attempt)

@@ -1,11 +1,13 @@
-"""Checkpoint files: the atomic write (temp file, fsync, rename), their sha256, and loading
-one back. No API calls here: ``worker.runtime.checkpoints.saver`` records, uploads and rotates."""
+"""Checkpoint files: the atomic write (temp file, fsync, rename), a consistent copy of a file
+another process writes (a followed checkpoint), their sha256, and loading one back. No API
+calls here: ``worker.runtime.checkpoints.saver`` records, uploads and rotates."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 
 from service.core import artifacts
 from service.core.errors import DdpqError
+from worker.runtime.checkpoints.leases import release_lease, take_read_lease
 
 _READ_CHUNK_BYTES = 1 << 20
 
@@ -75,6 +78,89 @@ def write_temp_checkpoint(state: dict[str, Any], final_path: Path) -> tuple[Path
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise CheckpointWriteError(describe_write_error(exc)) from exc
+
+
+def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> tuple[int, str]:
+    """Copy the regular file ``source`` to ``dest`` (created or truncated) while hashing it,
+    and fsync ``dest``: one version of ``source``, though another process may write it.
+
+    While the copy runs a read lease is held on ``source`` where the kernel grants one
+    (``worker.runtime.checkpoints.leases``): a writer's ``open`` waits until the copy is done,
+    so the bytes cannot change under it. Without a lease, a change of size or mtime during the
+    copy is caught instead.
+
+    Args:
+        follow_symlinks: False (a followed file of the user's): ``source`` itself must not be
+            a symbolic link.
+    Returns:
+        ``(size_bytes, sha256)`` of the copy.
+    Raises:
+        CheckpointWriteError: ``source`` is gone, not a regular file, open for writing by
+            another process, or changed during the copy; or ``dest`` could not be written.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(source, flags | os.O_NONBLOCK)  # O_NONBLOCK: a fifo does not hang us
+    except FileNotFoundError:
+        raise CheckpointWriteError(f"{source} vanished before it was copied") from None
+    except OSError as exc:
+        reason = describe_write_error(exc)  # ELOOP: a symbolic link
+        raise CheckpointWriteError(f"{source} cannot be read: {reason}") from None
+    with open(fd, "rb") as src:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise CheckpointWriteError(f"{source} is not a regular file")
+        leased = take_read_lease(fd)
+        if leased is False:
+            raise CheckpointWriteError(
+                f"{source} is open for writing by another process (a newer version is on its way)"
+            )
+        digest, size_bytes = hashlib.sha256(), 0
+        try:
+            with open(dest, "wb") as out:
+                while chunk := src.read(_READ_CHUNK_BYTES):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    size_bytes += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            after = os.fstat(fd)
+        except OSError as exc:
+            raise CheckpointWriteError(describe_write_error(exc)) from exc
+        finally:
+            if leased:
+                release_lease(fd)
+    if size_bytes != before.st_size or (after.st_size, after.st_mtime_ns) != (
+        before.st_size,
+        before.st_mtime_ns,
+    ):
+        raise CheckpointWriteError(
+            f"{source} changed while it was copied ({before.st_size} bytes at the start, "
+            f"{size_bytes} copied, {after.st_size} at the end)"
+        )
+    return size_bytes, digest.hexdigest()
+
+
+def write_temp_copy(source: Path, final_path: Path) -> tuple[Path, int, str]:
+    """Copy the followed file ``source`` to a temp file next to ``final_path``, hashed and
+    fsynced (``copy_hashed``): what ``write_temp_checkpoint`` is for a state dict.
+
+    Returns:
+        ``(temp_path, size_bytes, sha256)``; rename it to ``final_path`` to publish it.
+    Raises:
+        CheckpointWriteError: see ``copy_hashed``; no temp file is left.
+    """
+    tmp = artifacts.temporary_path(final_path)
+    try:
+        final_path.parent.mkdir(parents=True, exist_ok=True)
+        size_bytes, sha256 = copy_hashed(source, tmp)
+    except (OSError, CheckpointWriteError) as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, CheckpointWriteError):
+            raise
+        raise CheckpointWriteError(describe_write_error(exc)) from exc
+    return tmp, size_bytes, sha256
 
 
 def publish_checkpoint(tmp: Path, final_path: Path) -> None:

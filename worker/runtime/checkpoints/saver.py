@@ -11,7 +11,12 @@ writes a temp file in the checkpoint directory and fsyncs it
   into place, so a fenced-off attempt never replaces a file;
 - ``upload``: it renames the file into place (this host's copy) and hands it to the uploader
   thread (``worker.runtime.checkpoints.uploader``), which streams it to the API; the service
-  records it at the commit; the rank prunes the local copies the service no longer lists.
+  records it at the commit; the rank prunes the local copies the service no longer lists
+  (``worker.runtime.checkpoints.upload_transport``).
+
+A followed checkpoint (a command job's ``checkpoints.path``) goes the same way from its temp
+file on (``Checkpointer.save_file``): the file the script wrote is copied on the caller's
+thread (the script may overwrite it next), then recorded or uploaded with its ``file_name``.
 
 Retention is the service's either way: at every record or commit it keeps the newest
 ``training.keep_checkpoints`` (and the checkpoint the current attempt resumed from), marks the
@@ -41,18 +46,20 @@ from typing import Any, Protocol
 from service.core import artifacts
 from service.core.errors import StaleAttemptError
 from service.core.wire.attempt import AttemptSelf, CheckpointFailure, CheckpointRecord
-from worker.attempt import STOP_UPLOAD_S, stop_upload_marker
+from worker.attempt import STOP_UPLOAD_S
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.files import (
     CheckpointWriteError,
     describe_write_error,
     publish_checkpoint,
     write_temp_checkpoint,
+    write_temp_copy,
 )
-from worker.runtime.checkpoints.reports import note_nothing_to_train, note_upload_fallback
+from worker.runtime.checkpoints.reports import note_nothing_to_train
 from worker.runtime.checkpoints.snapshot import Snapshot, SnapshotPool
-from worker.runtime.checkpoints.transport import Transport, resolve_transport
-from worker.runtime.checkpoints.uploader import CheckpointUploader, UploadItem
+from worker.runtime.checkpoints.transport import Transport, TransportChoice
+from worker.runtime.checkpoints.upload_transport import UploadTransport
+from worker.runtime.checkpoints.uploader import UploadItem
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
@@ -84,6 +91,10 @@ class CheckpointSaver(Protocol):
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint ``build_state()`` at ``step``: the state is copied now, written later."""
 
+    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+        """Checkpoint the followed file ``source`` (its workspace-relative name
+        ``file_name``) at ``step``: copied now, recorded or uploaded later."""
+
     def should_stop(self) -> bool:
         """True when writes were fenced off (the attempt is stale)."""
         ...
@@ -107,6 +118,9 @@ class NullCheckpointer:
 
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint ``build_state()`` at ``step`` (rank 0 only; no-op here)."""
+
+    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+        """Checkpoint the followed file ``source`` (rank 0 only; no-op here)."""
 
     def should_stop(self) -> bool:
         """True when writes were fenced off (the attempt is stale)."""
@@ -164,12 +178,12 @@ class Checkpointer(NullCheckpointer):
         self.last_saved = None
         # Steps whose file could not be written (or uploaded), with the reason (newest last).
         self.failed: list[tuple[int, str]] = []
-        self._transport_setting = transport
-        self.transport: Transport | None = None
-        if transport == "upload" or attempt_self is not None:  # else: asked at the first save
-            store_id = attempt_self.store_id if attempt_self is not None else None
-            self.transport = self._decide_transport(store_id)
-        self._uploader: CheckpointUploader | None = None
+        self._transport = TransportChoice(client, artifact_dir, transport, attempt_self)
+        self._uploads = UploadTransport(
+            client, artifact_dir, job_id, attempt, on_committed=self._uploaded,
+            on_failed=self._report_failure, on_stale=self._fenced,
+            keep_step=lambda: self.last_step,
+        )  # fmt: skip
         self._stopping, self._stop_upload_s = stopping, stop_upload_s
 
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
@@ -182,6 +196,29 @@ class Checkpointer(NullCheckpointer):
         snapshot = self._pool.snapshot(build_state())
         self.last_step = step
         self._future = self._executor.submit(self._write, step, epoch, snapshot)
+
+    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+        """Checkpoint a followed file: copy ``source`` now, on the caller's thread (the script
+        may overwrite it next), into the temp file of ``step``'s checkpoint while hashing it
+        and fsync it; then record or upload it in the background as ``save`` does, with
+        ``file_name`` (its workspace-relative name) on the record.
+
+        A source that vanished, is not a regular file (a symbolic link), is open for writing
+        by another process or changed during the copy is a failed save (logged, a job event,
+        ``failed``), not an exception. A second save of the same step is ignored.
+        """
+        if self._stale.is_set() or step == self.last_step:
+            return
+        self.last_step = step
+        path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
+        try:
+            tmp, size_bytes, sha256 = write_temp_copy(source, path)
+        except CheckpointWriteError as exc:
+            self._report_failure(step, str(exc))
+            return
+        self.wait()
+        written = UploadItem(step, epoch, path, size_bytes, sha256, file_name)
+        self._future = self._executor.submit(self._keep, written, tmp)
 
     def should_stop(self) -> bool:
         return self._stale.is_set()
@@ -196,8 +233,11 @@ class Checkpointer(NullCheckpointer):
         """
         try:
             self.wait()
-            if self._uploader is not None:
-                self._close_uploader(self._uploader)
+            self._uploads.close(
+                stopping=self._stopping(),
+                stop_upload_s=self._stop_upload_s,
+                step=self.last_step if self.last_step is not None else 0,
+            )
         finally:
             self._executor.shutdown(wait=True)
             self._pool.release()
@@ -210,31 +250,7 @@ class Checkpointer(NullCheckpointer):
         """Block until the write in flight and every upload are done (or ``timeout_s``
         seconds); True when nothing is left. Not for the training loop: it never waits."""
         self.wait()
-        return self._uploader is None or self._uploader.wait_idle(timeout_s)
-
-    def _close_uploader(self, uploader: CheckpointUploader) -> None:
-        """Wait for the uploads; after a stop signal at most ``stop_upload_s``, with the
-        marker file that tells the local launcher to hold its SIGKILL meanwhile."""
-        if self._stopping() and uploader.busy:
-            marker = stop_upload_marker(self._artifact_dir, self.job_id, self.attempt)
-            with contextlib.suppress(OSError):
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-            try:
-                if not uploader.wait_idle(self._stop_upload_s):
-                    step = self.last_step if self.last_step is not None else 0
-                    uploader.abandon()
-                    self._report_failure(
-                        step,
-                        f"upload of the stop checkpoint did not finish within "
-                        f"{self._stop_upload_s:g} s of the stop signal",
-                    )
-                    uploader.close(timeout_s=1.0)
-                    return
-            finally:
-                with contextlib.suppress(OSError):
-                    marker.unlink()
-        uploader.close()
+        return self._uploads.wait_idle(timeout_s)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is durable and recorded, or has failed."""
@@ -250,12 +266,19 @@ class Checkpointer(NullCheckpointer):
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
             return
-        if self._resolved_transport() == "upload":
-            self._publish_and_upload(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
+        self._keep(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
+
+    def _keep(self, written: UploadItem, tmp: Path) -> None:
+        """The written temp file ``tmp`` (durable, hashed) becomes the checkpoint ``written``:
+        recorded, then renamed into place (shared); or renamed, then uploaded (upload)."""
+        step, epoch, path = written.step, written.epoch, written.path
+        size_bytes, sha256 = written.size_bytes, written.sha256
+        if self._transport.resolved() == "upload":
+            self._uploads.publish_and_upload(written, tmp)
             return
         record = CheckpointRecord(
             step=step, epoch=epoch, path=str(path), size_bytes=size_bytes, sha256=sha256,
-            staged_path=str(tmp),
+            staged_path=str(tmp), file_name=written.file_name,
         )  # fmt: skip
         try:
             # Recorded first, published after: the fence decides before a file is replaced.
@@ -286,84 +309,24 @@ class Checkpointer(NullCheckpointer):
         self.last_saved = SavedCheckpoint(step, epoch, path, size_bytes, sha256)
         log.info("checkpoint step=%d written (%d bytes) to %s", step, size_bytes, path)
 
-    # -- the upload transport ------------------------------------------------------------------
-    def _resolved_transport(self) -> Transport:
-        """The transport, asking ``GET /attempts/self`` for the store id once (``auto``, and
-        ``shared``, which falls back to upload without the API's store id). While the API
-        cannot say, this save uploads (``shared``: records) and the next one asks again."""
-        if self.transport is not None:
-            return self.transport
-        try:
-            me = self._client.self_check()
-        except (ApiUnavailableError, AttemptRequestError) as exc:
-            fallback: Transport = "shared" if self._transport_setting == "shared" else "upload"
-            log.warning("checkpoint transport unknown (%s for this one): %s", fallback, exc)
-            return fallback
-        except StaleAttemptError:
-            # The record's or the upload's first call meets the fence and stops the rank.
-            return "shared" if self._transport_setting == "shared" else "upload"
-        self.transport = self._decide_transport(me.store_id)
-        return self.transport
-
-    def _decide_transport(self, store_id: str | None) -> Transport:
-        """``resolve_transport``; a ``shared`` setting that falls back to upload is told to
-        the job's events too, not only to this rank's log."""
-        transport = resolve_transport(self._transport_setting, self._artifact_dir, store_id)
-        if self._transport_setting == "shared" and transport == "upload":
-            note_upload_fallback(self._client)
-        return transport
+    @property
+    def transport(self) -> Transport | None:
+        """``shared`` or ``upload`` once decided (at start, or at the first save); None before."""
+        return self._transport.transport
 
     def note_nothing_to_train(self, step: int, total_steps: int) -> None:
         """Tell the job's events (best effort) that an ``init_from`` start left nothing to
         train."""
         note_nothing_to_train(self._client, step, total_steps)
 
-    def _publish_and_upload(self, item: UploadItem, tmp: Path) -> None:
-        """Publish the file locally (this host's copy, for a resume here), then hand it to the
-        uploader thread; this writer thread is free again at once."""
-        try:
-            publish_checkpoint(tmp, item.path)
-        except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            self._report_failure(item.step, describe_write_error(exc))
-            return
-        if self._uploader is None:
-            self._uploader = CheckpointUploader(
-                self._client,
-                on_committed=self._uploaded,
-                on_failed=self._report_failure,
-                on_stale=self._fenced,
-            )
-        log.info("checkpoint step=%d written (%d bytes) to %s; uploading", item.step,
-                 item.size_bytes, item.path)  # fmt: skip
-        self._uploader.submit(item)
-
     def _uploaded(self, item: UploadItem) -> None:
         self.last_saved = SavedCheckpoint(
             item.step, item.epoch, item.path, item.size_bytes, item.sha256
         )
-        self._prune_local()
 
     def _fenced(self, reason: str) -> None:
         log.warning("checkpoint upload fenced off, stopping: %s", reason)
         self._stale.set()
-
-    def _prune_local(self) -> None:
-        """Delete this host's checkpoint files the service no longer lists (its retention
-        decides), except those waiting to upload. Best effort."""
-        try:
-            live = {entry.step for entry in self._client.list_checkpoints()}
-        except (ApiUnavailableError, AttemptRequestError, StaleAttemptError) as exc:
-            log.warning("local checkpoint copies not pruned: %s", exc)
-            return
-        keep = live | ({self.last_step} if self.last_step is not None else set())
-        directory = artifacts.checkpoint_dir(self._artifact_dir, self.job_id)
-        for path in directory.glob(artifacts.CHECKPOINT_GLOB):
-            step = artifacts.parse_checkpoint_name(path.name)
-            if step is not None and step not in keep:
-                with contextlib.suppress(OSError):
-                    path.unlink()
 
     def _report_failure(self, step: int, reason: str) -> None:
         """Log it, note it as a job event, keep training (the next save tries again)."""

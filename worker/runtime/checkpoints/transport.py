@@ -15,7 +15,10 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from service.core.wire.attempt import STORE_ID_FILE
+from service.core.errors import StaleAttemptError
+from service.core.wire.attempt import STORE_ID_FILE, AttemptSelf
+from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
+from worker.runtime.checkpoints.reports import note_upload_fallback
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +73,48 @@ def shared_or_upload(artifact_dir: Path, store_id: str | None) -> Transport:
         artifact_dir / STORE_ID_FILE, store_id, local,
     )  # fmt: skip
     return "upload"
+
+
+class TransportChoice:
+    """One rank's transport, decided once from the API's store id: at start when
+    ``attempt_self`` (``GET /attempts/self``) is given or the setting is ``upload``, else at
+    the first save (``resolved``). A ``shared`` setting that falls back to upload is told to
+    the job's events too, not only to this rank's log.
+
+    Args:
+        setting: ``DDPQ_CHECKPOINT_TRANSPORT`` (``auto`` | ``shared`` | ``upload``).
+    """
+
+    def __init__(
+        self,
+        client: AttemptClient,
+        artifact_dir: Path,
+        setting: str,
+        attempt_self: AttemptSelf | None = None,
+    ) -> None:
+        self._client, self._artifact_dir, self._setting = client, artifact_dir, setting
+        self.transport: Transport | None = None
+        if setting == "upload" or attempt_self is not None:
+            self.transport = self._decide(attempt_self.store_id if attempt_self else None)
+
+    def resolved(self) -> Transport:
+        """The transport, asking ``GET /attempts/self`` for the store id once. While the API
+        cannot say, this save uploads (``shared``: records) and the next one asks again."""
+        if self.transport is not None:
+            return self.transport
+        fallback: Transport = "shared" if self._setting == "shared" else "upload"
+        try:
+            me = self._client.self_check()
+        except (ApiUnavailableError, AttemptRequestError) as exc:
+            log.warning("checkpoint transport unknown (%s for this one): %s", fallback, exc)
+            return fallback
+        except StaleAttemptError:
+            return fallback  # the record's or the upload's first call meets the fence and stops
+        self.transport = self._decide(me.store_id)
+        return self.transport
+
+    def _decide(self, store_id: str | None) -> Transport:
+        transport = resolve_transport(self._setting, self._artifact_dir, store_id)
+        if self._setting == "shared" and transport == "upload":
+            note_upload_fallback(self._client)
+        return transport

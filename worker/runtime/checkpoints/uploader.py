@@ -59,13 +59,15 @@ UPLOADER_NICE = 10
 
 @dataclass(frozen=True)
 class UploadItem:
-    """A checkpoint file on this host, durable and complete, to send."""
+    """A checkpoint file on this host, durable and complete, to send (``file_name``: the
+    workspace file a followed checkpoint is a version of; None for ddpq's own)."""
 
     step: int
     epoch: int
     path: Path
     size_bytes: int
     sha256: str
+    file_name: str | None = None
 
 
 class UploadFailedError(DdpqError):
@@ -213,8 +215,9 @@ class CheckpointUploader:
         deadline_s = self.deadline_for(item)
         self.deadline_mono = started + deadline_s
         start = wire.UploadStart(
-            step=item.step, epoch=item.epoch, size_bytes=item.size_bytes, sha256=item.sha256
-        )
+            step=item.step, epoch=item.epoch, size_bytes=item.size_bytes, sha256=item.sha256,
+            file_name=item.file_name,
+        )  # fmt: skip
         status = self._retrying(item, lambda: self._client.begin_upload(start))
         sent = 0
         with open(item.path, "rb") as fh:

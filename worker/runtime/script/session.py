@@ -91,7 +91,10 @@ class ScriptSession(RankSession):
 
     def finish(self) -> None:
         """At the script's exit: write what was reported and wait for the checkpoint in flight
-        and its upload (bounded as at a rank's end). Never raises."""
+        and its upload (bounded as at a rank's end). Never raises; a second call does
+        nothing."""
+        if self.finished:
+            return
         for step in (self.flush, self.sink.close, self.checkpointer.close):
             try:
                 step()
