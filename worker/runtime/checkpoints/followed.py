@@ -28,6 +28,7 @@ import ctypes
 import errno
 import logging
 import os
+import select
 import stat
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -167,6 +168,15 @@ class FollowedFiles:
                 self._versions[name] = version
                 done.append(self._root / name)
         return done
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a watched directory changed or ``timeout_s`` seconds passed; True when
+        something changed (``completed`` may then have a version to hand out)."""
+        try:
+            ready, _, _ = select.select([self._inotify.fileno()], [], [], timeout_s)
+        except (OSError, ValueError):  # closed meanwhile
+            return False
+        return bool(ready)
 
     def close(self) -> None:
         """Stop watching (idempotent)."""

@@ -13,8 +13,10 @@ until the script has ended: a script killed by the signal may have been cut off 
 of writing it (the kernel closes its files either way), so it is uploaded only when the script
 exited on its own.
 
-The follower polls every ``POLL_S`` seconds on a thread of its own, beside the script, so it
-never slows the script but by the copy of a new checkpoint version. A followed checkpoint's
+The follower runs on a thread of its own, beside the script: it wakes at once when a version
+completes (inotify) and reads new scalars at least every ``POLL_S`` seconds, so it never slows
+the script but by the copy of a new checkpoint version. Versions written faster than they can
+be copied are taken as one (the newest). A followed checkpoint's
 step is the newest scalar step seen when its version completed, or one more than the previous
 checkpoint's, whichever is larger (the file says nothing of its step). The attempt's resume
 step is what its first scalar says (``AttemptFacts.begin_at_report``): a script that resumes
@@ -139,7 +141,15 @@ class ScriptFollower:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._done.wait(POLL_S):
+        while not self._done.is_set():
+            # A completed version wakes the loop at once: its copy starts before the script
+            # can write the next one (and holds that write off while it copies).
+            if self._files is not None:
+                self._files.wait(POLL_S)
+            else:
+                self._done.wait(POLL_S)
+            if self._done.is_set():
+                return
             try:
                 self.poll()
             except Exception:  # a follower's bug must not end the rank: logged, next poll
