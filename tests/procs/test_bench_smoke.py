@@ -122,8 +122,9 @@ def test_followed_tiny(tmp_path: Path) -> None:
     from bench import followed
 
     res = followed.run("tiny", workdir=tmp_path)
-    _measured(res, "followed_vs_plain_epoch_s")
+    _measured(res, "followed_vs_plain_epoch_s", "import_ddpq_ms_vs_50ms")
     # Correctness, not timing: a followed run records each snapshot version, a plain run none.
     fig = res.figures
     assert fig["checkpoints_per_run"]["plain"] == [0], fig
     assert fig["checkpoints_per_run"]["followed"] == [fig["epochs"]], fig
+    assert fig["import_ddpq_loads_torch"] is False
