@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, SupportsIndex
 
 import torch
@@ -15,22 +15,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from service.core.config import Settings
-from service.core.spec.model import JobSpec
-from service.core.wire.attempt import AttemptSelf
 from worker.entrypoints import EntrypointError, import_failed, no_function
-from worker.runtime.attempt_client import AttemptClient
-from worker.runtime.checkpoints.saver import CheckpointSaver
 from worker.runtime.distributed import (
-    DistContext,
     ResumableDistributedSampler,
     all_reduce_sum_,
     make_sampler,
     wrap_model,
 )
-from worker.runtime.metrics.buffer import Sink
 from worker.runtime.session import RankSession
-from worker.runtime.signals import StopFlag
-from worker.runtime.watchdog import StallWatchdog
 
 log = logging.getLogger(__name__)
 Entrypoint = Callable[["TrainContext"], Any]
@@ -97,27 +89,10 @@ class TrainContext(RankSession):
     in your loop if you want that (a warning says so at the first ``loss`` reported).
     """
 
-    def __init__(
-        self,
-        *,
-        spec: JobSpec,
-        dist: DistContext,
-        sink: Sink,
-        checkpointer: CheckpointSaver,
-        stop: StopFlag,
-        api: AttemptClient | None,
-        artifact_dir: Path,
-        job_id: int,
-        attempt: int,
-        watchdog: StallWatchdog | None = None,
-        attempt_self: AttemptSelf | None = None,
-    ) -> None:
-        super().__init__(
-            spec=spec, dist=dist, sink=sink, checkpointer=checkpointer, stop=stop, api=api,
-            artifact_dir=artifact_dir, job_id=job_id, attempt=attempt, watchdog=watchdog,
-            attempt_self=attempt_self,
-        )  # fmt: skip
-        self.config = dict(spec.config)
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        """The job's ``config`` object (a dict)."""
+        return dict(self.spec.config)
 
     def report(
         self,
