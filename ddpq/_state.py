@@ -45,6 +45,8 @@ class Info:
         rank, local_rank, world_size: torchrun's.
         resumed_from_step: the checkpoint step this attempt started from (restored by ddpq or
             loaded with ``load_checkpoint``); None on a fresh start or before it is known.
+        seed: the spec's ``training.seed`` (a sweep's ``seeds`` replicas differ by it: seed
+            your RNGs with it); None outside ddpq.
     """
 
     under_ddpq: bool
@@ -54,6 +56,7 @@ class Info:
     local_rank: int
     world_size: int
     resumed_from_step: int | None
+    seed: int | None = None
 
 
 _lock = threading.Lock()

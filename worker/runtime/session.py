@@ -301,7 +301,7 @@ class RankSession:
         return Info(
             under_ddpq=True, job_id=self.job_id, attempt=self.attempt, rank=self.rank,
             local_rank=self.local_rank, world_size=self.world_size,
-            resumed_from_step=self.resumed_from_step,
+            resumed_from_step=self.resumed_from_step, seed=self.spec.training.seed,
         )  # fmt: skip
 
     def _warn_skip_not_applied(self) -> None:

@@ -16,7 +16,9 @@ it is ended as an entrypoint rank would be); one that never did is ended at once
 signal (``SystemExit(128 + signum)``), after its reported points are written.
 
 ``DDPQ_RESUMED_FROM_STEP`` (set by the rank when it restored a followed checkpoint file before
-starting the script) is the attempt's resume step.
+starting the script) is what ``ddpq.info().resumed_from_step`` says until the script loads a
+checkpoint itself. It is not told to the API as the resume step: the script's own steps say
+where it goes on (its first report, ``AttemptFacts.begin_at_report``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ class ScriptSession(RankSession):
         self.dist = dataclasses.replace(current, backend=backend, control_group=group)
         return self.dist
 
+    @property
+    def resumed_from_step(self) -> int | None:
+        """The step of the checkpoint this attempt started from: one the script loaded, else
+        the followed file the rank restored before starting it."""
+        loaded = super().resumed_from_step
+        restored = os.environ.get(RESUMED_FROM_STEP, "")
+        return loaded if loaded is not None or not restored.isdigit() else int(restored)
+
     def should_stop(self) -> bool:
         """See ``RankSession.should_stop``; from the first call on, a stop signal waits for
         the script's next call instead of ending it."""
@@ -137,9 +147,6 @@ def script_session() -> ScriptSession:
         api=AttemptClient(env.api_url, env.attempt_token), artifact_dir=artifact_dir,
         job_id=env.job_id, attempt=env.attempt,
     )  # fmt: skip
-    resumed = os.environ.get(RESUMED_FROM_STEP, "")
-    if resumed.isdigit():
-        session.facts.resume_step = int(resumed)
     stop.at_forced_exit(functools.partial(hand_over_reported, sink))
     _handle_stop_signals(session)
     atexit.register(session.finish)
