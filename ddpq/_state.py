@@ -113,7 +113,7 @@ def _import_live() -> Any:
     for name in _OWN_PACKAGES:
         loaded = sys.modules.get(name)
         where = getattr(loaded, "__file__", None) if loaded is not None else None
-        if loaded is not None and (where is None or not Path(where).resolve().is_relative_to(root)):
+        if loaded is not None and (where is None or Path(where).resolve().parent != root / name):
             raise ImportError(_shadowed(name, str(where or loaded)))
         if loaded is None:
             mine = _shadowing(name, root)

@@ -135,16 +135,17 @@ def run_command(
             nnodes=nnodes,
             gpus_per_node=gpus_per_node,
         )
-        packed = pack_or_fail(workdir, settings)
+        followed: dict[str, Any] = {}
+        if checkpoint_path is not None:
+            followed["checkpoints"] = {"path": checkpoint_path}
+        if tensorboard is not None:
+            followed["metrics"] = {"tensorboard": tensorboard}
+        packed = pack_or_fail(workdir, settings, followed)
         print_pack_summary(console, packed)
         spec: dict[str, Any] = command_job_spec(
             plan, packed, name=name, launcher=launcher, env=parse_env(env_values or [])
         )
-        if checkpoint_path is not None:
-            spec["checkpoints"] = {"path": checkpoint_path}
-        if tensorboard is not None:
-            spec["metrics"] = {"tensorboard": tensorboard}
-        spec = with_overrides(spec, set_values or [])
+        spec = with_overrides({**spec, **followed}, set_values or [])
         client = make_client(settings)
         if dry_run:
             print_missing(console, client, packed)

@@ -17,7 +17,7 @@ from service.cli.output import cell
 from service.client import ApiError, DdpqClient
 from service.core.config import Settings
 from service.core.wire.workspace import SHA256_PATTERN, WorkspaceTooLargeError, format_size
-from service.workspaces.pack import PackedWorkspace, pack_workspace
+from service.workspaces.pack import PackedWorkspace, leave_out_for, pack_workspace
 from service.workspaces.upload import missing_files
 
 _DIGEST_RE = re.compile(SHA256_PATTERN)
@@ -28,13 +28,17 @@ def files(count: int) -> str:
     return f"{count} file{'' if count == 1 else 's'}"
 
 
-def pack_or_fail(workdir: Path, settings: Settings) -> PackedWorkspace:
-    """``pack_workspace`` under this deployment's limits; a tree over them exits 2 naming
-    its largest files and the fix, before any byte is sent."""
+def pack_or_fail(
+    workdir: Path, settings: Settings, spec: dict[str, Any] | None = None
+) -> PackedWorkspace:
+    """``pack_workspace`` under this deployment's limits, leaving out what ddpq restores for
+    ``spec`` (``leave_out_for``); a tree over the limits exits 2 naming its largest files and
+    the fix, before any byte is sent."""
     try:
         return pack_workspace(
-            workdir, max_bytes=settings.workspace_max_bytes, max_files=settings.workspace_max_files
-        )
+            workdir, max_bytes=settings.workspace_max_bytes,
+            max_files=settings.workspace_max_files, leave_out=leave_out_for(spec),
+        )  # fmt: skip
     except WorkspaceTooLargeError as exc:
         largest = "".join(f"\n  {format_size(size):>10}  {path}" for path, size in exc.largest)
         fail(f"{exc.summary}; its largest files:{largest}", exc.fix)
@@ -59,6 +63,10 @@ def print_pack_summary(console: Console, packed: PackedWorkspace) -> None:
     console.print("  largest:")
     for f in packed.largest():
         console.print(cell(f"    {format_size(f.size_bytes):>10}  {f.path}"))
+    if packed.left_out:
+        shown = ", ".join(packed.left_out[:5]) + (" …" if len(packed.left_out) > 5 else "")
+        console.print(cell(f"  not shipped ({files(len(packed.left_out))}; ddpq restores the "
+                           f"job's own checkpoints and logs there): {shown}"))  # fmt: skip
 
 
 def print_missing(console: Console, client: DdpqClient, packed: PackedWorkspace) -> None:
@@ -110,7 +118,7 @@ def ship_spec_workspace(
         return spec
     if workspace is not None and not isinstance(workspace, str):
         return spec  # the API's 422 names the field
-    packed = pack_or_fail(base_dir / (workspace or "."), settings)
+    packed = pack_or_fail(base_dir / (workspace or "."), settings, spec)
     print_pack_summary(console, packed)
     if upload:
         upload_and_say(console, client, packed)

@@ -189,13 +189,17 @@ class WorkspaceCalls:
         launcher: str | None = None,
         env: Mapping[str, str] | None = None,
         overrides: Mapping[str, Any] | None = None,
+        checkpoint_path: str | None = None,
+        tensorboard: str | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
         """Run a script of ``workdir`` as a command job: pack the directory, upload what the
         API lacks, submit. ``command`` is what one would type: ``["train.py", "--epochs",
         "3"]``, ``["-m", "pkg.train"]``, ``["python", "train.py"]`` or ``["torchrun",
         "--nproc-per-node=2", "train.py"]`` (``service.workspaces.command``); ``overrides``
-        sets other spec fields by dotted path (``{"max_restarts": 2}``).
+        sets other spec fields by dotted path (``{"max_restarts": 2}``). ``checkpoint_path``
+        and ``tensorboard`` are the spec's ``checkpoints.path`` and ``metrics.tensorboard``
+        (the files ddpq follows; a local run's copies of them are not shipped).
 
         Returns:
             The Job; with ``dry_run``, the API's dry-run answer (and no file is sent).
@@ -205,17 +209,24 @@ class WorkspaceCalls:
             WorkspacePackError, WorkspaceTooLargeError: before anything is sent.
             ApiError: 422 for a bad spec.
         """
-        from service.workspaces.pack import pack_workspace
+        from service.workspaces.pack import leave_out_for, pack_workspace
 
         settings = Settings()
         plan = plan_command(
             command, nproc_per_node=nproc_per_node, nnodes=nnodes, gpus_per_node=gpus_per_node
         )
+        followed: dict[str, Any] = {}
+        if checkpoint_path is not None:
+            followed["checkpoints"] = {"path": checkpoint_path}
+        if tensorboard is not None:
+            followed["metrics"] = {"tensorboard": tensorboard}
         packed = pack_workspace(
-            workdir, max_bytes=settings.workspace_max_bytes, max_files=settings.workspace_max_files
-        )
+            workdir, max_bytes=settings.workspace_max_bytes,
+            max_files=settings.workspace_max_files,
+            leave_out=leave_out_for({**followed, **(overrides or {})}),
+        )  # fmt: skip
         spec = command_job_spec(plan, packed, name=name, launcher=launcher, env=env)
-        spec = apply_overrides(spec, overrides or {})
+        spec = apply_overrides({**spec, **followed}, overrides or {})
         if dry_run:
             return self.dry_run(spec)
         self.upload_workspace(packed)

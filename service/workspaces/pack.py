@@ -18,6 +18,12 @@ fifos, sockets and devices are refused too: each refusal names the path and how 
 it. Hard links are regular files: each name ships as its own copy of the content (stored
 once, by sha256), and the rank's tree has independent files, not links.
 
+Left out as well, whatever the listing: the ``ddpq`` library's local checkpoint directory
+(``ddpq-checkpoints/``, what a plain ``torchrun`` run of the script left) and the files a
+command job names for ddpq to follow (``checkpoints.path``, ``metrics.tensorboard``: ddpq puts
+the job's own newest checkpoint there before each attempt, and a local run's leftovers would
+make the first attempt resume from them). ``leave_out_for`` names them from a spec.
+
 Cost: one ``git ls-files`` (or one directory walk), one ``lstat`` per file, and one read per
 file to hash it, streaming (``hashlib.file_digest``); the limits are checked on the sizes
 before any file is read.
@@ -29,13 +35,15 @@ import hashlib
 import os
 import stat
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pathspec
 
 from service.core.errors import DdpqError
+from service.core.spec.followed import glob_matches, glob_parts
 from service.core.wire.workspace import (
     LARGEST_SHOWN,
     Manifest,
@@ -45,6 +53,8 @@ from service.core.wire.workspace import (
 )
 
 IGNORE_FILE = ".ddpqignore"
+# The ddpq library's checkpoints of a plain (non-ddpq) run (ddpq._local).
+LOCAL_CHECKPOINT_DIR = "ddpq-checkpoints"
 # Directory names never shipped outside git (and ``.ddpq`` inside git too).
 ALWAYS_EXCLUDED_DIRS = frozenset({".git", "__pycache__", ".ddpq"})
 STATE_DIR = ".ddpq"
@@ -77,6 +87,7 @@ class PackedWorkspace:
     manifest: Manifest
     sources: dict[str, Path]
     listing: Listing
+    left_out: tuple[str, ...] = ()  # files listed but not shipped (``leave_out``)
 
     @property
     def digest(self) -> str:
@@ -102,13 +113,45 @@ class _Entry:
     size_bytes: int
 
 
-def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> PackedWorkspace:
+def leave_out_for(spec: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """What a packed directory leaves out for a job spec (a dict as submitted): the library's
+    ``ddpq-checkpoints/`` and the spec's ``checkpoints.path`` and ``metrics.tensorboard``
+    (workspace-relative paths or globs; a directory stands for everything under it)."""
+    patterns = [LOCAL_CHECKPOINT_DIR]
+    spec = spec or {}
+    for field, key in (("checkpoints", "path"), ("metrics", "tensorboard")):
+        value = spec.get(field)
+        if isinstance(value, Mapping) and isinstance(value.get(key), str) and value[key]:
+            patterns.append(value[key].strip("/"))
+    return tuple(patterns)
+
+
+def _left_out(path: str, patterns: Sequence[str]) -> bool:
+    """Whether workspace path ``path`` is ``patterns``' (a pattern matches the path or one of
+    its parent directories: ``glob_matches``); a pattern that is no workspace path matches
+    nothing (the API's 422 names it)."""
+    parts = path.split("/")
+    for pattern in patterns:
+        try:
+            wanted = glob_parts(pattern)
+        except ValueError:
+            continue
+        if any(glob_matches(wanted, "/".join(parts[:d])) for d in range(1, len(parts) + 1)):
+            return True
+    return False
+
+
+def pack_workspace(
+    root: str | Path, *, max_bytes: int, max_files: int, leave_out: Sequence[str] = ()
+) -> PackedWorkspace:
     """List, check and hash the files of the working directory ``root``.
 
     Args:
         root: the directory to ship (the job's working directory).
         max_bytes, max_files: the limits (``DDPQ_WORKSPACE_MAX_BYTES``/``_FILES``), checked
             on the listed sizes before any file is read.
+        leave_out: workspace-relative paths or globs not to ship, a directory with all under
+            it (``leave_out_for``); what was left out is ``PackedWorkspace.left_out``.
 
     Raises:
         WorkspacePackError: ``root`` is not a directory, git failed, a file cannot be shipped
@@ -124,6 +167,9 @@ def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> Packe
         raise WorkspacePackError(f"{root} is not a directory: pass the job's working directory")
     listing: Listing = "git" if _in_git_work_tree(base) else "walk"
     paths = _git_files(base) if listing == "git" else _walk_files(base)
+    skipped = tuple(sorted(p for p in paths if leave_out and _left_out(p, leave_out)))
+    if skipped:
+        paths = [p for p in paths if p not in set(skipped)]
     entries = [e for e in (_entry(base, path, listing) for path in paths) if e is not None]
     exclude_with = exclude_file(listing)
     if not entries:
@@ -146,6 +192,7 @@ def pack_workspace(root: str | Path, *, max_bytes: int, max_files: int) -> Packe
         manifest=manifest,
         sources={e.path: e.source for e in entries},
         listing=listing,
+        left_out=skipped,
     )
 
 

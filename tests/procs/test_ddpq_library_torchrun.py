@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "tutorial" / "train_ddpq.py"
 
@@ -62,3 +64,26 @@ def test_the_example_runs_under_plain_torchrun_and_resumes_from_its_local_checkp
     assert second.stdout.count("resuming at epoch 2 (step 32)") == 2, "every rank resumes"
     points = [line for line in second.stdout.splitlines() if line.startswith("[ddpq] ")]
     assert [p.split(":")[0] for p in points] == ["[ddpq] epoch 2 step 48"]
+
+
+@pytest.mark.parametrize("imported_first", [True, False])
+def test_a_project_with_its_own_worker_module_is_told_why_ddpq_cannot_run(
+    tmp_path: Path, imported_first: bool
+) -> None:
+    """ddpq's runtime is the top-level package ``worker``: a script with its own module of that
+    name gets the reason and the fix at its first ddpq call, not a confusing import error."""
+    (tmp_path / "worker.py").write_text("HELPER = 1\n")
+    (tmp_path / "script.py").write_text(
+        ("import worker\n" if imported_first else "")
+        + "import ddpq\n"
+        + "try:\n    ddpq.report(1, loss=1.0)\n"
+        + "except ImportError as exc:\n    print('refused:', exc)\n"
+    )
+    env = clean_env(DDPQ_JOB_ID="1", DDPQ_ATTEMPT_TOKEN="ddpqa_x")
+    out = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "refused: ddpq's runtime is the top-level package 'worker'" in out.stdout, out.stdout
+    assert str(tmp_path / "worker.py") in out.stdout

@@ -240,3 +240,35 @@ def test_without_git_installed_a_tree_is_walked(
     assert shutil.which("git") is None
     found = paths_of(repo)
     assert "run.log" in found and not any(p.startswith(".git/") for p in found)
+
+
+@pytest.mark.parametrize("in_git", [True, False])
+def test_what_ddpq_follows_and_the_librarys_local_checkpoints_are_not_shipped(
+    tmp_path: Path, in_git: bool
+) -> None:
+    """A plain torchrun run left its snapshot, TensorBoard files and ddpq's local checkpoints
+    behind: shipping them would make the job's first attempt resume from them."""
+    from service.workspaces.pack import leave_out_for
+
+    root = tmp_path / "proj"
+    write(root, {
+        "train.py": "print('hi')\n", "snapshot.pt": b"s", "runs/Dec02/events.out.tfevents.1": b"e",
+        "ckpt/a.pt": b"a", "ckpt/notes.txt": "kept", "ddpq-checkpoints/step-16.pt": b"c",
+        "src/runs.py": "kept: only the directory runs/ is followed",
+    })  # fmt: skip
+    if in_git:
+        git(root, "init", "-q")
+    spec = {"checkpoints": {"path": "ckpt/*.pt"}, "metrics": {"tensorboard": "runs/"}}
+    packed = pack_workspace(root, **LIMITS, leave_out=leave_out_for(spec))
+    shipped = {f.path for f in packed.manifest.files}
+    assert shipped == {"train.py", "snapshot.pt", "ckpt/notes.txt", "src/runs.py"}
+    assert packed.left_out == (
+        "ckpt/a.pt",
+        "ddpq-checkpoints/step-16.pt",
+        "runs/Dec02/events.out.tfevents.1",
+    )
+    snapshot = pack_workspace(
+        root, **LIMITS, leave_out=leave_out_for({"checkpoints": {"path": "snapshot.pt"}})
+    )
+    assert "snapshot.pt" not in {f.path for f in snapshot.manifest.files}
+    assert "runs/Dec02/events.out.tfevents.1" in {f.path for f in snapshot.manifest.files}

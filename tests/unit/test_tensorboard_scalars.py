@@ -92,16 +92,20 @@ def test_an_event_file_that_appears_later_is_read(tmp_path: Path) -> None:
     assert points(reader.poll()) == [("loss", 2, 0.5)], "the new file, and only it"
 
 
-def test_add_scalars_subdirectories_prefix_the_tag(tmp_path: Path) -> None:
-    with SummaryWriter(str(tmp_path)) as writer:
-        writer.add_scalars("loss", {"train": 1.0, "val": 2.0}, 5)
+def test_run_directories_are_not_part_of_the_name_add_scalars_keys_are(tmp_path: Path) -> None:
+    """``SummaryWriter()`` writes to ``runs/<date>_<host>/`` (a new directory per attempt):
+    the same tag keeps one name across them. ``add_scalars`` keys become ``main/key``."""
+    with SummaryWriter(str(tmp_path / "Dec02_14-46-40_vm")) as writer:
+        writer.add_scalars("loss/ema", {"train": 1.0, "val": 2.0}, 5)
+        writer.add_scalar("Loss/train", 0.5, 5)
     (tmp_path / "nested" / "deeper").mkdir(parents=True)
     with SummaryWriter(str(tmp_path / "nested" / "deeper")) as writer:
-        writer.add_scalar("acc", 0.5, 5)
+        writer.add_scalar("Loss/train", 0.25, 6)
 
-    names = sorted(s.name for s in TensorBoardScalars(tmp_path).poll())
+    named = sorted((s.name, s.step) for s in TensorBoardScalars(tmp_path).poll())
 
-    assert names == ["loss_train/loss", "loss_val/loss", "nested/deeper/acc"]
+    assert named == [("Loss/train", 5), ("Loss/train", 6), ("loss/ema/train", 5),
+                     ("loss/ema/val", 5)]  # fmt: skip
 
 
 def test_a_missing_log_directory_reads_nothing_until_the_script_creates_it(
@@ -164,7 +168,7 @@ def test_a_damaged_record_is_logged_once_and_the_other_files_still_read(
                 f.write(data[damaged_at - 14 :])
             assert reader.poll() == []
 
-    assert first == [("loss", 1, 1.0), ("other/acc", 1, 0.5)], "the records before the damage"
+    assert first == [("loss", 1, 1.0), ("acc", 1, 0.5)], "the records before the damage"
     warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(warnings) == 1 and str(damaged) in warnings[0], warnings
 

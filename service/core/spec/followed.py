@@ -9,6 +9,8 @@ workspace-relative directory where the script writes TensorBoard event files
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+from functools import cache
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -25,6 +27,35 @@ def _workspace_path(value: str) -> str:
     if problem is not None:
         raise ValueError(f"{value!r} is not a path inside the workspace: {problem}")
     return stripped
+
+
+def glob_parts(pattern: str) -> tuple[str, ...]:
+    """A followed path's parts, for ``glob_matches``.
+
+    Raises:
+        ValueError: ``pattern`` is not a workspace path (``path_problem``).
+    """
+    problem = path_problem(pattern)
+    if problem is not None:
+        raise ValueError(f"followed path {pattern!r} is not a workspace path: {problem}")
+    return tuple(pattern.split("/"))
+
+
+def glob_matches(pattern: tuple[str, ...], name: str) -> bool:
+    """Whether the workspace-relative ``name`` matches ``pattern`` (its ``glob_parts``):
+    fnmatch per part, ``**`` zero or more directories (never the file's own name), as
+    ``pathlib.Path.glob`` reads a pattern."""
+    parts = name.split("/")
+
+    @cache
+    def match(i: int, j: int) -> bool:
+        if i == len(pattern):
+            return j == len(parts)
+        if pattern[i] == "**":
+            return match(i + 1, j) or (j < len(parts) - 1 and match(i, j + 1))
+        return j < len(parts) and fnmatchcase(parts[j], pattern[i]) and match(i + 1, j + 1)
+
+    return match(0, 0)
 
 
 def is_glob(path: str) -> bool:

@@ -39,6 +39,7 @@ import inotify_simple
 from inotify_simple import INotify, flags
 
 from service.core import artifacts
+from service.core.spec.followed import glob_matches, glob_parts
 from service.core.wire.workspace import path_problem
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpoints.fetch import (
@@ -77,29 +78,6 @@ def _open_inotify() -> INotify:
     if getattr(inotify_simple, "_libc", None) is None:
         inotify_simple._libc = ctypes.CDLL(None, use_errno=True)
     return INotify(nonblocking=True)
-
-
-def _pattern_parts(pattern: str) -> tuple[str, ...]:
-    problem = path_problem(pattern)
-    if problem is not None:
-        raise ValueError(f"followed path {pattern!r} is not a workspace path: {problem}")
-    return tuple(pattern.split("/"))
-
-
-def _matches(pattern: tuple[str, ...], name: str) -> bool:
-    """Whether the workspace-relative file ``name`` matches ``pattern`` (its parts): fnmatch
-    per part, ``**`` zero or more directories (never the file's own name)."""
-    parts = name.split("/")
-
-    @cache
-    def match(i: int, j: int) -> bool:
-        if i == len(pattern):
-            return j == len(parts)
-        if pattern[i] == "**":
-            return match(i + 1, j) or (j < len(parts) - 1 and match(i, j + 1))
-        return j < len(parts) and fnmatchcase(parts[j], pattern[i]) and match(i + 1, j + 1)
-
-    return match(0, 0)
 
 
 @lru_cache(maxsize=1024)
@@ -143,7 +121,7 @@ class FollowedFiles:
     def __init__(self, root: Path, pattern: str) -> None:
         self._root = Path(root).absolute()  # the paths handed out are under it
         self._real = Path(os.path.realpath(self._root))  # the paths watched and read
-        self._pattern = _pattern_parts(pattern)
+        self._pattern = glob_parts(pattern)
         self._inotify = _open_inotify()
         self._dirs: dict[int, str] = {}  # watch descriptor → relative directory ("": root)
         self._pending: dict[str, None] = {}  # relative names, oldest completion first
@@ -204,7 +182,7 @@ class FollowedFiles:
                 self._unwatch(name)
             elif mask & (flags.CREATE | flags.MOVED_TO) and _may_hold(self._pattern, name):
                 self._watch_tree(name, report=True)
-        elif mask & (flags.CLOSE_WRITE | flags.MOVED_TO) and _matches(self._pattern, name):
+        elif mask & (flags.CLOSE_WRITE | flags.MOVED_TO) and glob_matches(self._pattern, name):
             scanned = self._scanned.pop(name, None)
             if scanned is not None and scanned == self._version(name):
                 return  # the scan of its new directory queued this very version already
@@ -244,7 +222,7 @@ class FollowedFiles:
                     if entry.is_dir(follow_symlinks=False):
                         if _may_hold(self._pattern, name):
                             todo.append(name)
-                    elif entry.is_file(follow_symlinks=False) and _matches(self._pattern, name):
+                    elif entry.is_file(follow_symlinks=False) and glob_matches(self._pattern, name):
                         self._found(name, report=report)
 
     def _found(self, name: str, *, report: bool) -> None:
@@ -313,11 +291,11 @@ def restore_followed(
         StaleAttemptError: the attempt is fenced off.
         ApiUnavailableError: the list could not be read (``fetch.RESUME_LIST_WAIT_S``).
     """
-    parts = _pattern_parts(pattern)
+    parts = glob_parts(pattern)
     entries = [
         e
         for e in read_checkpoint_list(client)
-        if e.file_name is not None and _matches(parts, e.file_name)
+        if e.file_name is not None and glob_matches(parts, e.file_name)
     ]
     if not entries:
         return None

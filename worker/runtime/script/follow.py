@@ -127,7 +127,7 @@ class ScriptFollower:
                 transport=Settings().checkpoint_transport, stopping=stop.is_set,
             )  # fmt: skip
         self._done = threading.Event()
-        self._warned_step0 = False
+        self._warned_step0: set[str] = set()  # names whose step-0 scalar was told
         self._thread = threading.Thread(target=self._run, name="ddpq-follow", daemon=True)
 
     @property
@@ -181,8 +181,8 @@ class ScriptFollower:
             return
         for s in scalars:
             if s.step < 1:
-                if not self._warned_step0:
-                    self._warned_step0 = True
+                if s.name not in self._warned_step0:
+                    self._warned_step0.add(s.name)
                     log.warning(
                         "TensorBoard scalar %r at global_step %d skipped: ddpq's steps start at "
                         "1 (pass global_step=epoch + 1, or the optimizer step count)",

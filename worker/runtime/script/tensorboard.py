@@ -43,12 +43,13 @@ SCALARS_PLUGIN = "scalars"
 class Scalar:
     """One scalar point of an event file.
 
-    ``name`` is the summary's tag, prefixed with the file's directory relative to the log
-    directory when that is a subdirectory (``"loss_train/loss"``: ``add_scalars`` writes one
-    subdirectory per key). ``step`` is the ``global_step`` as written (0 when none was
-    given); ddpq's steps start at 1, so the caller drops steps < 1. ``value`` is as stored
-    (torch stores float32: 0.1 reads 0.10000000149), NaN and ±inf included. ``wall_time`` is
-    the event's time in seconds since the epoch.
+    ``name`` is the summary's tag (``metric_name``): the directories the event files lie in
+    are runs of the one job, not part of the name, except the one ``add_scalars`` writes per
+    key (``losses_train/`` holding tag ``losses`` is ``losses/train``). ``step`` is the
+    ``global_step`` as written (0 when none was given); ddpq's steps start at 1, so the
+    caller drops steps < 1. ``value`` is as stored (torch stores float32: 0.1 reads
+    0.10000000149), NaN and ±inf included. ``wall_time`` is the event's time in seconds since
+    the epoch.
     """
 
     name: str
@@ -97,7 +98,7 @@ class _EventFile:
     """What ``TensorBoardScalars`` keeps per event file."""
 
     loader: Any  # EventFileLoader; None once the file failed
-    prefix: str  # "" in the log directory itself, else "<subdir>/"
+    subdir: str  # the name of the directory the file lies in ("" for the log directory)
     scalar_tags: dict[str, bool] = field(default_factory=dict)  # tag -> is a scalar
     size_bytes: int = 0  # the file's size at the previous poll
     stuck_growths: int = 0  # polls since the last record on which the file grew
@@ -125,32 +126,32 @@ class TensorBoardScalars:
         Never raises: a damaged or unreadable file is logged once (module docstring).
         """
         scalars: list[Scalar] = []
-        for path, prefix in self._event_files():
+        for path, subdir in self._event_files():
             followed = self._files.get(path)
             if followed is None:
-                followed = self._files[path] = self._open(path, prefix)
+                followed = self._files[path] = self._open(path, subdir)
             if followed.loader is not None:
                 scalars.extend(self._read(path, followed))
         return scalars
 
     def _event_files(self) -> list[tuple[Path, str]]:
-        """Each event file under the log directory, with its name prefix, in poll's order."""
+        """Each event file under the log directory, with its directory's name, in poll's
+        order."""
         found: list[tuple[Path, str]] = []
         # os.walk yields nothing for a missing directory and follows no symlinked directory.
         for dirpath, dirnames, filenames in os.walk(self._logdir):
             dirnames.sort()
-            relative = Path(dirpath).relative_to(self._logdir).as_posix()
-            prefix = "" if relative == "." else relative + "/"
+            subdir = "" if Path(dirpath) == self._logdir else Path(dirpath).name
             # TensorBoard's own test (io_wrapper.IsTensorFlowEventsFile): "tfevents" in the name.
-            found.extend((Path(dirpath, n), prefix) for n in sorted(filenames) if "tfevents" in n)
+            found.extend((Path(dirpath, n), subdir) for n in sorted(filenames) if "tfevents" in n)
         return found
 
-    def _open(self, path: Path, prefix: str) -> _EventFile:
+    def _open(self, path: Path, subdir: str) -> _EventFile:
         try:
-            return _EventFile(self._loader_class(str(path)), prefix)
+            return _EventFile(self._loader_class(str(path)), subdir)
         except Exception as exc:  # e.g. the file went away since it was listed
             _log_failed(path, exc)
-            return _EventFile(None, prefix)
+            return _EventFile(None, subdir)
 
     def _read(self, path: Path, followed: _EventFile) -> list[Scalar]:
         """The new scalars of one file; marks it failed when its reader raises."""
@@ -189,9 +190,8 @@ class TensorBoardScalars:
         for value in event.summary.value:
             number = self._number_of(value, followed)
             if number is not None:
-                scalars.append(
-                    Scalar(followed.prefix + value.tag, int(event.step), number, event.wall_time)
-                )
+                name = metric_name(followed.subdir, value.tag)
+                scalars.append(Scalar(name, int(event.step), number, event.wall_time))
         return scalars
 
     def _number_of(self, value: Any, followed: _EventFile) -> float | None:
@@ -213,6 +213,22 @@ class TensorBoardScalars:
         except (TypeError, ValueError) as exc:  # a tensor proto that does not decode
             log.debug("tensorboard: tag %s: no scalar in its tensor (%s)", value.tag, exc)
             return None
+
+
+def metric_name(subdir: str, tag: str) -> str:
+    """The metric a scalar of ``tag`` in an event file of directory ``subdir`` becomes.
+
+    The directories under the followed log directory are runs (``SummaryWriter()`` makes
+    ``runs/<date>_<host>/``, a new one per attempt): one job's runs share its metric names, so
+    a resumed attempt's points continue the same curves. The exception is
+    ``add_scalars(main_tag, {key: ...})``, which writes each key to a directory named
+    ``<main_tag with / as _>_<key>`` with tag ``main_tag``: that becomes ``main_tag/key``
+    (torch.utils.tensorboard.writer.SummaryWriter.add_scalars).
+    """
+    head = tag.replace("/", "_") + "_"
+    if len(subdir) > len(head) and subdir.startswith(head):
+        return f"{tag}/{subdir[len(head) :]}"
+    return tag
 
 
 def _log_failed(path: Path, exc: Exception) -> None:
