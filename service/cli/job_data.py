@@ -21,9 +21,10 @@ from service.cli.output import (
 
 
 def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
-    """A job's checkpoints, newest step first: step, epoch (``epoch_number``: 1-based),
-    attempt, size, the sha256's first 12 hex digits, time, and the store holding it; and
-    the workspace file of each followed checkpoint, when there is one."""
+    """A job's checkpoints, newest step first: step, epoch (``epoch_number``: 1-based; "-"
+    for a followed file, whose epoch ddpq cannot know), attempt, size, the sha256's first 12
+    hex digits, time, and the store holding it; and the workspace file of each followed
+    checkpoint, when there is one."""
     table = Table(
         "step", "epoch", "attempt", "size", "sha256", "created", "store", title=f"job {job_id}"
     )  # fmt: skip
@@ -32,7 +33,8 @@ def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
         table.add_column("file")
     for c in checkpoints:
         table.add_row(
-            cell(c["step"]), cell(epoch_number(c)), cell(c["attempt"]),
+            cell(c["step"]), cell("-" if c.get("file_name") else epoch_number(c)),
+            cell(c["attempt"]),
             cell(format_bytes(c["size_bytes"])), cell(str(c["sha256"])[:12]),
             cell(short_time(c["created_at"])), cell(c.get("store") or "filesystem"),
             *([cell(c.get("file_name") or "")] if followed else []),
