@@ -49,10 +49,8 @@ class LocalSession:
         """Print ``metrics`` on rank 0 when ``step`` is a multiple of ``log_every`` (with
         ``mean``, averaged over the ranks first when a process group is up: every rank
         calls)."""
-        step = int(step)
-        if step < 1:
-            raise ValueError(f"step must be ≥ 1 (steps are 1-based), got {step}")
         metrics = dict(metrics or {})
+        step, epoch = _checked(step, epoch, metrics)
         if mean and self.world_size > 1:
             metrics = _mean_over_ranks(metrics)
         if self.rank != 0 or step % self.log_every:
@@ -64,6 +62,7 @@ class LocalSession:
     def save_checkpoint(self, state: Any, step: int, epoch: int = 0) -> None:
         """Rank 0 writes ``step-<step>.pt`` (temp file, fsync, rename) and keeps the newest
         ``KEEP``; other ranks do nothing."""
+        step, _ = _checked(step, epoch, {})
         if self.rank != 0:
             return
         import torch
@@ -114,6 +113,23 @@ class LocalSession:
         except OSError:
             return []
         return sorted(int(m[1]) for m in map(_NAME_RE.match, names) if m)
+
+
+def _checked(step: Any, epoch: Any, metrics: dict[str, Any]) -> tuple[int, int | None]:
+    """``step`` and ``epoch`` as under ddpq: the same rules, the same ``ValueError``s
+    (``service.core.metrics.points.checked_report``, imported at the first call), and a
+    tensor metric must hold one number."""
+    for name, value in metrics.items():
+        if hasattr(value, "numel") and value.numel() != 1:
+            raise ValueError(f"metric {name!r}: a tensor of shape {tuple(value.shape)}; "
+                             "report one number (e.g. loss.mean())")  # fmt: skip
+    try:
+        from service.core.metrics.points import checked_report
+    except ImportError:  # a project's own ``service`` module stands in the way: the basics
+        if int(step) < 1 or (epoch is not None and int(epoch) < 0):
+            raise ValueError(f"step must be ≥ 1 and epoch ≥ 0, got {step}, {epoch}") from None
+        return int(step), None if epoch is None else int(epoch)
+    return checked_report(step, epoch, metrics)
 
 
 def _number(value: Any) -> float:

@@ -134,9 +134,11 @@ def _shadowing(name: str, root: Path) -> Path | None:
         folder = Path(entry or os.getcwd()).resolve()
         if folder == root:
             return None
-        for candidate in (folder / name, folder / f"{name}.py"):
+        # A regular package or a module wins over ours; a directory without __init__.py
+        # would be a namespace package, which a regular package anywhere on the path beats.
+        for candidate in (folder / name / "__init__.py", folder / f"{name}.py"):
             if candidate.exists():
-                return candidate
+                return candidate.parent if candidate.name == "__init__.py" else candidate
     return None
 
 

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from service.core.spec.followed import glob_matches as _matches
 from worker.runtime.checkpoints import files
 from worker.runtime.checkpoints.files import CheckpointWriteError, copy_hashed, write_temp_copy
-from worker.runtime.checkpoints.followed import FollowedFiles, _matches, relative_name
+from worker.runtime.checkpoints.followed import FollowedFiles, relative_name
 from worker.runtime.checkpoints.leases import being_written
 
 

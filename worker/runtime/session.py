@@ -136,6 +136,11 @@ class RankSession:
         else:
             for name, value in metrics.items():
                 if isinstance(value, torch.Tensor):
+                    if value.numel() != 1:  # metadata only: no host sync
+                        raise ValueError(
+                            f"metric {name!r}: a tensor of shape {tuple(value.shape)}; report "
+                            "one number (e.g. loss.mean())"
+                        )
                     sink.report(step, epoch, value, name)
                 else:
                     sink.report_values(step, epoch, {name: value})
@@ -248,7 +253,13 @@ class RankSession:
     def save_checkpoint(self, state: Any, step: int, epoch: int = 0) -> None:
         """Checkpoint ``state`` (any picklable object; tensors are copied to host buffers now)
         at ``step``; the file is written, hashed and recorded or uploaded in the background
-        (rank 0 only). A second save of the same step is ignored."""
+        (rank 0 only). A second save of the same step is ignored.
+
+        Raises:
+            ValueError: ``step`` or ``epoch`` out of range (``checked_report``'s rules).
+        """
+        step, checked_epoch = checked_report(step, epoch, ())
+        epoch = checked_epoch if checked_epoch is not None else 0
         with self.watchdog.pause(), self.facts.checkpoint_stall():  # a slow disk: no stall
             self.checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)

@@ -23,6 +23,8 @@ GLOB_CHARS = frozenset("*?[")
 
 def _workspace_path(value: str) -> str:
     stripped = value.rstrip("/") if len(value) > 1 else value
+    while stripped.startswith("./") and len(stripped) > 2:  # as typed in a shell: ./snapshot.pt
+        stripped = stripped[2:]
     problem = path_problem(stripped)
     if problem is not None:
         raise ValueError(f"{value!r} is not a path inside the workspace: {problem}")

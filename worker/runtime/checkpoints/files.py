@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,11 @@ class CheckpointWriteError(DdpqError):
 
     status_code = 500
     code = "checkpoint_write_failed"
+
+
+class VersionGoneError(CheckpointWriteError):
+    """The version of a followed file that completed is no longer there to copy: the file
+    vanished, or the script is already writing the next version (which will be taken)."""
 
 
 def describe_write_error(exc: BaseException) -> str:
@@ -102,7 +108,7 @@ def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> t
     try:
         fd = os.open(source, flags | os.O_NONBLOCK)  # O_NONBLOCK: a fifo does not hang us
     except FileNotFoundError:
-        raise CheckpointWriteError(f"{source} vanished before it was copied") from None
+        raise VersionGoneError(f"{source} vanished before it was copied") from None
     except OSError as exc:
         reason = describe_write_error(exc)  # ELOOP: a symbolic link
         raise CheckpointWriteError(f"{source} cannot be read: {reason}") from None
@@ -112,7 +118,7 @@ def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> t
             raise CheckpointWriteError(f"{source} is not a regular file")
         leased = take_read_lease(fd)
         if leased is False:
-            raise CheckpointWriteError(
+            raise VersionGoneError(
                 f"{source} is open for writing by another process (a newer version is on its way)"
             )
         digest, size_bytes = hashlib.sha256(), 0
@@ -139,6 +145,23 @@ def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> t
             f"{size_bytes} copied, {after.st_size} at the end)"
         )
     return size_bytes, digest.hexdigest()
+
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def looks_torn(path: Path) -> bool:
+    """Whether ``path`` begins as a zip archive (what ``torch.save`` writes) but has no
+    intact end (``zipfile.is_zipfile`` finds no end-of-central-directory record): a save cut
+    short by a crash, whose file the kernel closed anyway. Other formats: False (nothing to
+    tell by)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+                return False
+    except OSError:
+        return False
+    return not zipfile.is_zipfile(path)
 
 
 def write_temp_copy(source: Path, final_path: Path) -> tuple[Path, int, str]:

@@ -40,6 +40,7 @@ from inotify_simple import INotify, flags
 
 from service.core import artifacts
 from service.core.spec.followed import glob_matches, glob_parts
+from service.core.wire.attempt import CheckpointEntry
 from service.core.wire.workspace import path_problem
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpoints.fetch import (
@@ -278,35 +279,47 @@ def restore_followed(
     client: AttemptClient, artifact_dir: Path, job_id: int, attempt: int, root: Path,
     pattern: str,
 ) -> RestoredFile | None:  # fmt: skip
-    """Put the job's newest followed checkpoint back: of the committed checkpoints whose
-    ``file_name`` matches ``pattern``, the newest that can be brought onto this host verified
+    """Put the job's followed checkpoints back: for each workspace file name matching
+    ``pattern`` (a glob may match several files a script saves together), the newest committed
+    checkpoint of that name that can be brought onto this host verified
     (``fetch.first_usable_checkpoint``: the previous one when the newest cannot be had; a
     damaged one is recorded deleted), copied atomically (temp file, rename) to
     ``root/file_name``. Call it before ``FollowedFiles`` starts watching ``root``.
 
     Returns:
-        What was restored; None when the job has no such checkpoint.
+        The newest of what was restored; None when the job has no such checkpoint.
     Raises:
-        CheckpointFetchError: such checkpoints exist, but none could be had or put in place.
+        CheckpointFetchError: such checkpoints exist, but a name's could not be had or put in
+            place.
         StaleAttemptError: the attempt is fenced off.
         ApiUnavailableError: the list could not be read (``fetch.RESUME_LIST_WAIT_S``).
     """
     parts = glob_parts(pattern)
-    entries = [
-        e
-        for e in read_checkpoint_list(client)
-        if e.file_name is not None and glob_matches(parts, e.file_name)
+    by_name: dict[str, list[CheckpointEntry]] = {}
+    for e in read_checkpoint_list(client):  # newest step first
+        if e.file_name is not None and glob_matches(parts, e.file_name):
+            by_name.setdefault(e.file_name, []).append(e)
+    restored = [
+        _restore_one(client, entries, artifact_dir, job_id, attempt, Path(root))
+        for entries in by_name.values()
     ]
-    if not entries:
-        return None
+    return max(restored, key=lambda r: r.step, default=None)
+
+
+def _restore_one(
+    client: AttemptClient, entries: list[CheckpointEntry], artifact_dir: Path, job_id: int,
+    attempt: int, root: Path,
+) -> RestoredFile:  # fmt: skip
+    """The newest usable of ``entries`` (one file name's checkpoints) put back under
+    ``root``."""
     entry = first_usable_checkpoint(client, entries, artifact_dir, job_id, attempt)
     if entry is None or entry.file_name is None:
         raise CheckpointFetchError(
-            f"none of the job's {len(entries)} checkpoints of {pattern!r} could be brought onto "
-            "this host intact (see the log)"
+            f"none of the job's {len(entries)} checkpoints of {entries[0].file_name!r} could be "
+            "brought onto this host intact (see the log)"
         )
     source = artifacts.checkpoint_path(artifact_dir, job_id, entry.step)
-    dest = _restore_path(Path(root), entry.file_name)
+    dest = _restore_path(root, entry.file_name)
     tmp = artifacts.temporary_path(dest)
     try:
         size_bytes, sha256 = copy_hashed(source, tmp, follow_symlinks=True)

@@ -50,7 +50,9 @@ from worker.attempt import STOP_UPLOAD_S
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.files import (
     CheckpointWriteError,
+    VersionGoneError,
     describe_write_error,
+    looks_torn,
     publish_checkpoint,
     write_temp_checkpoint,
     write_temp_copy,
@@ -203,9 +205,10 @@ class Checkpointer(NullCheckpointer):
         and fsync it; then record or upload it in the background as ``save`` does, with
         ``file_name`` (its workspace-relative name) on the record.
 
-        A source that vanished, is not a regular file (a symbolic link), is open for writing
-        by another process or changed during the copy is a failed save (logged, a job event,
-        ``failed``), not an exception. A second save of the same step is ignored.
+        A source that is not a regular file (a symbolic link) or changed during the copy is
+        a failed save (logged, a job event, ``failed``), not an exception; one that vanished
+        or is being written again (a newer version is on its way) is skipped with a log line.
+        A second save of the same step is ignored.
         """
         if self._stale.is_set() or step == self.last_step:
             return
@@ -213,8 +216,16 @@ class Checkpointer(NullCheckpointer):
         path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
         try:
             tmp, size_bytes, sha256 = write_temp_copy(source, path)
+        except VersionGoneError as exc:  # not a failure: a newer version (or none) follows
+            log.info("followed file not taken at step %d: %s", step, exc)
+            return
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
+            return
+        if looks_torn(tmp):  # a torch.save cut short (a crash): never a checkpoint
+            tmp.unlink(missing_ok=True)
+            log.warning("%s is a zip archive cut short (a save the script did not finish): "
+                        "not taken", source)  # fmt: skip
             return
         self.wait()
         written = UploadItem(step, epoch, path, size_bytes, sha256, file_name)

@@ -8,10 +8,11 @@
   metric points (tag → name, global_step → step) through the rank's metrics writer, read as
   the event files grow (``worker.runtime.script.tensorboard``).
 
-A version that completes once a stop was asked for (cancel, preemption, shutdown) is held
-until the script has ended: a script killed by the signal may have been cut off in the middle
-of writing it (the kernel closes its files either way), so it is uploaded only when the script
-exited on its own.
+A version that completes once a stop was asked for (cancel, preemption, shutdown), or as the
+script is ending, is held until the script has ended: a script killed by a signal or ending
+on an error may have been cut off in the middle of writing it (the kernel closes its files
+either way), so it is uploaded only when the script exited 0. A ``torch.save`` archive cut
+short is never taken (``looks_torn``).
 
 The follower runs on a thread of its own, beside the script: it wakes at once when a version
 completes (inotify) and reads new scalars at least every ``POLL_S`` seconds, so it never slows
@@ -26,13 +27,16 @@ from the restored file at epoch e+1 supersedes the earlier attempt's points afte
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.core.metrics.points import MAX_STEP
 from service.core.spec.model import JobSpec
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpoints.followed import (
@@ -52,6 +56,8 @@ from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
+# How long a completed version waits to see whether the script is ending (seconds).
+SETTLE_S = 0.2
 # Where the rank that restored a followed file leaves its step for the host's other ranks.
 RESTORED_STEP_NAME = ".restored-step"
 
@@ -105,7 +111,8 @@ class ScriptFollower:
         restored_step: int | None = None,
     ) -> None:
         self._root, self._stop = root, stop
-        self._held: list[Path] = []  # versions completed after a stop was asked for
+        self._held: list[Path] = []  # versions completed after a stop, or as the script ended
+        self._child: subprocess.Popen[bytes] | None = None
         self._last_step = 0  # the newest scalar step seen
         self._checkpoint_step = restored_step or 0
         self._sink: Sink | None = None
@@ -119,7 +126,8 @@ class ScriptFollower:
             )
             self._sink = make_sink(env, dist, artifact_dir=artifact_dir)
             self._facts = AttemptFacts(self._sink)
-            self._scalars = TensorBoardScalars(root.joinpath(*spec.metrics.tensorboard.split("/")))
+            logdir = root.joinpath(*spec.metrics.tensorboard.split("/"))
+            self._scalars = TensorBoardScalars(logdir, within=root)
         if spec.checkpoints is not None:
             self._files = FollowedFiles(root, spec.checkpoints.path)
             self._checkpointer = make_checkpointer(
@@ -139,6 +147,21 @@ class ScriptFollower:
         """Start polling (a no-op when there is nothing to follow)."""
         if self.active:
             self._thread.start()
+
+    def watch(self, child: subprocess.Popen[bytes]) -> None:
+        """The script's process, once started: a version whose file closed as it ended is
+        held until its exit code is known."""
+        self._child = child
+
+    def _script_ending(self) -> bool:
+        """Whether a stop was asked for, or the script has ended (or is not running yet)
+        within ``SETTLE_S`` of now: its last close may be its death's."""
+        if self._stop.is_set() or self._child is None:
+            return True
+        if self._child.poll() is not None:
+            return True
+        time.sleep(SETTLE_S)
+        return self._child.poll() is not None or self._stop.is_set()
 
     def _run(self) -> None:
         while not self._done.is_set():
@@ -162,7 +185,7 @@ class ScriptFollower:
             self._take_scalars(self._scalars.poll())
         if self._files is not None:
             completed = self._files.completed()
-            if self._stop.is_set():
+            if completed and self._script_ending():
                 self._held += [p for p in completed if p not in self._held]
             else:
                 self._save(completed)
@@ -180,12 +203,12 @@ class ScriptFollower:
         if sink is None or facts is None or not scalars:
             return
         for s in scalars:
-            if s.step < 1:
+            if not 1 <= s.step <= MAX_STEP:
                 if s.name not in self._warned_step0:
                     self._warned_step0.add(s.name)
                     log.warning(
-                        "TensorBoard scalar %r at global_step %d skipped: ddpq's steps start at "
-                        "1 (pass global_step=epoch + 1, or the optimizer step count)",
+                        "TensorBoard scalar %r at global_step %d skipped: ddpq's steps are 1 to "
+                        "2**53 - 1 (pass global_step=epoch + 1, or the optimizer step count)",
                         s.name, s.step,
                     )  # fmt: skip
                 continue
@@ -201,8 +224,7 @@ class ScriptFollower:
 
         Args:
             exit_code: how the script ended (negative: the signal that killed it; None: it
-                did not start). Versions held since a stop are uploaded only when the script
-                exited on its own (``exit_code`` ≥ 0).
+                did not start). Held versions are uploaded only when it exited 0.
         """
         if not self.active:
             return
@@ -211,15 +233,15 @@ class ScriptFollower:
             self._thread.join()
         try:
             self.poll()
-            if self._held and exit_code is not None and exit_code >= 0:
+            if self._held and exit_code == 0:
                 self._save(self._held)
             elif self._held:
                 names = ", ".join(relative_name(self._root, p) for p in self._held)
                 log.warning(
-                    "not uploaded: %s, written while the script was being stopped and then "
-                    "killed (it may be cut short); the previous version stays the newest",
-                    names,
-                )
+                    "not taken as a checkpoint: %s, closed as the script ended with %s (it may "
+                    "be cut short); the previous version stays the newest",
+                    names, exit_code,
+                )  # fmt: skip
         except Exception:
             log.exception("following the script's files (last look)")
         if self._files is not None:

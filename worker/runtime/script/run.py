@@ -10,9 +10,10 @@ it: not its imported packages (a project may have its own ``worker`` or ``servic
 logging set-up, not its signal handlers; ``sys.argv`` and tracebacks are the script's own.
 
 The rank stays as the script's supervisor:
-- a stop signal (cancel, preemption, worker shutdown) is passed on to the script at once,
-  and the rank then exits ``128 + signum`` whatever the script returns (a script that saves
-  and exits 0 on SIGTERM has not finished its job);
+- a stop signal (cancel, preemption, worker shutdown) reaches the script from the launcher
+  (``_wait`` passes it on only when the rank alone got it), and the rank then exits
+  ``128 + signum`` whatever the script returns (a script that saves and exits 0 on SIGTERM
+  has not finished its job);
 - a non-zero exit becomes the rank's error file: the exception and the last traceback lines
   parsed from the script's stderr (``parse_traceback``), else the exit code or signal;
 - an exit 0 leaves the rank's ``finished`` marker (its peers' "connection closed" afterwards
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +46,7 @@ from worker.attempt import (
 )
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.script.workspace import materialize
-from worker.runtime.signals import StopFlag
+from worker.runtime.signals import StopFlag, stop_grace_s
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
@@ -150,6 +153,8 @@ def run_command(
         child = subprocess.Popen(  # output: the rank's own stdout/stderr, i.e. its log
             [sys.executable, *spec.command], cwd=root, env=child_env, stdin=subprocess.DEVNULL
         )
+        if follower is not None:
+            follower.watch(child)
         code = _wait(child, stop)
     finally:
         if follower is not None:
@@ -168,19 +173,29 @@ def run_command(
 
 
 def _wait(child: subprocess.Popen[bytes], stop: StopFlag) -> int:
-    """The script's exit code (negative: the signal that killed it), passing a stop signal on
-    to it once. The rank itself then waits for it, as torchrun would; the launcher's SIGKILL
-    bounds that wait."""
-    passed_on = False
+    """The script's exit code (negative: the signal that killed it).
+
+    A stop signal reaches the script from the launcher itself (the local launcher signals
+    every process group of the attempt's tagged processes, Slurm every process of the step),
+    so the rank passes it on only when the script still runs ``DDPQ_STOP_GRACE_S`` seconds
+    later (the rank alone was signalled): a script that saves on SIGTERM gets it once. The
+    rank itself waits for the script meanwhile; the launcher's SIGKILL bounds that wait."""
+    pass_on_at: float | None = None
     while True:
         try:
             return child.wait(POLL_S)
         except subprocess.TimeoutExpired:
-            if stop.is_set() and not passed_on:
-                sig = stop.signum if stop.signum is not None else signal.SIGTERM
-                child.send_signal(sig)
+            if not stop.is_set() or pass_on_at == math.inf:
+                continue
+            if pass_on_at is None:
                 stop.seen_at_step_boundary()  # the script stops now: no grace exit for us
-                passed_on = True
+                pass_on_at = time.monotonic() + stop_grace_s()
+            elif time.monotonic() >= pass_on_at:
+                sig = stop.signum if stop.signum is not None else signal.SIGTERM
+                log.warning("the script still runs %.1f s after the stop: passing on %s",
+                            stop_grace_s(), signal.Signals(sig).name)  # fmt: skip
+                child.send_signal(sig)
+                pass_on_at = math.inf
 
 
 def _tail(path: Path, start: int) -> str:

@@ -30,8 +30,10 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -39,6 +41,7 @@ import torch.distributed as torch_dist
 from service.core.config import Settings
 from worker.attempt import RESUMED_FROM_STEP
 from worker.runtime.attempt_client import AttemptClient
+from worker.runtime.checkpoints.files import CheckpointWriteError
 from worker.runtime.checkpoints.saver import make_checkpointer
 from worker.runtime.distributed import DistContext
 from worker.runtime.main import hand_over_reported, load_spec
@@ -56,10 +59,15 @@ class CollectiveBeforeInitError(RuntimeError):
     """A ``ddpq`` collective was called before the script's process group is up."""
 
 
+class FollowedCheckpointsError(RuntimeError):
+    """``ddpq.save_checkpoint`` in a job that follows the script's own checkpoint file."""
+
+
 class ScriptSession(RankSession):
     """A ``RankSession`` inside a command job's script (see the module docstring)."""
 
     polls_stop = False  # whether the script ever called should_stop
+    finishing = False  # whether ``finish`` began (a stop signal then changes nothing)
     finished = False  # whether ``finish`` ran
     # The rank's stop-signal handling, entered for the script's whole life.
     signal_handlers: contextlib.ExitStack | None = None
@@ -99,18 +107,50 @@ class ScriptSession(RankSession):
         self.polls_stop = True
         return super().should_stop()
 
+    def save_checkpoint(self, state: Any, step: int, epoch: int = 0) -> None:
+        """See ``RankSession.save_checkpoint``.
+
+        Raises:
+            FollowedCheckpointsError: the job follows the script's own checkpoint file
+                (``checkpoints.path``): one series of checkpoints per job.
+        """
+        if self.spec.checkpoints is not None:
+            raise FollowedCheckpointsError(
+                f"this job follows your script's own checkpoint file "
+                f"(checkpoints.path: {self.spec.checkpoints.path}); a job keeps one series of "
+                "checkpoints: drop checkpoints.path to save with ddpq.save_checkpoint, or save "
+                "only that file"
+            )
+        super().save_checkpoint(state, step, epoch)
+
     def finish(self) -> None:
         """At the script's exit: write what was reported and wait for the checkpoint in flight
-        and its upload (bounded as at a rank's end). Never raises; a second call does
-        nothing."""
-        if self.finished:
+        and its upload (bounded as at a rank's end). A second call does nothing.
+
+        When the newest checkpoint asked for could not be written or uploaded, the script
+        ends with exit code 1 and the error as its traceback's last line (the job fails, as a
+        built-in task whose final checkpoint failed does), instead of succeeding without it.
+        """
+        if self.finished or self.finishing:
             return
+        self.finishing = True
+        failed: CheckpointWriteError | None = None
         for step in (self.flush, self.sink.close, self.checkpointer.close):
             try:
                 step()
+            except CheckpointWriteError as exc:
+                failed = exc
             except Exception:
                 log.exception("ddpq: while finishing the script's session")
         self.finished = True
+        if failed is not None:
+            sys.stderr.write(
+                f"Traceback (most recent call last):\n  (ddpq, at the script's exit)\n"
+                f"CheckpointWriteError: {failed}\n"
+            )
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
 
 
 def _device(env: RankEnv, gpus_per_node: int) -> torch.device:
@@ -154,23 +194,34 @@ def script_session() -> ScriptSession:
 
 
 def _handle_stop_signals(session: ScriptSession) -> None:
-    """The rank's stop-signal handling (flag and grace thread), plus: a script that never
-    asked ``should_stop`` leaves at the signal itself."""
+    """Stop signals raise the session's stop flag. A script with handlers of its own keeps
+    them: they are called after the flag is raised. Otherwise the rank's handling applies (the
+    grace thread of ``worker.runtime.signals``), and a script that never asked
+    ``should_stop`` leaves at the signal itself, its reported points written (``atexit``)."""
     if not _on_main_thread():
         log.warning("ddpq: first called off the main thread: stop signals are not handled")
         return
-    stack = contextlib.ExitStack()
-    stack.enter_context(stop_signal_handlers(session.stop_flag))  # for the process's life
+    theirs = {
+        sig: handler
+        for sig in STOP_SIGNALS
+        if callable(handler := signal.getsignal(sig)) and handler is not signal.default_int_handler
+    }
+    if not theirs:
+        stack = contextlib.ExitStack()
+        stack.enter_context(stop_signal_handlers(session.stop_flag))  # for the process's life
+        session.signal_handlers = stack  # never closed: the grace thread lives as long as it
     flag = session.stop_flag
 
-    def _handler(signum: int, _frame: FrameType | None) -> None:
+    def _handler(signum: int, frame: FrameType | None) -> None:
         flag.request(f"received {signal.Signals(signum).name}", signum)
-        if not session.polls_stop:
+        own = theirs.get(signal.Signals(signum))
+        if own is not None:
+            own(signum, frame)
+        elif not session.polls_stop and not session.finishing:
             raise SystemExit(128 + signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handler)
-    session.signal_handlers = stack  # never closed: the grace thread lives as long as the script
 
 
 def _on_main_thread() -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,13 +109,17 @@ class _EventFile:
 class TensorBoardScalars:
     """The scalars of every event file under one log directory, as they are written."""
 
-    def __init__(self, logdir: Path) -> None:
+    def __init__(self, logdir: Path, within: Path | None = None) -> None:
         """Follow ``logdir``, which need not exist yet (the script creates it later).
 
+        Args:
+            within: a directory ``logdir`` must stay inside (the workspace): while the log
+                directory resolves elsewhere (a symbolic link out), nothing is read.
         Raises:
             TensorBoardUnavailableError: tensorboard is not installed on this host.
         """
-        self._logdir = logdir
+        self._logdir, self._within = logdir, within
+        self._warned_outside = False
         self._loader_class, self._make_ndarray = _tensorboard()
         self._files: dict[Path, _EventFile] = {}
 
@@ -138,13 +143,31 @@ class TensorBoardScalars:
         """Each event file under the log directory, with its directory's name, in poll's
         order."""
         found: list[tuple[Path, str]] = []
+        if self._within is not None and not self._inside():
+            return found
         # os.walk yields nothing for a missing directory and follows no symlinked directory.
         for dirpath, dirnames, filenames in os.walk(self._logdir):
             dirnames.sort()
             subdir = "" if Path(dirpath) == self._logdir else Path(dirpath).name
             # TensorBoard's own test (io_wrapper.IsTensorFlowEventsFile): "tfevents" in the name.
-            found.extend((Path(dirpath, n), subdir) for n in sorted(filenames) if "tfevents" in n)
+            found.extend(
+                (Path(dirpath, n), subdir)
+                for n in sorted(filenames)
+                if "tfevents" in n and _regular(Path(dirpath, n))
+            )
         return found
+
+    def _inside(self) -> bool:
+        """Whether the log directory resolves inside ``within`` (said once when not)."""
+        assert self._within is not None
+        real = os.path.realpath(self._logdir)
+        if Path(real).is_relative_to(os.path.realpath(self._within)):
+            return True
+        if not self._warned_outside:
+            self._warned_outside = True
+            log.warning("tensorboard: %s leads out of %s (%s): not read", self._logdir,
+                        self._within, real)  # fmt: skip
+        return False
 
     def _open(self, path: Path, subdir: str) -> _EventFile:
         try:
@@ -213,6 +236,15 @@ class TensorBoardScalars:
         except (TypeError, ValueError) as exc:  # a tensor proto that does not decode
             log.debug("tensorboard: tag %s: no scalar in its tensor (%s)", value.tag, exc)
             return None
+
+
+def _regular(path: Path) -> bool:
+    """A regular file itself, not a symbolic link, fifo or device (opening a fifo would
+    block the reader; a link may lead out of the workspace)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def metric_name(subdir: str, tag: str) -> str:
