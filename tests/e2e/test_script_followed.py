@@ -160,3 +160,49 @@ def test_a_followed_snapshot_survives_losing_the_host_network_namespaces(
 def test_a_followed_snapshot_survives_losing_the_host_loopback(tmp_path: Path) -> None:
     with cluster_of(tmp_path, None) as cluster:
         lose_the_host_and_resume(cluster, tmp_path)
+
+
+CRASHING = """
+import io, os, signal, time
+import torch
+
+epochs_run = 0
+if os.path.exists("snapshot.pt"):
+    epochs_run = torch.load("snapshot.pt")["EPOCHS_RUN"]
+    print(f"resuming from snapshot at epoch {epochs_run}", flush=True)
+for epoch in range(epochs_run, 4):
+    time.sleep(0.6)
+    state = {"EPOCHS_RUN": epoch + 1, "w": torch.full((50_000,), float(epoch))}
+    if epoch == 2 and os.environ["DDPQ_ATTEMPT"] == "1":  # killed half-way through a save
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        with open("snapshot.pt", "wb") as fh:
+            fh.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            fh.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save(state, "snapshot.pt")
+    print(f"saved epoch {epoch}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_snapshot_cut_short_by_a_crash_is_never_a_checkpoint(
+    deployment: Any, tmp_path: Path
+) -> None:
+    """The OOM killer ends the script half-way through ``torch.save``: the kernel closes the
+    file anyway. That version must not become the checkpoint attempt 2 starts from."""
+    dep = deployment
+    dep.start_worker()
+    work = tmp_path / "crash"
+    work.mkdir()
+    (work / "crash.py").write_text(CRASHING)
+    with DdpqClient(dep.url) as client:
+        job = client.run(["crash.py"], workdir=work, nproc_per_node=1,
+                         checkpoint_path="snapshot.pt", overrides={"max_restarts": 1})  # fmt: skip
+    job_id = int(job["id"])
+    job = dep.wait_state(job_id, ("succeeded",), 300)
+    assert job["attempt"] == 2, job
+    log2 = (dep.artifact_dir / "jobs" / str(job_id) / "attempt-2" / "rank-0.log").read_text()
+    assert "resuming from snapshot at epoch 2" in log2, dep.diagnostics(job_id)
+    sizes = {c["size_bytes"] for c in dep.checkpoints(job_id)}
+    assert all(size > 150_000 for size in sizes), f"no half file among {sizes}"

@@ -5,6 +5,7 @@ read with TensorBoard's own loader, poll after poll."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -223,3 +224,22 @@ def test_without_tensorboard_the_error_says_what_to_install(
     with pytest.raises(TensorBoardUnavailableError, match="pip install tensorboard") as caught:
         TensorBoardScalars(tmp_path)
     assert caught.value.code == "tensorboard_unavailable"
+
+
+def test_only_regular_files_inside_the_workspace_are_read(tmp_path: Path) -> None:
+    """A fifo named like an event file would block the reader (and every upload behind it);
+    a symbolic link, or a log directory that leads out of the workspace, would read another
+    job's files: none of them is read."""
+    workspace, outside = tmp_path / "ws", tmp_path / "other-job"
+    with SummaryWriter(str(outside)) as writer:
+        writer.add_scalar("stolen", 1.0, 1)
+    runs = workspace / "runs"
+    runs.mkdir(parents=True)
+    os.mkfifo(runs / "events.out.tfevents.fifo")
+    (runs / "events.out.tfevents.link").symlink_to(event_file(outside))
+    with SummaryWriter(str(runs)) as writer:
+        writer.add_scalar("loss", 0.5, 1)
+    assert points(TensorBoardScalars(runs, within=workspace).poll()) == [("loss", 1, 0.5)]
+
+    (workspace / "out").symlink_to(outside)
+    assert TensorBoardScalars(workspace / "out", within=workspace).poll() == []
