@@ -106,6 +106,8 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(
     newest, previous = checkpoints(dep, job_id)[:2]
     assert loss_steps(dep, job_id)[-1] >= previous["step"]
     newest_path = artifacts.checkpoint_path(dep.artifact_dir, job_id, newest["step"])
+    if not newest_path.exists():  # killed between its record and its rename into place
+        newest_path.write_bytes(b"\0" * 4096)  # then damaged all the same: what resume sees
     corrupt(newest_path, corruption)
 
     job = dep.wait_state(job_id, ("succeeded",), 240)
