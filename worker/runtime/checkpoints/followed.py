@@ -126,6 +126,7 @@ class FollowedFiles:
         self._inotify = _open_inotify()
         self._dirs: dict[int, str] = {}  # watch descriptor → relative directory ("": root)
         self._pending: dict[str, None] = {}  # relative names, oldest completion first
+        self._recheck: dict[str, None] = {}  # closed, but another writer still had them open
         self._versions: dict[str, _Version] = {}  # the last version known of each file
         self._scanned: dict[str, _Version] = {}  # versions a scan queued (not an event)
         try:
@@ -146,7 +147,17 @@ class FollowedFiles:
             if version is not None:
                 self._versions[name] = version
                 done.append(self._root / name)
+            elif self._version(name) is not None:  # still open for writing somewhere
+                self._recheck[name] = None
+        self._pending.update(self._recheck)  # asked again at the next call
+        self._recheck.clear()
         return done
+
+    @property
+    def rechecking(self) -> bool:
+        """Whether a closed version waits for its file's last writer to close it (call
+        ``completed`` again soon: no event may come for it)."""
+        return bool(self._pending)
 
     def wait(self, timeout_s: float) -> bool:
         """Block until a watched directory changed or ``timeout_s`` seconds passed; True when

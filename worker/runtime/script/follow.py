@@ -56,6 +56,8 @@ from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
+# How soon a closed file another writer still holds open is looked at again (seconds).
+RECHECK_S = 0.1
 # How long a completed version waits to see whether the script is ending (seconds).
 SETTLE_S = 0.2
 # Where the rank that restored a followed file leaves its step for the host's other ranks.
@@ -168,7 +170,7 @@ class ScriptFollower:
             # A completed version wakes the loop at once: its copy starts before the script
             # can write the next one (and holds that write off while it copies).
             if self._files is not None:
-                self._files.wait(POLL_S)
+                self._files.wait(RECHECK_S if self._files.rechecking else POLL_S)
             else:
                 self._done.wait(POLL_S)
             if self._done.is_set():
