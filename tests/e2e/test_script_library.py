@@ -71,6 +71,7 @@ def test_report_checkpoints_and_config_reach_the_job(deployment: Any, tmp_path: 
     log = rank_log(dep, job_id)
     assert "lr 0.02;" in log, "ddpq.config() gives the spec's config over the defaults"
     assert f"job_id={job_id}, attempt=1, rank=0, local_rank=0, world_size=2" in log, log[-2000:]
+    assert "Exception ignored" not in log, "nothing of ddpq's complains at the script's exit"
 
 
 @pytest.mark.slow
@@ -120,3 +121,26 @@ def test_a_requeued_script_resumes_from_its_newest_checkpoint(
     assert steps == list(range(1, epochs * STEPS_PER_EPOCH + 1)), (
         f"every step's loss once across the attempts\n{dep.diagnostics(job_id)}"
     )
+
+
+def test_a_failing_script_that_uses_ddpq_is_blamed_for_its_own_error(
+    deployment: Any, tmp_path: Path
+) -> None:
+    """ddpq's stop handling lives as long as the script: nothing of it may print a traceback
+    at the interpreter's exit, where it would stand in for the script's own error."""
+    dep = deployment
+    dep.start_worker()
+    work = tmp_path / "failing"
+    work.mkdir()
+    (work / "fail.py").write_text(
+        "import ddpq\nddpq.report(1, loss=1.0)\nraise KeyError('real-problem')\n"
+    )
+    from service.client import DdpqClient
+
+    with DdpqClient(dep.url) as client:
+        job_id = int(client.run(["fail.py"], workdir=work, nproc_per_node=1)["id"])
+    job = dep.wait_state(job_id, ("failed",), 180)
+    assert job["error"].startswith("rank 0 failed: KeyError: 'real-problem'"), job["error"]
+    log = rank_log(dep, job_id)
+    assert "Exception ignored" not in log, log[-2000:]
+    assert loss_points(dep, job_id)[0]["step"] == 1, "what it reported before failing is kept"

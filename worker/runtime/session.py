@@ -125,6 +125,12 @@ class RankSession:
         """
         metrics = metrics or {}
         step, epoch = checked_report(step, epoch, metrics, self._known_names)
+        for name, value in metrics.items():  # before anything is kept or told
+            if isinstance(value, torch.Tensor) and value.numel() != 1:  # metadata: no sync
+                raise ValueError(
+                    f"metric {name!r}: a tensor of shape {tuple(value.shape)}; report one "
+                    "number (e.g. loss.mean())"
+                )
         if not self.facts.began:  # before the first point: its resume step goes first
             self.facts.begin_at_report(step)
         sink = self.sink
@@ -136,11 +142,6 @@ class RankSession:
         else:
             for name, value in metrics.items():
                 if isinstance(value, torch.Tensor):
-                    if value.numel() != 1:  # metadata only: no host sync
-                        raise ValueError(
-                            f"metric {name!r}: a tensor of shape {tuple(value.shape)}; report "
-                            "one number (e.g. loss.mean())"
-                        )
                     sink.report(step, epoch, value, name)
                 else:
                     sink.report_values(step, epoch, {name: value})

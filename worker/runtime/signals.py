@@ -112,16 +112,17 @@ class StopRequested(Exception):
     """Raised where a rank cannot reach a step boundary (e.g. an injected hang) to stop now."""
 
 
-@contextmanager
-def stop_signal_handlers(flag: StopFlag) -> Iterator[None]:
-    """Install handlers that set ``flag`` for ``STOP_SIGNALS``; restore the old ones on exit.
+def install_stop_handlers(flag: StopFlag) -> Callable[[], None] | None:
+    """Install handlers that set ``flag`` for ``STOP_SIGNALS`` and start the grace thread.
 
-    Off the main thread (Python allows handlers only there) it installs nothing and logs it.
+    Returns:
+        A function that restores the previous handlers and ends the grace thread's watch;
+        None off the main thread (Python allows handlers only there: nothing installed, and
+        that is logged).
     """
     if threading.current_thread() is not threading.main_thread():
         log.warning("not on the main thread: stop signals are not handled by the runtime")
-        yield
-        return
+        return None
 
     def _handler(signum: int, _frame: FrameType | None) -> None:
         flag.request(f"received {signal.Signals(signum).name}", signum)
@@ -133,10 +134,22 @@ def stop_signal_handlers(flag: StopFlag) -> Iterator[None]:
         daemon=True,
     )  # fmt: skip
     grace.start()
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         done.set()
         flag.seen_at_step_boundary()  # the rank is leaving on its own: release a pending grace
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+    return restore
+
+
+@contextmanager
+def stop_signal_handlers(flag: StopFlag) -> Iterator[None]:
+    """``install_stop_handlers`` for the block; the old handlers are restored on exit."""
+    restore = install_stop_handlers(flag)
+    try:
+        yield
+    finally:
+        if restore is not None:
+            restore()

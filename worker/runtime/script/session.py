@@ -24,7 +24,6 @@ where it goes on (its first report, ``AttemptFacts.begin_at_report``).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -47,7 +46,7 @@ from worker.runtime.distributed import DistContext
 from worker.runtime.main import hand_over_reported, load_spec
 from worker.runtime.metrics.sink import make_sink
 from worker.runtime.session import RankSession
-from worker.runtime.signals import STOP_SIGNALS, StopFlag, stop_signal_handlers
+from worker.runtime.signals import STOP_SIGNALS, StopFlag, install_stop_handlers
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
@@ -69,8 +68,6 @@ class ScriptSession(RankSession):
     polls_stop = False  # whether the script ever called should_stop
     finishing = False  # whether ``finish`` began (a stop signal then changes nothing)
     finished = False  # whether ``finish`` ran
-    # The rank's stop-signal handling, entered for the script's whole life.
-    signal_handlers: contextlib.ExitStack | None = None
 
     def collective_dist(self) -> DistContext:
         """The script's process group, with a gloo group for ddpq's small CPU votes when the
@@ -206,10 +203,8 @@ def _handle_stop_signals(session: ScriptSession) -> None:
         for sig in STOP_SIGNALS
         if callable(handler := signal.getsignal(sig)) and handler is not signal.default_int_handler
     }
-    if not theirs:
-        stack = contextlib.ExitStack()
-        stack.enter_context(stop_signal_handlers(session.stop_flag))  # for the process's life
-        session.signal_handlers = stack  # never closed: the grace thread lives as long as it
+    if not theirs:  # for the process's life: nothing to restore at its exit
+        install_stop_handlers(session.stop_flag)
     flag = session.stop_flag
 
     def _handler(signum: int, frame: FrameType | None) -> None:
