@@ -22,7 +22,6 @@ from service.store.db import Database
 from service.store.jobs.crud import list_events
 from tests.rank_api import LiveApi, attempt_client, live_api, running_job
 from worker.runtime.checkpoints.fetch import CheckpointFetchError, find_resume_checkpoint
-from worker.runtime.checkpoints.files import CheckpointWriteError
 from worker.runtime.checkpoints.followed import RestoredFile, restore_followed
 from worker.runtime.checkpoints.saver import Checkpointer
 
@@ -108,29 +107,28 @@ def test_save_file_uploads_a_copy_with_its_file_name(
 
 
 @pytest.mark.parametrize("transport", ["auto", "upload"])
-def test_a_vanished_source_is_a_failed_save_not_an_exception(
+def test_a_vanished_source_is_skipped_not_a_failure(
     db: Database, settings: Settings, api: LiveApi, job: tuple[int, int], tmp_path: Path,
     transport: str,
 ) -> None:  # fmt: skip
+    """A followed file gone before its copy (the script deleted it, or a newer version is
+    being written) is no checkpoint and no failure: the next version is taken."""
     ckpt = checkpointer(db, api, job, settings.resolved_artifact_dir, transport)
     ckpt.save_file(10, 0, tmp_path / "workspace" / "snapshot.pt", "snapshot.pt")
     assert ckpt.wait_uploaded(60)
-    assert [step for step, _ in ckpt.failed] == [10]
+    assert ckpt.failed == []
     with db.session(write=False) as s:
         reasons = [e.reason or "" for e in list_events(s, job[0])]
-    assert any("checkpoint at step 10" in r and "vanished" in r for r in reasons), (
-        f"a job event names the step and why: {reasons}"
-    )
+    assert not any("vanished" in r for r in reasons), reasons
     assert rows(db, job[0]) == {}
-    with pytest.raises(CheckpointWriteError, match="step 10"):
-        ckpt.close()  # the newest save asked for failed, as for any checkpoint
+    ckpt.close()  # nothing asked for failed
 
 
 def test_restore_puts_the_newest_matching_version_back_on_a_new_host(
     db: Database, api: LiveApi, job: tuple[int, int], tmp_path: Path
 ) -> None:
     """Host A saves three versions of ckpt/*.pt and one other file; host B, with none of
-    them, gets the newest ckpt/*.pt at its name in its fresh workspace."""
+    them, gets the newest version of every ckpt/*.pt name in its fresh workspace."""
     ckpt = checkpointer(db, api, job, tmp_path / "host-a", "upload")
     saves = [(10, "ckpt/e1.pt"), (20, "ckpt/e2.pt"), (30, "ckpt/e1.pt"), (40, "notes.bin")]
     saved = save_versions(ckpt, tmp_path / "workspace-a", saves)
@@ -142,7 +140,9 @@ def test_restore_puts_the_newest_matching_version_back_on_a_new_host(
     assert restored == RestoredFile(30, "ckpt/e1.pt", root / "ckpt" / "e1.pt")
     assert (root / "ckpt" / "e1.pt").read_bytes() == saved[30]
     assert torch.load(root / "ckpt" / "e1.pt")["epoch"] == 30, "the script loads it as is"
-    assert sorted(p.name for p in root.rglob("*")) == ["ckpt", "e1.pt"], "no temp file left"
+    assert (root / "ckpt" / "e2.pt").read_bytes() == saved[20], "every matching name"
+    names = sorted(p.name for p in root.rglob("*"))
+    assert names == ["ckpt", "e1.pt", "e2.pt"], "no temp file left, no other file"
     assert find_resume_checkpoint(client, tmp_path / "host-c", *job) is None, (
         "followed files are not ddpq's own checkpoints: an ordinary resume skips them"
     )
