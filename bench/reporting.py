@@ -69,10 +69,10 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     from worker.runtime.checkpoints.saver import NullCheckpointer
     from worker.runtime.distributed import DistContext
     from worker.runtime.metrics.sink import make_sink
-    from worker.runtime.session import RankSession
     from worker.runtime.signals import StopFlag
     from worker.runtime.topology import RankEnv
     from worker.runtime.train.context import TrainContext
+    from worker.runtime.train.session import RankSession
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))

@@ -14,7 +14,7 @@ for epoch in range(start, cfg["epochs"]):
 ```
 
 Under ddpq (a command job or an entrypoint), each call goes to the rank's one set of services
-(``worker.runtime.session.RankSession``): the metrics sink (batched, spilled to a file while
+(``worker.runtime.train.session.RankSession``): the metrics sink (batched, spilled to a file while
 the API is away, written exactly once, fenced to this attempt), the checkpointer (async
 snapshot, atomic write, sha256, upload through the API) and the stop vote. Outside ddpq (plain
 ``python`` or ``torchrun``) every call works locally: ``report`` prints a line every

@@ -22,7 +22,7 @@ _OWN_PACKAGES = ("service", "worker")
 
 
 class Session(Protocol):
-    """What ``ddpq``'s functions call: ``worker.runtime.session.RankSession`` or
+    """What ``ddpq``'s functions call: ``worker.runtime.train.session.RankSession`` or
     ``ddpq._local.LocalSession``."""
 
     def report_metrics(

@@ -13,8 +13,8 @@ from service.core.spec.model import JobSpec
 from worker.runtime.checkpoints.saver import NullCheckpointer
 from worker.runtime.distributed import DistContext
 from worker.runtime.metrics.buffer import NullSink
-from worker.runtime.session import RankSession
 from worker.runtime.signals import StopFlag
+from worker.runtime.train.session import RankSession
 
 CPU = DistContext(0, 0, 1, torch.device("cpu"), "ddp", None)
 

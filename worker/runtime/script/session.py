@@ -45,9 +45,9 @@ from worker.runtime.checkpoints.saver import make_checkpointer
 from worker.runtime.distributed import DistContext
 from worker.runtime.main import hand_over_reported, load_spec
 from worker.runtime.metrics.sink import make_sink
-from worker.runtime.session import RankSession
 from worker.runtime.signals import STOP_SIGNALS, StopFlag, install_stop_handlers
 from worker.runtime.topology import RankEnv
+from worker.runtime.train.session import RankSession
 
 log = logging.getLogger(__name__)
 # The spill file of the script's metrics writer (the rank process may have its own).

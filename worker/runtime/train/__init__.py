@@ -1,1 +1,2 @@
-"""The training loop and the TrainContext entrypoints get."""
+"""The training loop, the TrainContext entrypoints get, and the rank session (metrics,
+checkpoints, stop vote) that it and the ``ddpq`` library both run on."""

@@ -22,7 +22,7 @@ from worker.runtime.distributed import (
     make_sampler,
     wrap_model,
 )
-from worker.runtime.session import RankSession
+from worker.runtime.train.session import RankSession
 
 log = logging.getLogger(__name__)
 Entrypoint = Callable[["TrainContext"], Any]
@@ -61,7 +61,7 @@ def load_entrypoint(task: str, settings: Settings) -> Entrypoint:
 class TrainContext(RankSession):
     """What ``def train(ctx): ...`` receives: identity, device, config, and the job's services.
     Built-in tasks are entrypoints over it too (``worker.tasks``); its metrics, checkpoints
-    and stop vote are the rank's ``RankSession`` (``worker.runtime.session``), the same one
+    and stop vote are the rank's ``RankSession`` (``worker.runtime.train.session``), the same one
     the ``ddpq`` library's calls reach in this rank.
 
     Attributes:
