@@ -24,6 +24,7 @@ from service.api.attempts import routes as attempts
 from service.api.attempts import uploads as attempt_uploads
 from service.api.attempts import workspace as attempt_workspace
 from service.api.checkpoints import routes as checkpoints
+from service.api.claim_waits import ClaimWaits
 from service.api.errors import install_error_handlers
 from service.api.jobs import goodput, logs
 from service.api.jobs import routes as jobs
@@ -33,6 +34,7 @@ from service.api.schemas import job_spec_openapi_schemas
 from service.api.sweeps import metrics as sweep_metrics
 from service.api.sweeps import routes as sweeps
 from service.api.workers import routes as workers
+from service.api.workers import self_routes as worker_self
 from service.api.workspaces import routes as workspaces
 from service.core.config import Settings, get_settings
 from service.core.wire import API_PREFIX
@@ -40,6 +42,7 @@ from service.core.wire.attempt import UPLOAD_CHUNK_PATH
 from service.core.wire.workspace import FILE_CHUNK_PATH, FILES_BATCH_PATH, WORKSPACES_PATH
 from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
+from service.store.jobs.service import has_claimable_job
 from service.store.migrate import check_database
 from service.store.reaper import reap_forever
 from service.store.workspaces.stores import make_workspace_stores
@@ -119,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.claim_waits.close()
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
@@ -136,6 +140,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.checkpoint_stores = stores
     app.state.workspace_stores = workspace_stores
+    app.state.claim_waits = ClaimWaits(
+        lambda launcher, gpus: has_claimable_job(db, launcher=launcher, max_gpus_per_node=gpus)
+    )
     install_error_handlers(app)
     manifest_bytes = settings.max_body_bytes + settings.workspace_max_files * (
         MANIFEST_BODY_BYTES_PER_FILE
@@ -152,6 +159,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         checkpoints,
         logs,
         workers,
+        worker_self,
         attempts,
         attempt_checkpoints,
         goodput,

@@ -244,7 +244,7 @@ def write_result(
     """Rank 0's success record, written after metrics and checkpoints are flushed and before
     teardown: ``{"status": "succeeded", "step", "final_metrics", "checkpoint"}``.
 
-    ``final_metrics`` values must be JSON-safe (see ``service.store.metrics.points.json_safe``).
+    ``final_metrics`` values must be JSON-safe (NaN and infinities as the attempt API encodes them).
     """
     path = artifacts.result_path(artifact_dir, job_id, attempt)
     write_json_atomic(

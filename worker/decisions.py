@@ -38,6 +38,8 @@ class HeldRun:
     launch_error: str | None = None
     cancel_requested: bool = False
     cancel_sent: bool = False
+    # The token its ranks get, minted by the claim (adopted runs are never launched here).
+    attempt_token: str = field(default="", repr=False)
 
     @classmethod
     def claimed(cls, job: ClaimedJob) -> HeldRun:
@@ -48,6 +50,7 @@ class HeldRun:
             state=JobState.STARTING,
             restarts=job.restarts,
             max_restarts=job.max_restarts,
+            attempt_token=job.attempt_token,
         )
 
     @classmethod

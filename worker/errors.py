@@ -29,3 +29,11 @@ class ChildExitedError(WorkerError):
     """A process that ``ddpq up`` supervises exited on its own."""
 
     code = "child_exited"
+
+
+class WorkerConfigError(WorkerError):
+    """A worker's settings cannot work (a database URL set, no worker token): the message says
+    what to set instead."""
+
+    status_code = 422
+    code = "worker_config"

@@ -117,8 +117,10 @@ class Launches:
                 self.records().note(run.job_id, run.attempt, EventKind.MORE_RANKS_THAN_CORES, note)
             if run.gpus:
                 plan = self.launcher.bind_gpus(plan, run.gpus)
-            # The ranks' only credential: this attempt's token, minted once the plan stands.
-            return with_attempt_token(plan, self.records().mint_token(run.job_id, run.attempt))
+            # The ranks' only credential: this attempt's token, minted by the claim.
+            if not run.attempt_token:
+                raise RuntimeError("the claim carried no attempt token for the ranks")
+            return with_attempt_token(plan, run.attempt_token)
         except Exception as exc:
             _failed(run, exc)
             return None

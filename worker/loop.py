@@ -10,7 +10,7 @@ to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
 A detached launcher (Slurm) runs jobs that outlive the worker: the loop records each start's
 handle as the job's ``scheduler_job_id``, and on a clean shutdown leaves its jobs running for
 the next worker to adopt instead of cancelling them. A launcher that ``adopts`` takes over
-such jobs from lost or stopped workers on every tick (``service.store.workers.leases``) and follows
+such jobs from lost or stopped workers on every tick (the worker API's adoptions) and follows
 them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
 gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
 """
@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError, NotFoundError, StaleStateError
+from service.core.errors import ControlPlaneUnavailableError, NotFoundError, StaleStateError
 from service.core.launchers import launcher_traits
 from worker.attempt_notes import PendingReasons, usable_cpus
 from worker.decisions import (
@@ -42,10 +42,9 @@ from worker.records import WorkerRecords
 log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
-# With a free slot, look for queued work this often between ticks (seconds): a job starts
-# within ~0.2 s of its submission, not a whole tick later.
-CLAIM_POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
+# The longest one claim waits for a job (a long poll), so a stop is seen this soon.
+MAX_CLAIM_WAIT_S = 1.0
 
 
 def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
@@ -99,7 +98,6 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
-        self._next_reap = 0.0
 
     @property
     def tick_s(self) -> float:
@@ -141,8 +139,8 @@ class WorkerLoop:
                     continue
                 except Exception as exc:
                     failing_since = failing_since or time.monotonic()
-                    if isinstance(exc, DatabaseUnavailableError):
-                        log.warning("database unavailable (%s); retrying in %.1f s", exc, backoff)
+                    if isinstance(exc, ControlPlaneUnavailableError):
+                        log.warning("API unavailable (%s); retrying in %.1f s", exc, backoff)
                     else:
                         log.exception("worker tick failed; retrying in %.1f s", backoff)
                     wait, backoff = backoff, min(backoff * 2, self.max_backoff_s)
@@ -151,21 +149,19 @@ class WorkerLoop:
             self.shutdown()
 
     def _pause(self, stop: threading.Event, wait_s: float) -> None:
-        """Wait ``wait_s`` seconds for the next tick. While a slot is free, look for a
-        claimable job every ``CLAIM_POLL_S`` seconds (one indexed read, no write lock) and
-        claim it at once. An error here ends the pause early; the tick reports it."""
+        """Wait ``wait_s`` seconds for the next tick. While a slot is free, wait in a long
+        poll on the claim instead (the API answers as soon as a job this worker can run is
+        queued) and launch what it returns at once. An error here ends the pause early; the
+        tick reports it."""
         deadline = time.monotonic() + wait_s
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
             if self.stopping or len(self.runs) >= self.slots:
                 stop.wait(left)
                 return
-            if stop.wait(min(CLAIM_POLL_S, left)):
-                return
             try:
-                if self._claimable():
-                    self._claim_and_launch()
+                self._claim_and_launch(wait_s=min(left, MAX_CLAIM_WAIT_S))
             except Exception as exc:
-                log.debug("claim poll failed (%s); the next tick retries", exc)
+                log.debug("claim failed (%s); the next tick retries", exc)
                 return
 
     @property
@@ -174,16 +170,13 @@ class WorkerLoop:
         the deployment's cap."""
         return self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
 
-    def _claimable(self) -> bool:
-        return self.records.claimable(self._max_gpus)
-
     def tick(self) -> None:
         """One round: heartbeat, reconcile, adopt (a launcher that ``adopts``), watch every
-        held job, claim, reap lost workers. Adoption comes before the reaper so a detached
-        job whose worker is gone is followed, never requeued as a second copy.
+        held job, claim. (The API's reaper requeues lost workers' jobs; adoption leaves a
+        detached job to it only once no worker of its launcher takes it over.)
 
         Raises:
-            DatabaseUnavailableError: the database could not be reached (nothing is killed).
+            ControlPlaneUnavailableError: the API could not be reached (nothing is killed).
         """
         if not self.registered:
             self.register()
@@ -193,11 +186,6 @@ class WorkerLoop:
         self._watch_all()
         if not self.stopping:
             self._claim_and_launch()
-        now = time.monotonic()
-        if now >= self._next_reap:
-            self._next_reap = now + self.settings.heartbeat_interval_s
-            for t in self.records.requeue_expired():
-                log.warning("job_id=%d %s → %s: %s", t.job_id, t.expected, t.target, t.reason)
 
     def shutdown(self) -> None:
         """Stop claiming, stop every held job's processes, requeue them, mark us stopped.
@@ -218,7 +206,7 @@ class WorkerLoop:
         if self.registered:
             try:
                 self.records.stop()
-            except DatabaseUnavailableError as exc:
+            except ControlPlaneUnavailableError as exc:
                 log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
         log.info("worker %s stopped", self.worker_id)
 
@@ -240,7 +228,7 @@ class WorkerLoop:
                     log.exception("job_id=%d: poll failed", run.job_id)
             try:
                 self._apply(run, decide_on_shutdown(run, status))
-            except DatabaseUnavailableError as exc:
+            except ControlPlaneUnavailableError as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
 
     def _leave_running(self) -> None:
@@ -256,7 +244,7 @@ class WorkerLoop:
                 continue
             try:  # never submitted: nothing to adopt, so requeue it now
                 self._apply(run, decide_on_shutdown(run, None))
-            except DatabaseUnavailableError as exc:
+            except ControlPlaneUnavailableError as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
 
     # -- steps of a tick ---------------------------------------------------------------
@@ -333,18 +321,21 @@ class WorkerLoop:
         if decision is not None:
             self._apply(run, decision)
 
-    def _claim_and_launch(self) -> None:
+    def _claim_and_launch(self, wait_s: float = 0.0) -> None:
         """Claim and start jobs while slots are free: a launcher that starts arrays takes a
-        sweep's trials in batches (one claim, one array per batch), others one job a time."""
+        sweep's trials in batches (one claim, one array per batch), others one job a time.
+        The first claim may wait up to ``wait_s`` seconds for a job (a long poll)."""
         while len(self.runs) < self.slots:
+            free = self.slots - len(self.runs)
             if isinstance(self.launcher, ArrayStarter):
-                batch = self.records.claim_batch(self._max_gpus, self.slots - len(self.runs))
+                batch = self.records.claim_batch(self._max_gpus, free, wait_s)
                 jobs = batch.jobs if batch is not None else ()
             else:
-                one = self.records.claim(self._max_gpus)
+                one = self.records.claim(self._max_gpus, wait_s)
                 batch, jobs = None, (one,) if one is not None else ()
             if not jobs:
                 return
+            wait_s = 0.0  # a job came: take what else is queued without waiting
             claimed = [(HeldRun.claimed(job), job.spec) for job in jobs]
             for run, _ in claimed:
                 self._hold(run)

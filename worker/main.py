@@ -1,7 +1,9 @@
 """``run_worker``: build a worker from settings and run it until SIGTERM/SIGINT.
 
-Also runnable as ``python -m worker.main [--launcher local] [--gpus 0,1|none|auto]
-[--slots N]`` (what ``ddpq up`` and the end-to-end tests start).
+A worker reaches only the API (``DDPQ_API_URL``, or ``--api``) with a worker token
+(``DDPQ_WORKER_TOKEN``); it refuses to start with a database URL set. Also runnable as
+``python -m worker.main [--api URL] [--launcher local] [--gpus 0,1|none|auto] [--slots N]``
+(what ``ddpq up`` and the end-to-end tests start).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from types import FrameType
 
 from service.core.config import Settings
 from service.core.launchers import launcher_names, uses_host_gpus
-from service.store.db import Database
-from worker.errors import LaunchError
+from service.core.wire.worker import WORKER_TOKEN_PREFIX
+from worker.api_client import ApiRecords
+from worker.errors import LaunchError, WorkerConfigError
 from worker.launchers.registry import make_launcher
 from worker.loop import WorkerLoop
 from worker.processes import make_undumpable
-from worker.records import DatabaseRecords
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,37 @@ def ensure_logging() -> None:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
 
 
+def worker_credentials(settings: Settings) -> tuple[str, str]:
+    """The API URL and worker token a worker runs with: ``settings.resolved_api_url`` and
+    ``DDPQ_WORKER_TOKEN``.
+
+    Raises:
+        WorkerConfigError: a database URL is set (a worker must not hold it; the message says
+            what to set instead), or no worker token is, or it is not a worker token.
+    """
+    if settings.database_url:
+        raise WorkerConfigError(
+            "DDPQ_DATABASE_URL is set: a worker talks only to the API and must not hold the "
+            "database's credentials (the ranks it runs are users' code). Unset it here and "
+            "give the worker DDPQ_API_URL (or --api) and DDPQ_WORKER_TOKEN (`ddpq token "
+            "create --worker` where the database is reachable)."
+        )
+    token = settings.worker_token.get_secret_value() if settings.worker_token else ""
+    if not token:
+        raise WorkerConfigError(
+            "no worker token: set DDPQ_WORKER_TOKEN to a token from `ddpq token create "
+            "--worker [--name HOST]` (run where the database is reachable), and DDPQ_API_URL "
+            "(or --api) to the API's URL"
+        )
+    if not token.startswith(WORKER_TOKEN_PREFIX):
+        raise WorkerConfigError(
+            f"DDPQ_WORKER_TOKEN is not a worker token (those start with {WORKER_TOKEN_PREFIX}): "
+            "create one with `ddpq token create --worker`; a user's token does not open the "
+            "worker API"
+        )
+    return settings.resolved_api_url, token
+
+
 def run_worker(
     settings: Settings,
     *,
@@ -108,23 +141,26 @@ def run_worker(
     at shutdown leaves its own running in Slurm for the next Slurm worker to adopt.
 
     Args:
-        settings: database, artifact dir, heartbeat interval (seconds) and lease (seconds).
+        settings: the API's URL (``resolved_api_url``), the worker token, the artifact dir,
+            the heartbeat interval (seconds); the lease is the API's (each answer says it).
         launcher: ``"local"`` (torchrun on this host) or ``"slurm"``.
         gpus: GPU ids this worker may hand out to local jobs; ``[]`` for none; None to
             detect them (``detect_gpus``).
         slots: how many jobs it runs at once.
         stop: set it to stop the worker from another thread.
     The process makes itself non-dumpable first (``worker.processes.make_undumpable``): it
-    holds the database URL, and its ranks (the same user, unless ``DDPQ_RANK_USER``) must
+    holds the worker token, and its ranks (the same user, unless ``DDPQ_RANK_USER``) must
     not read it from ``/proc/<worker pid>/environ`` or its memory. The ranks get the API's
-    URL (``settings.resolved_api_url``: set ``DDPQ_API_URL`` on a worker that does not run
-    beside the API) and a per-attempt token, never the database URL.
+    URL (the worker's own: set ``DDPQ_API_URL`` on a worker that does not run beside the
+    API) and a per-attempt token the claim brought, never the worker token.
 
     Raises:
+        WorkerConfigError: a database URL is set, or no worker token (``worker_credentials``).
         LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
             such user; users' code allowed with auth on but no ``DDPQ_RANK_USER``.
     """
     ensure_logging()
+    api_url, token = worker_credentials(settings)
     make_undumpable()
     user_code_here = uses_host_gpus(launcher) and settings.user_code == "allow"
     if user_code_here and settings.auth_enabled and not settings.rank_user:
@@ -146,9 +182,9 @@ def run_worker(
     stop = stop or threading.Event()
     if gpus is None:
         gpus = detect_gpus() if uses_host_gpus(launcher) else []
-    db = Database.from_url(settings.resolved_database_url)
     built = make_launcher(launcher, settings)
-    records = DatabaseRecords(db, make_worker_id(), built.name, settings.lease_s)
+    records = ApiRecords(api_url, token, make_worker_id(), built.name, lease_s=settings.lease_s)
+    log.info("worker API: %s", api_url)
     loop = WorkerLoop(
         settings,
         records,
@@ -162,12 +198,13 @@ def run_worker(
         with stop_on_signals(stop):
             loop.run(stop)
     finally:
-        db.dispose()
+        records.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m worker.main``: parse flags, then ``run_worker`` with ``Settings()``."""
     parser = argparse.ArgumentParser(prog="python -m worker.main", description=__doc__)
+    parser.add_argument("--api", default=None, help="the API's URL (default: DDPQ_API_URL)")
     parser.add_argument("--launcher", choices=launcher_names(), default="local")
     parser.add_argument("--gpus", default="auto", help="0,1 | none | auto (default)")
     parser.add_argument("--slots", type=int, default=1)
@@ -176,7 +213,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         gpus = parse_gpus(args.gpus)
     except ValueError as exc:
         parser.error(str(exc))
-    run_worker(Settings(), launcher=args.launcher, gpus=gpus, slots=args.slots)
+    settings = Settings()
+    if args.api:
+        settings = settings.model_copy(update={"api_url": args.api})
+    try:
+        run_worker(settings, launcher=args.launcher, gpus=gpus, slots=args.slots)
+    except WorkerConfigError as exc:
+        parser.exit(2, f"worker: {exc.detail}\n")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""``ddpq up``: migrate, then run the API and one local worker as child processes until
-Ctrl-C or SIGTERM, and stop both cleanly (the worker requeues its running jobs). It is ready
-(its ready line, the API's /readyz) once its worker has registered, so a job submitted then
-finds a worker.
+"""``ddpq up``: run the API and one local worker as child processes until Ctrl-C or
+SIGTERM, and stop both cleanly (the worker requeues its running jobs). It is ready (its ready
+line, the API's /readyz) once its worker has registered, so a job submitted then finds a
+worker. The CLI migrates the database and mints the worker's token first
+(``service.cli.main.up``); this module never opens the database.
 
-Every process of it that holds the database URL is non-dumpable (``make_undumpable``): this
-one, the worker (``run_worker``) and the API server, which runs as ``python -m worker.up
-serve-api`` for that reason. The worker's ranks report to the API at
+The worker talks to the API over loopback with that token, exactly as a worker on another
+host would: its environment holds no database URL. The API server (``python -m worker.up
+serve-api``) and the worker are non-dumpable (``make_undumpable``): the first holds the
+database URL, the second the worker token. The worker's ranks report to the API at
 ``settings.resolved_api_url``.
 """
 
@@ -30,9 +32,6 @@ from pydantic import SecretStr
 
 from service.core.config import Settings
 from service.core.wire import API_PREFIX
-from service.store import migrate
-from service.store.db import Database
-from service.store.workers import service as workers
 from worker.attempt import API_URL
 from worker.errors import ChildExitedError, PortInUseError
 from worker.main import ensure_logging, stop_on_signals
@@ -46,13 +45,18 @@ WORKER_STOP_TIMEOUT_S = 60.0  # the worker stops and requeues its jobs (grace pe
 API_STOP_TIMEOUT_S = 15.0
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
+# What only API processes hold: a worker's environment never carries it.
+API_ONLY_SETTINGS = frozenset({"database_url"})
+
+
+def settings_env(settings: Settings, *, leave_out: frozenset[str] = frozenset()) -> dict[str, str]:
     """``settings`` as ``DDPQ_*`` environment variables, so child processes see the same
-    configuration (lists as JSON, secrets in clear, unset values left out)."""
+    configuration (lists as JSON, secrets in clear, unset values and the fields named in
+    ``leave_out`` left out)."""
     env: dict[str, str] = {}
     for name in type(settings).model_fields:
         value = getattr(settings, name)
-        if value is None:
+        if value is None or name in leave_out:
             continue
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
@@ -143,42 +147,35 @@ def wait_until_ready(child: Child, url: str, timeout_s: float) -> None:
     raise ChildExitedError(f"the {child.name} did not answer {url} within {timeout_s:.0f} s")
 
 
-def wait_until_registered(
-    child: Child, db: Database, *, heartbeat_interval_s: float, timeout_s: float
-) -> None:
-    """Poll the database until the worker ``child`` (its pid) has registered.
-
-    Raises:
-        ChildExitedError: the worker exited first, or ``timeout_s`` seconds passed.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.popen.poll() is not None:
-            raise ChildExitedError(
-                f"the {child.name} exited with code {child.popen.returncode} before it "
-                "registered; see its output above"
-            )
-        if workers.has_live_worker(
-            db, launcher="local", heartbeat_interval_s=heartbeat_interval_s, pid=child.popen.pid
-        ):
-            return
-        time.sleep(0.2)
-    raise ChildExitedError(f"the {child.name} did not register within {timeout_s:.0f} s")
-
-
 def _print_line(text: str) -> None:
     print(text, flush=True)  # user-facing output of the `ddpq up` command
+
+
+def worker_env(settings: Settings, worker_token: str, base: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker process: ``base`` (e.g. ``os.environ``) without a database
+    URL, ``settings`` as ``DDPQ_*`` variables (but the database URL), the worker token, and
+    the API URL its ranks report to."""
+    env = {k: v for k, v in base.items() if k != "DDPQ_DATABASE_URL"}
+    return {
+        **env,
+        **settings_env(settings, leave_out=API_ONLY_SETTINGS),
+        "DDPQ_WORKER_TOKEN": worker_token,
+        API_URL: settings.resolved_api_url,
+    }
 
 
 def run_up(
     settings: Settings,
     *,
+    worker_token: str,
     announce: Callable[[str], None] = _print_line,
     stop: threading.Event | None = None,
 ) -> None:
-    """Migrate the database, serve the API on ``settings.host:port`` and run one local
-    worker, until SIGTERM/SIGINT (or ``stop``); then stop the worker (it requeues running
-    jobs), then the API. No child process outlives this call.
+    """Serve the API on ``settings.host:port`` and run one local worker with
+    ``worker_token`` (a worker token: the worker reaches the API over loopback, as any
+    worker does), until SIGTERM/SIGINT (or ``stop``); then stop the worker (it requeues
+    running jobs), then the API. No child process outlives this call. The database must be
+    migrated already.
 
     Raises:
         PortInUseError: the port is taken.
@@ -187,45 +184,34 @@ def run_up(
     ensure_logging()
     make_undumpable()
     stop = stop or threading.Event()
-    db = Database.from_url(settings.resolved_database_url)
-    try:
-        migrate.upgrade(db.engine)
-        db.dispose()  # no pooled connection is inherited by the children forked next
-        check_port_free(settings.host, settings.port)
-        _run_children(settings, db, announce, stop)
-    finally:
-        db.dispose()
+    check_port_free(settings.host, settings.port)
+    _run_children(settings, worker_token, announce, stop)
 
 
 def _run_children(
-    settings: Settings, db: Database, announce: Callable[[str], None], stop: threading.Event
+    settings: Settings, worker_token: str, announce: Callable[[str], None], stop: threading.Event
 ) -> None:
-    # The worker hands API_URL to its ranks: the API they report to. The API's /readyz
-    # waits for the local worker (expect_worker), as the ready line below does.
-    env = {
-        **os.environ,
-        **settings_env(settings),
-        API_URL: settings.resolved_api_url,
+    # The API's /readyz waits for a live local worker (expect_worker), as the ready line
+    # below does. The API needs no worker token; the worker gets no database URL.
+    api_env = {
+        **{k: v for k, v in os.environ.items() if k != "DDPQ_WORKER_TOKEN"},
+        **settings_env(settings, leave_out=frozenset({"worker_token"})),
         "DDPQ_EXPECT_WORKER": "local",
     }
+    env = worker_env(settings, worker_token, dict(os.environ))
     py = sys.executable
     api_argv = [py, "-m", "worker.up", "serve-api", settings.host, str(settings.port)]
     children: list[Child] = []
     failed: Child | None = None
     with stop_on_signals(stop):
         try:
-            children.append(spawn("API server", api_argv, env, API_STOP_TIMEOUT_S))
+            children.append(spawn("API server", api_argv, api_env, API_STOP_TIMEOUT_S))
             url = settings.resolved_api_url
             wait_until_ready(children[0], f"{url}/healthz", API_READY_TIMEOUT_S)
             worker_argv = [py, "-m", "worker.main", "--launcher", "local", "--gpus", "auto"]
             children.append(spawn("worker", worker_argv, env, WORKER_STOP_TIMEOUT_S))
-            wait_until_registered(
-                children[1],
-                db,
-                heartbeat_interval_s=settings.heartbeat_interval_s,
-                timeout_s=WORKER_READY_TIMEOUT_S,
-            )
-            db.dispose()  # read no more: hold no connection while serving
+            # /readyz answers 200 once a live local worker has registered: this one.
+            wait_until_ready(children[1], f"{url}/readyz", WORKER_READY_TIMEOUT_S)
             announce(f"ddpq is up: dashboard {url}/  ·  API {url}{API_PREFIX}  ·  docs {url}/docs")
             announce("Press Ctrl-C to stop.")
             while not stop.wait(0.5):

@@ -1,16 +1,19 @@
 """Request dependencies: the request's context (the app's Database and Settings, and who the
 caller is), checked once per request; and the attempt a rank's token stands for.
 
-Two kinds of bearer token, never interchangeable: API tokens (``ddpq_…``) open the user
-routes, attempt tokens (``ddpqa_…``, ``service.store.attempts.tokens``) open only the attempt
-routes (``/api/v1/attempts/self/…``); each is looked up through its use case
-(``service.store.auth.service``, ``service.store.attempts.service``). A user route answers
-401 to an attempt token whether auth is on or off, so a rank's token grants nothing else
-even on the embedded default."""
+Three kinds of bearer token, never interchangeable: users' API tokens (``ddpq_…``) open the
+user routes, attempt tokens (``ddpqa_…``, ``service.store.attempts.tokens``) open only the
+attempt routes (``/api/v1/attempts/self/…``), worker tokens (``ddpqw_…``) open only the worker
+routes (``/api/v1/workers/self/…``); each is looked up through its use case
+(``service.store.auth.service``, ``service.store.attempts.service``,
+``service.store.workers.service``). A user route answers 401 to an attempt or worker token
+whether auth is on or off, so a rank's or a worker's token grants nothing else even on the
+embedded default; the attempt and worker routes demand their own token even with auth off."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -22,11 +25,14 @@ from service.core.config import Settings
 from service.core.tokens import hash_token
 from service.core.wire import API_PREFIX
 from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
+from service.core.wire.worker import WORKER_ID_HEADER, WORKER_PREFIX, WORKER_TOKEN_PREFIX
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef
 from service.store.auth import service as auth
 from service.store.auth.values import Caller
 from service.store.db import Database
+from service.store.workers import service as workers
+from service.store.workers.values import WorkerCaller
 
 # auto_error=False: a missing header is our 401 (with WWW-Authenticate), not FastAPI's
 # default answer; the scheme also puts "Authorize" in the OpenAPI docs.
@@ -44,6 +50,12 @@ ATTEMPT_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {"description": "Missing or unknown attempt token (whether auth is on or off)"}
 }
 ATTEMPT_TOKEN_REFUSED = f"attempt tokens are valid only under {API_PREFIX}{ATTEMPT_PREFIX}"
+WORKER_TOKEN_REFUSED = f"worker tokens are valid only under {API_PREFIX}{WORKER_PREFIX}"
+# Documented on every worker route.
+WORKER_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"description": "Missing, unknown or revoked worker token (whether auth is on or off)"},
+    403: {"description": "The worker id is registered with another worker token"},
+}
 
 
 # The dependencies are ``async def`` although they do no I/O there: FastAPI runs a plain
@@ -67,14 +79,19 @@ def _unauthorized(detail: str, error: str | None = None) -> HTTPException:
     return HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
 
 
-def _holds_attempt_token(request: Request) -> bool:
-    """Whether any Authorization header of ``request`` carries an attempt token (all of
-    them: with auth off nobody else looks at a second header)."""
+def _service_token_refusal(request: Request) -> str | None:
+    """Why a user route refuses ``request``: any of its Authorization headers carries an
+    attempt or a worker token (all of them: with auth off nobody else looks at a second
+    header). None when none does."""
     for value in request.headers.getlist("authorization"):
         scheme, _, param = value.strip().partition(" ")
-        if scheme.lower() == "bearer" and param.strip().startswith(ATTEMPT_TOKEN_PREFIX):
-            return True
-    return False
+        if scheme.lower() != "bearer":
+            continue
+        if param.strip().startswith(ATTEMPT_TOKEN_PREFIX):
+            return ATTEMPT_TOKEN_REFUSED
+        if param.strip().startswith(WORKER_TOKEN_PREFIX):
+            return WORKER_TOKEN_REFUSED
+    return None
 
 
 @dataclass(frozen=True)
@@ -108,15 +125,17 @@ async def get_context(
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing, unknown or
-            revoked token, or more than one Authorization header; and for an attempt token
-            whether auth is on or off.
+            revoked token, or more than one Authorization header; and for an attempt or a
+            worker token whether auth is on or off.
         DatabaseUnavailableError: the token could not be looked up (503).
     """
     db: Database = request.app.state.db
     settings: Settings = request.app.state.settings
-    if _holds_attempt_token(request):
-        # Before the auth switch: a rank's token must open no user route, auth on or off.
-        raise _unauthorized(ATTEMPT_TOKEN_REFUSED, "invalid_token")
+    refusal = _service_token_refusal(request)
+    if refusal is not None:
+        # Before the auth switch: a rank's or a worker's token opens no user route, auth on
+        # or off.
+        raise _unauthorized(refusal, "invalid_token")
     if not settings.auth_enabled:
         return RequestContext(db, settings, Caller(owner=settings.default_owner, admin=True))
     if len(request.headers.getlist("authorization")) > 1:
@@ -190,6 +209,49 @@ async def get_attempt(
     return ref
 
 
+async def get_worker(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+) -> WorkerCaller:
+    """The worker calling (``Authorization: Bearer ddpqw_…`` and the ``Ddpq-Worker-Id``
+    header): the only way into the worker routes, whether auth is on or off. The token is
+    looked up on every request (one indexed statement with the worker's row, no cache), so a
+    revoked token's worker is refused from its next call. Whether the id is registered (and
+    by this token) is the route's to check: registration is how a worker gets a row.
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing token, one that is
+            not a worker token (a user's or an attempt's), an unknown or revoked one, or more
+            than one Authorization header; 422 for a missing or malformed worker id header.
+        DatabaseUnavailableError: the token could not be looked up (503).
+    """
+    if len(request.headers.getlist("authorization")) > 1:
+        raise _unauthorized("send exactly one Authorization header", "invalid_request")
+    if credentials is None:
+        raise _unauthorized(
+            "missing worker token: send `Authorization: Bearer <DDPQ_WORKER_TOKEN>` (an "
+            "operator creates one with `ddpq token create --worker`)"
+        )
+    token = credentials.credentials
+    if not token.startswith(WORKER_TOKEN_PREFIX):
+        raise _unauthorized(
+            "not a worker token: these routes are for workers only (`ddpq token create --worker`)",
+            "invalid_token",
+        )
+    worker_id = request.headers.get(WORKER_ID_HEADER, "")
+    if not WORKER_ID_RE.fullmatch(worker_id):
+        raise HTTPException(
+            422, f"send the {WORKER_ID_HEADER} header: 1–128 letters, digits or ._:@+-"
+        )
+    db: Database = request.app.state.db
+    caller = await run_in_threadpool(workers.find_worker_caller, db, token, worker_id)
+    if caller is None:
+        raise _unauthorized("unknown or revoked worker token", "invalid_token")
+    return caller
+
+
+WORKER_ID_RE = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 ContextDep = Annotated[RequestContext, Depends(get_context)]
@@ -199,3 +261,6 @@ REQUIRE_CALLER = Depends(get_context)
 # Likewise for the attempt routes.
 AttemptDep = Annotated[AttemptRef, Depends(get_attempt)]
 REQUIRE_ATTEMPT = Depends(get_attempt)
+# Likewise for the worker routes.
+WorkerDep = Annotated[WorkerCaller, Depends(get_worker)]
+REQUIRE_WORKER = Depends(get_worker)

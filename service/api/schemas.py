@@ -6,7 +6,7 @@ import logging
 import math
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticSerializationError
@@ -196,6 +196,10 @@ class WorkerOut(_Out):
     heartbeat_at: datetime
     stopped_at: datetime | None
     heartbeat_age_s: float = Field(description="Seconds since the last heartbeat.")
+    status: Literal["live", "lost", "stopped"] = Field(
+        description="live; lost (no heartbeat for 3 heartbeat intervals: not counted as a "
+        "worker that could run a job); stopped (shut down cleanly)."
+    )
     running_jobs: list[int]
 
 
@@ -353,6 +357,7 @@ def worker_out(worker: WorkerView) -> WorkerOut:
         heartbeat_at=worker.heartbeat_at,
         stopped_at=worker.stopped_at,
         heartbeat_age_s=max(0.0, (datetime.now(UTC) - worker.heartbeat_at).total_seconds()),
+        status=worker.status,
         running_jobs=list(worker.running_jobs),
     )
 

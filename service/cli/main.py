@@ -199,16 +199,27 @@ def worker(
         str | None, typer.Option(help="GPU indices this worker may use: 0,1 or none.")
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="Jobs held at once.")] = 1,
+    api: Annotated[
+        str | None,
+        typer.Option(
+            help="The API's URL, e.g. http://api-host:8000 (DDPQ_API_URL; default: "
+            "http://DDPQ_HOST:DDPQ_PORT, an API on this host)."
+        ),
+    ] = None,
 ) -> None:
-    """Run a worker: claim queued jobs and launch them (torchrun or Slurm).
+    """Run a worker: claim queued jobs over the worker API and launch them (torchrun or
+    Slurm).
 
-    Its ranks report to the API at DDPQ_API_URL (default http://DDPQ_HOST:DDPQ_PORT, i.e.
-    an API on this host): a worker on another host than the API must set DDPQ_API_URL to
-    an address the ranks can reach. DDPQ_RANK_USER (root-run local worker): run the ranks
+    A worker needs only the API's URL (--api or DDPQ_API_URL: an address its ranks can reach
+    too) and a worker token in DDPQ_WORKER_TOKEN (`ddpq token create --worker` where the
+    database is reachable). It refuses to start with DDPQ_DATABASE_URL set: only the API
+    holds the database's credentials. DDPQ_RANK_USER (root-run local worker): run the ranks
     as that Unix user.
     """
     gpu_list = parse_gpus(gpus)
     settings = load_settings()
+    if api is not None:
+        settings = settings.model_copy(update={"api_url": api})
     from worker.main import run_worker
 
     with friendly_errors():
@@ -220,14 +231,37 @@ def up(
     host: Annotated[str | None, typer.Option(help="Bind address (DDPQ_HOST).")] = None,
     port: Annotated[int | None, typer.Option(min=1, max=65535, help="Port (DDPQ_PORT).")] = None,
 ) -> None:
-    """The embedded default in one command: migrate, serve the API and run one local worker."""
+    """The embedded default in one command: migrate, serve the API and run one local worker
+    (which reaches the API over loopback with a worker token minted for it)."""
     settings = server_settings(host, port)
     from worker.up import run_up
 
     out.print(auth_note(settings))
 
     with friendly_errors():
-        run_up(settings)
+        token = _prepare_up(settings)
+        run_up(settings, worker_token=token)
+
+
+# The name of the worker token `ddpq up` mints for its own worker (replacing the last one).
+UP_WORKER_TOKEN_NAME = "ddpq-up"
+
+
+def _prepare_up(settings: Settings) -> str:
+    """Migrate the database to head and mint the worker token of `ddpq up`'s own worker
+    (revoking the one its last start minted); the token."""
+    from service.store import migrate
+    from service.store.auth import service as auth
+    from service.store.db import Database
+
+    url = settings.resolved_database_url
+    with _migration_errors(url):
+        db = Database.from_url(url)
+        try:
+            migrate.upgrade(db.engine)
+            return auth.create_worker_token(db, name=UP_WORKER_TOKEN_NAME, replace=True).token
+        finally:
+            db.dispose()  # no pooled connection is inherited by the children forked next
 
 
 def main() -> None:

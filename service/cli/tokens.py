@@ -1,4 +1,5 @@
-"""The `ddpq token` commands (create, ls, revoke): API tokens, written straight to the database.
+"""The `ddpq token` commands (create, ls, revoke): users' API tokens and workers' tokens,
+written straight to the database.
 
 They talk to DDPQ_DATABASE_URL, not to the API, so the operator can make the first token of a
 server that already demands one; whoever runs them needs the database's credentials.
@@ -44,13 +45,36 @@ def _database() -> Iterator[Database]:
 
 @token_app.command("create")
 def token_create(
-    owner: Annotated[str, typer.Option(help="Owner of the jobs submitted with it (e.g. alice).")],
+    owner: Annotated[
+        str | None, typer.Option(help="Owner of the jobs submitted with it (e.g. alice).")
+    ] = None,
     admin: Annotated[
         bool, typer.Option("--admin", help="May read and cancel every owner's jobs.")
     ] = False,
+    worker: Annotated[
+        bool,
+        typer.Option(
+            "--worker",
+            help="A worker's token (DDPQ_WORKER_TOKEN of `ddpq worker`): opens only the "
+            "worker API, never a user route.",
+        ),
+    ] = False,
+    name: Annotated[
+        str | None, typer.Option(help="A worker token's name, e.g. the host it is for (gpu-07).")
+    ] = None,
 ) -> None:
     """Create a token and print it once, alone on the last line (stdout; notes go to stderr):
-    `export DDPQ_TOKEN=$(ddpq token create --owner alice)`."""
+    `export DDPQ_TOKEN=$(ddpq token create --owner alice)`, or for a worker host
+    `DDPQ_WORKER_TOKEN=$(ddpq token create --worker --name gpu-07)`."""
+    if worker:
+        if owner is not None or admin:
+            fail("--worker tokens have no owner and no admin role", "drop --owner/--admin")
+        _create_worker_token(name)
+        return
+    if owner is None:
+        fail("missing --owner", "pass --owner NAME (a user's token) or --worker (a worker's)")
+    if name is not None:
+        fail("--name is for worker tokens", "add --worker, or drop --name")
     with _database() as db:
         try:
             created = auth.create_token(db, owner=owner, admin=admin)
@@ -66,22 +90,41 @@ def token_create(
     typer.echo(token)
 
 
+def _create_worker_token(name: str | None) -> None:
+    with _database() as db:
+        try:
+            created = auth.create_worker_token(db, name=name)
+        except InvalidOwnerError as exc:
+            fail(str(exc.detail).replace("owner", "name"), "pass --name like gpu-07")
+    label = f" {name!r}" if name else ""
+    err.print(
+        f"created worker token {created.info.id}{label}; it is shown only now. On the worker "
+        "host: DDPQ_WORKER_TOKEN=<it> ddpq worker --api http://<api-host>:<port>",
+        soft_wrap=True,
+    )
+    typer.echo(created.token)
+
+
 @token_app.command("ls")
 def token_ls() -> None:
-    """List tokens: id, owner, admin, created, revoked (the tokens themselves are not kept)."""
+    """List tokens: id, kind (user or worker), owner or worker name, admin, created, revoked
+    (the tokens themselves are not kept)."""
     with _database() as db:
-        rows = [(t.id, t.owner, t.admin, t.created_at, t.revoked_at) for t in auth.list_tokens(db)]
+        rows = auth.list_tokens(db)
     if not rows:
         out.print("no tokens yet: create one with `ddpq token create --owner NAME`")
         return
     table = Table(box=None, pad_edge=False)
-    for column in ("ID", "OWNER", "ADMIN", "CREATED", "REVOKED"):
+    for column in ("ID", "KIND", "OWNER/NAME", "ADMIN", "CREATED", "REVOKED"):
         table.add_column(column)
-    for token_id, owner, is_admin, created_at, revoked_at in rows:
+    for t in rows:
+        who = (t.name or "-") if t.kind == "worker" else t.owner
+        created_at, revoked_at = t.created_at, t.revoked_at
         table.add_row(
-            str(token_id),
-            cell(owner),
-            "yes" if is_admin else "",
+            str(t.id),
+            t.kind,
+            cell(who),
+            "yes" if t.admin else "",
             short_time(created_at.isoformat()),
             short_time(revoked_at.isoformat()) if revoked_at else "",
         )
@@ -92,7 +135,9 @@ def token_ls() -> None:
 def token_revoke(
     token_id: Annotated[int, typer.Argument(min=1, max=2**31 - 1, help="Id from `ddpq token ls`.")],
 ) -> None:
-    """Revoke a token: the API refuses it from the next request on."""
+    """Revoke a token: the API refuses it from the next request on (a worker's worker then
+    claims nothing more; its jobs are requeued when their leases lapse)."""
     with _database() as db:
-        owner = auth.revoke_token(db, token_id).owner
-    out.print(f"token {token_id} (owner {owner}) revoked")
+        info = auth.revoke_token(db, token_id)
+    who = f"worker {info.name or '-'}" if info.kind == "worker" else f"owner {info.owner}"
+    out.print(f"token {token_id} ({who}) revoked")

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
         description="Where the CLI, workers and their ranks reach the API (ranks report "
         "there). Default: http://<host>:<port>; a worker on another host must set it.",
     )
+    worker_token: SecretStr | None = Field(
+        default=None,
+        description="A worker's token for the worker API (`ddpq token create --worker`): all "
+        "a worker holds, with DDPQ_API_URL. A worker refuses to start with DDPQ_DATABASE_URL "
+        "set: only API processes hold the database's credentials.",
+    )
     allowed_entrypoints: list[str] = Field(
         default_factory=list,
         description='fnmatch patterns of user entrypoints "pkg.module:function" allowed to run.',

@@ -102,7 +102,16 @@ class SpecValidationError(DdpqError):
         super().__init__(errors)
 
 
-class DatabaseUnavailableError(DdpqError):
+class ControlPlaneUnavailableError(DdpqError):
+    """The worker could not reach the API (connection refused or cut, timeout, 5xx), or the
+    API could not reach its database: retry with backoff; running jobs are left alone until
+    their leases would lapse."""
+
+    status_code = 503
+    code = "api_unavailable"
+
+
+class DatabaseUnavailableError(ControlPlaneUnavailableError):
     """The database could not be reached or refused the operation."""
 
     status_code = 503
@@ -125,3 +134,23 @@ class MigrationError(DdpqError):
     def __init__(self, detail: str, *, hint: str) -> None:
         super().__init__(detail)
         self.hint = hint
+
+
+class NotHeldError(NotFoundError):
+    """A worker acted on a job it does not hold (or on an attempt no longer current)."""
+
+    code = "job_not_held"
+
+
+class WorkerTokenMismatchError(DdpqError):
+    """A worker id registered with another worker token: only that token acts for it."""
+
+    status_code = 403
+    code = "worker_token_mismatch"
+
+
+class WorkerTokenRefusedError(DdpqError):
+    """The API refused the worker's token (unknown, revoked, or not a worker token)."""
+
+    status_code = 401
+    code = "worker_token_refused"

@@ -76,14 +76,16 @@ class HeldJob:
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
     """A job a worker just claimed (now ``starting``, leased to it): its attempt, the
-    relaunches after failures so far and allowed (``max_restarts`` from the spec), and the
-    stored spec (a JSON object; ``JobSpec.model_validate`` it)."""
+    relaunches after failures so far and allowed (``max_restarts`` from the spec), the
+    stored spec (a JSON object; ``JobSpec.model_validate`` it) and the attempt token minted
+    for its ranks in the claim's transaction (empty from a claim that mints none)."""
 
     job_id: int
     attempt: int
     restarts: int
     max_restarts: int
     spec: dict[str, Any] = field(hash=False)
+    attempt_token: str = field(default="", repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,6 +177,8 @@ class Worker(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The worker token it registered with (api_tokens.id): only that token acts for it.
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Metric(Base):
@@ -335,12 +337,16 @@ class CheckpointChunk(Base):
 
 
 class ApiToken(Base):
-    """An API token, stored only as its sha256 hash."""
+    """An API token, stored only as its sha256 hash: a user's (``kind`` "user": the user
+    routes, as ``owner``) or a worker's (``kind`` "worker": only the worker routes; ``name``
+    says which host or pool it is for)."""
 
     __tablename__ = "api_tokens"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     owner: Mapped[str] = mapped_column(String(100))
+    kind: Mapped[str] = mapped_column(String(16), default="user", server_default="user")
+    name: Mapped[str | None] = mapped_column(String(100), nullable=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

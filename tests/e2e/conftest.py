@@ -26,6 +26,7 @@ from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
 from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
+from tests.workers import mint_worker_token, worker_environ
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
@@ -86,8 +87,9 @@ class Deployment(JobsOverHttp):
         self.http = httpx.Client(base_url=self.url + API_PREFIX, timeout=30)
         wait_for(self._ready, 90, "the API to answer /readyz")
 
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
-        proc = Proc(name, argv, self.env, self.tmp_path / f"{name}-{len(self.procs)}.log")
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log_path = self.tmp_path / f"{name}-{len(self.procs)}.log"
+        proc = Proc(name, argv, self.env if env is None else env, log_path)
         self.procs.append(proc)
         return proc
 
@@ -103,10 +105,17 @@ class Deployment(JobsOverHttp):
         """Live processes of ``job_id`` (torchrun and its ranks) in this deployment."""
         return tagged_processes(self.artifact_dir, job_id)
 
+    def worker_env(self) -> dict[str, str]:
+        """A worker's environment here: the API's URL and a worker token, no database URL."""
+        if not getattr(self, "_worker_token", None):
+            self._worker_token = mint_worker_token(self.db)
+        return worker_environ(self.settings, self._worker_token, self.env)
+
     def start_worker(self, slots: int = 1) -> Proc:
-        """A worker subprocess (``python -m worker.main``), local launcher, no GPUs."""
+        """A worker subprocess (``python -m worker.main``), local launcher, no GPUs; it
+        reaches only the API, with a worker token."""
         argv = [sys.executable, "-m", "worker.main", "--slots", str(slots), "--gpus", "none"]
-        return self._spawn("worker", argv)
+        return self._spawn("worker", argv, self.worker_env())
 
     def diagnostics(self, job_id: int) -> str:
         """Worker output and the job's rank logs, for failure messages."""

@@ -27,6 +27,7 @@ from service.store import migrate
 from service.store.db import Database
 from service.store.models import Metric
 from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
+from tests.workers import mint_worker_token, worker_environ
 from worker.processes import find_tagged_processes
 from worker.up import settings_env
 
@@ -189,11 +190,16 @@ class Cluster(JobsOverHttp):
         return host
 
     def start_worker(self, host: Host, **extra: str) -> Proc:
-        """``python -m worker.main`` on ``host``: its own artifact dir, the API by its URL."""
+        """``python -m worker.main`` on ``host``: its own artifact dir, the API by its URL and
+        a worker token; no database URL anywhere in its environment."""
         settings = self.base.model_copy(
             update={"artifact_dir": host.artifact_dir, "api_url": host.api_url}
         )
-        env = {**self._env(settings), **extra}
+        if not getattr(self, "worker_token", None):
+            self.worker_token = mint_worker_token(self.db)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
+        env = {**worker_environ(settings, self.worker_token, base), "PYTHONUNBUFFERED": "1"}
+        env.update(extra)
         argv = [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
         return self._spawn(f"worker-{host.name}", argv, env, host.netns)
 

@@ -94,7 +94,7 @@ def _start_worker(dep: Any, pythonpath: Path) -> Any:
     proc.name, proc.log_path = "worker", dep.tmp_path / "worker.log"
     proc._log = open(proc.log_path, "ab")  # noqa: SIM115 - closed by Proc.stop
     proc.popen = subprocess.Popen(
-        argv, env={**dep.env, "PYTHONPATH": str(pythonpath)}, cwd=E2E.REPO,
+        argv, env={**dep.worker_env(), "PYTHONPATH": str(pythonpath)}, cwd=E2E.REPO,
         stdout=proc._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip

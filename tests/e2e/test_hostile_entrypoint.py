@@ -155,7 +155,8 @@ def test_a_hostile_entrypoint_reaches_nothing(
             if ranks_as.code != REPO:
                 shutil.copy2(PROBE, ranks_as.probe.with_name(PROBE.name))
                 (ranks_as.probe.with_name(PROBE.name)).chmod(0o644)
-        dep._spawn("worker", [python, "-m", "worker.main", "--slots", "1", "--gpus", "none"])
+        worker_argv = [python, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
+        dep._spawn("worker", worker_argv, dep.worker_env())
 
         bob_spec = dep.load_example(
             "regression", resources={"nproc_per_node": 1}, training={"max_steps": 6}

@@ -42,6 +42,7 @@ from service.core.spec.model import JobSpec
 from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.migrate import upgrade
+from tests.workers import mint_worker_token, worker_environ
 from worker.launchers.base import RunPhase, RunStatus, with_attempt_token
 from worker.launchers.local.launcher import LocalLauncher
 from worker.up import settings_env
@@ -281,11 +282,13 @@ def test_a_whole_job_runs_as_the_rank_user_and_cannot_read_the_database(
     )
     db = Database.from_url(settings.resolved_database_url)
     upgrade(db.engine)
+    token = mint_worker_token(db)
     db.dispose()
     env = {**os.environ, **settings_env(settings), "DDPQ_TOKEN": "ddpq_user-token"}
     # The worker runs torchrun with its own interpreter, from its own working directory, with
-    # its PYTHONPATH: the ones the rank user can run and read.
-    worker_env = {**env, "PYTHONPATH": str(rank_python.code)}
+    # its PYTHONPATH: the ones the rank user can run and read. It holds a worker token, no
+    # database URL.
+    worker_env = {**worker_environ(settings, token, env), "PYTHONPATH": str(rank_python.code)}
     argvs = {
         "api": [sys.executable, "-m", "worker.up", "serve-api", "127.0.0.1", str(settings.port)],
         "worker": [rank_python.python, "-m", "worker.main", "--slots", "1", "--gpus", "none"],

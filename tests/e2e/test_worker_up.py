@@ -1,4 +1,5 @@
-"""``ddpq up`` (worker.up.run_up): migrate + API + one worker; SIGTERM stops it all."""
+"""``ddpq up``: migrate + API + one worker that reaches the API over loopback with a worker
+token it minted for itself; SIGTERM stops it all."""
 
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ from service.core.wire import API_PREFIX
 from worker.errors import PortInUseError
 from worker.up import run_up
 
-RUN_UP = (
-    "from service.core.config import Settings; from worker.up import run_up; run_up(Settings())"
-)
+RUN_UP = "import sys; from service.cli.main import main; sys.argv = ['ddpq', 'up']; main()"
 
 
 def _free_port() -> int:
@@ -46,6 +45,14 @@ def _descendants(pid: int) -> set[int]:
         frontier = children - found
         found |= children
     return found
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int) -> bool:
@@ -99,6 +106,13 @@ def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
         assert f"{url}/" in output, output
         children = _descendants(up.pid)
         assert len(children) >= 2, f"expected an API and a worker process, got {children}"
+        worker = [pid for pid in children if b"worker.main" in _read(f"/proc/{pid}/cmdline")]
+        assert worker, "no worker process"
+        # The worker holds a worker token and the API's URL, never the database's.
+        environ = _read(f"/proc/{worker[0]}/environ").split(b"\0")
+        names = {line.split(b"=", 1)[0] for line in environ}
+        assert b"DDPQ_WORKER_TOKEN" in names and b"DDPQ_DATABASE_URL" not in names
+        assert not [line for line in environ if b"ddpq.db" in line or b"sqlite" in line]
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0, log_path.read_text()
         survivors = [pid for pid in children if _alive(pid)]
@@ -117,7 +131,7 @@ def test_up_refuses_a_taken_port(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         settings = Settings(home=tmp_path / ".ddpq", port=port)
         with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*another port"):
-            run_up(settings, announce=lambda _line: None)
+            run_up(settings, worker_token="ddpqw_unused", announce=lambda _line: None)
 
 
 SPEC = {

@@ -19,6 +19,7 @@ from service.cli.main import app
 from service.client import ApiError, DdpqClient
 from service.core.config import Settings
 from service.core.wire import API_PREFIX
+from service.core.wire import worker as wire
 from service.store import migrate
 from service.store.db import Database
 from service.store.models import ApiToken
@@ -63,12 +64,9 @@ def test_token_create_prints_it_once_and_stores_only_its_hash(
         listed = runner.invoke(app, ["token", "ls"], env=env_for(settings))
         assert listed.exit_code == 0, listed.output
         lines = listed.stdout.splitlines()
-        assert lines[0].split() == ["ID", "OWNER", "ADMIN", "CREATED", "REVOKED"]
-        assert lines[1].split()[:2] == ["1", "alice"] and lines[2].split()[:3] == [
-            "2",
-            "ops",
-            "yes",
-        ]
+        assert lines[0].split() == ["ID", "KIND", "OWNER/NAME", "ADMIN", "CREATED", "REVOKED"]
+        assert lines[1].split()[:3] == ["1", "user", "alice"]
+        assert lines[2].split()[:4] == ["2", "user", "ops", "yes"]
         assert token not in listed.output and row["token_hash"] not in listed.output
 
         revoked = runner.invoke(app, ["token", "revoke", "1"], env=env_for(settings))
@@ -78,6 +76,31 @@ def test_token_create_prints_it_once_and_stores_only_its_hash(
         assert again.exit_code == 0, "revoking twice is harmless"
         missing = runner.invoke(app, ["token", "revoke", "99"], env=env_for(settings))
         assert missing.exit_code == 2 and "ddpq token ls" in missing.stderr, missing.output
+
+
+def test_a_worker_token_opens_only_the_worker_api(settings: Settings, db: Database) -> None:
+    env = env_for(settings)
+    made = runner.invoke(app, ["token", "create", "--worker", "--name", "gpu-07"], env=env)
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip()
+    assert (
+        token.startswith("ddpqw_") and "gpu-07" in made.stderr and "shown only now" in made.stderr
+    )
+    listed = runner.invoke(app, ["token", "ls"], env=env)
+    assert listed.stdout.splitlines()[1].split()[:3] == ["1", "worker", "gpu-07"]
+    assert token not in listed.output
+    refused = runner.invoke(app, ["token", "create", "--worker", "--owner", "alice"], env=env)
+    assert refused.exit_code == 2 and "--worker" in refused.stderr, refused.output
+    nameless_user = runner.invoke(app, ["token", "create", "--name", "x"], env=env)
+    assert nameless_user.exit_code == 2, nameless_user.output
+    headers = {"Authorization": f"Bearer {token}", wire.WORKER_ID_HEADER: "gpu-07-1"}
+    body = {"host": "gpu-07", "pid": 1, "launcher": "local", "capacity": {}}
+    with TestClient(create_app(settings.model_copy(update={"auth": "on"}))) as api:
+        assert api.put(API + wire.REGISTER_PATH, json=body, headers=headers).status_code == 200
+        assert api.get(f"{API}/jobs", headers=headers).status_code == 401
+        revoked = runner.invoke(app, ["token", "revoke", "1"], env=env)
+        assert revoked.exit_code == 0 and "worker gpu-07" in revoked.stdout, revoked.output
+        assert api.post(API + wire.HEARTBEAT_PATH, headers=headers).status_code == 401
 
 
 @pytest.mark.parametrize("owner", ["", "has space", "x" * 101, "../etc", "-flag"])

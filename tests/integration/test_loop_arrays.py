@@ -23,9 +23,9 @@ from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.sweeps import crud as sweeps
+from tests.db_records import DatabaseRecords
 from worker.launchers.base import ArrayPlan, LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
-from worker.records import DatabaseRecords
 
 BASE = {"task": "regression", "launcher": "slurm", "training": {"max_steps": 5}}
 

@@ -24,9 +24,9 @@ from service.store.jobs import crud as jobs
 from service.store.jobs.crud import Transition
 from service.store.models import Job, Worker, utcnow
 from service.store.workers.registry import register_worker
+from tests.db_records import DatabaseRecords
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
-from worker.records import DatabaseRecords
 
 
 @dataclass

@@ -27,10 +27,10 @@ from service.store.jobs import crud as jobs
 from service.store.jobs.crud import Transition
 from service.store.models import Job, Worker, utcnow
 from service.store.workers import leases
+from tests.db_records import DatabaseRecords
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
-from worker.records import DatabaseRecords
 
 UNREACHABLE_URL = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 

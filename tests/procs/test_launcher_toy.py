@@ -19,10 +19,10 @@ from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.store.db import Database
 from service.store.jobs import crud as jobs
+from tests.db_records import DatabaseRecords
 from worker.launchers import registry
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
-from worker.records import DatabaseRecords
 
 TOY = "toy"
 

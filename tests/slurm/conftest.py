@@ -24,6 +24,7 @@ from service.store import migrate
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job, Metric
+from tests.workers import mint_worker_token, worker_settings
 
 ENABLED = os.environ.get("DDPQ_TEST_SLURM") == "1"
 
@@ -169,10 +170,12 @@ def sacct_state(scheduler_job_id: str) -> str:
 def running_worker(
     settings: Settings, timeout_s: float = 30.0, *, slots: int = 1
 ) -> Iterator[threading.Event]:
-    """``run_worker(settings, launcher="slurm", slots=slots)`` in a thread; stopped (and
-    joined) on exit."""
+    """``run_worker(settings, launcher="slurm", slots=slots)`` in a thread, with a worker
+    token minted on ``settings``' database and no database URL (it reaches the API at
+    ``settings.resolved_api_url``); stopped (and joined) on exit."""
     from worker.main import run_worker
 
+    settings = worker_settings(settings, mint_worker_token(settings.resolved_database_url))
     stop = threading.Event()
     errors: list[BaseException] = []
 

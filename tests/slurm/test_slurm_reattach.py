@@ -27,6 +27,7 @@ from tests.slurm.conftest import (
     submit,
 )
 from tests.waiting import wait_until
+from tests.workers import mint_worker_token
 
 pytestmark = pytest.mark.slurm  # 30–55 s each
 
@@ -47,9 +48,9 @@ class WorkerProcess:
     def __init__(self, slurm_db: SlurmDb, log_path: Path) -> None:
         settings, _ = slurm_db
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "DDPQ_DATABASE_URL"},
             "DDPQ_HOME": str(settings.home),
-            "DDPQ_DATABASE_URL": settings.resolved_database_url,
+            "DDPQ_WORKER_TOKEN": mint_worker_token(settings.resolved_database_url),
             "DDPQ_API_URL": settings.resolved_api_url,  # the slurm_db fixture's API
             "DDPQ_ARTIFACT_DIR": str(settings.resolved_artifact_dir),
             "DDPQ_SLURM_ENABLED": "1",

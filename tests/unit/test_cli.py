@@ -13,6 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from service.cli import main as cli_main
 from service.cli.main import app, parse_gpus
 from service.cli.output import field_error_lines, format_bytes, format_metric, format_seconds
 
@@ -142,17 +143,23 @@ def test_bad_environment_exits_2() -> None:
     assert result.exit_code == 2 and "DDPQ_PORT" in result.output
 
 
+LOCAL_API = "http://127.0.0.1:8000"
+
+
 def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
     fake_main = types.ModuleType("worker.main")
     fake_up = types.ModuleType("worker.up")
 
     def run_worker(settings: Any, **kwargs: Any) -> None:
-        calls.append(("worker", kwargs))
+        calls.append(("worker", {**kwargs, "api": settings.resolved_api_url}))
 
-    def run_up(settings: Any) -> None:
+    def run_up(settings: Any, *, worker_token: str) -> None:
         calls.append(("up", {"port": settings.port, "url": settings.resolved_api_url}))
+        assert worker_token == "ddpqw_minted"
 
+    # `ddpq up` migrates and mints its worker's token first: no database in a unit test.
+    monkeypatch.setattr(cli_main, "_prepare_up", lambda settings: "ddpqw_minted")
     fake_main.run_worker = run_worker  # type: ignore[attr-defined]
     fake_up.run_up = run_up  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "worker.main", fake_main)
@@ -160,6 +167,7 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
     assert invoke(["worker", "--gpus", "0,1", "--slots", "2"]).exit_code == 0
     assert invoke(["worker", "--launcher", "slurm", "--gpus", "none"]).exit_code == 0
     assert invoke(["worker"]).exit_code == 0
+    assert invoke(["worker", "--api", "http://api-host:9000"]).exit_code == 0
     assert invoke(["up"], env={"DDPQ_PORT": "8123"}).exit_code == 0
     moved = invoke(
         ["up", "--host", "0.0.0.0", "--port", "8011"],
@@ -168,9 +176,10 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
     assert moved.exit_code == 0, moved.output
     assert invoke(["up", "--port", "0"]).exit_code == 2
     assert calls == [
-        ("worker", {"launcher": "local", "gpus": [0, 1], "slots": 2}),
-        ("worker", {"launcher": "slurm", "gpus": [], "slots": 1}),
-        ("worker", {"launcher": "local", "gpus": None, "slots": 1}),
+        ("worker", {"launcher": "local", "gpus": [0, 1], "slots": 2, "api": LOCAL_API}),
+        ("worker", {"launcher": "slurm", "gpus": [], "slots": 1, "api": LOCAL_API}),
+        ("worker", {"launcher": "local", "gpus": None, "slots": 1, "api": LOCAL_API}),
+        ("worker", {"launcher": "local", "gpus": None, "slots": 1, "api": "http://api-host:9000"}),
         ("up", {"port": 8123, "url": "http://127.0.0.1:8123"}),
         ("up", {"port": 8011, "url": "http://127.0.0.1:8011"}),
     ]

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.workers import mint_worker_token
+
 try:
     from playwright.sync_api import expect
 except ImportError:  # pragma: no cover - depends on the machine
@@ -29,14 +31,15 @@ JOB_TIMEOUT_S = 240.0  # generous: torchrun start-up on a busy 2-core machine
 
 @pytest.fixture(scope="module")
 def worker(live_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """``python -m worker.main`` against the live server's database (one slot, no GPUs)."""
+    """``python -m worker.main`` against the live server (one slot, no GPUs, a worker
+    token)."""
     if importlib.util.find_spec("worker.main") is None:
         pytest.skip("worker.main is not there yet")
     settings = live_server.settings
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "DDPQ_DATABASE_URL"}
     env.update(
         DDPQ_HOME=str(settings.home),
-        DDPQ_DATABASE_URL=settings.resolved_database_url,
+        DDPQ_WORKER_TOKEN=mint_worker_token(settings.resolved_database_url),
         DDPQ_ARTIFACT_DIR=str(settings.resolved_artifact_dir),
         DDPQ_API_URL=live_server.url,
         DDPQ_HEARTBEAT_INTERVAL_S="1",

@@ -3,9 +3,9 @@ from, what restoring cost, when training began, and how long checkpoint saves he
 
 The resume step must reach the API before the attempt's first metric batch: the API then
 moves earlier attempts' points of the steps this attempt trains again aside as superseded
-(``service.store.metrics.history``). ``AttemptFacts.begin`` hands it to the sink's writer,
+(the store's metric history). ``AttemptFacts.begin`` hands it to the sink's writer,
 which sends it before any later batch (``worker.runtime.metrics.sink.ApiSink.report_timeline``). The
-goodput ledger (``service.store.attempts.goodput``) reads the rest.
+goodput ledger (the store's attempts resource) reads the rest.
 """
 
 from __future__ import annotations

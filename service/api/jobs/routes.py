@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from service.api.claim_waits import claim_waits
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.http import ERRORS, MAX_INT64, JobIdPath, etag_response, json_response
 from service.api.jobs.dry_run import dry_run as dry_run_answer
@@ -167,6 +168,8 @@ async def submit(
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         starting_launcher=ctx.settings.expect_worker,
     )
+    if submitted.created:
+        claim_waits(request.app).notify()  # a worker's waiting claim takes it at once
     job = SubmittedJobOut(**dict(job_out(submitted.job)), warnings=list(submitted.warnings))
     location = f"{request.url.path.rstrip('/')}/{job.id}"
     return json_response(job, 201 if submitted.created else 200, {"Location": location})

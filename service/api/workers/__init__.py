@@ -1,1 +1,1 @@
-"""The workers list."""
+"""Workers: the workers list (users), and the worker API under /workers/self (workers only)."""

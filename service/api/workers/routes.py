@@ -18,7 +18,11 @@ router = APIRouter(tags=["workers"], dependencies=[REQUIRE_CALLER], responses=UN
 
 @router.get("/workers", response_model=WorkerListOut, summary="Workers and their heartbeats")
 def workers_route(ctx: ContextDep) -> WorkerListOut:
-    """Every worker, newest heartbeat first, with the ids of the active jobs it holds (only
-    the caller's own jobs unless the caller is an admin)."""
-    found = workers.list_workers(ctx.db, owner=ctx.owner)
+    """Every worker, newest heartbeat first, with its status (``live``, ``lost``: the API no
+    longer hears from it, ``stopped``) and the ids of the active jobs it holds (only the
+    caller's own jobs unless the caller is an admin). Caller: any user token (auth on) or
+    anyone (auth off); a worker's or a rank's token gets 401."""
+    found = workers.list_workers(
+        ctx.db, owner=ctx.owner, heartbeat_interval_s=ctx.settings.heartbeat_interval_s
+    )
     return WorkerListOut(workers=[worker_out(w) for w in found])

@@ -21,6 +21,17 @@ def find_caller(db: Database, token: str) -> Caller | None:
         return tokens.find_caller(session, token)
 
 
+def find_worker_token(db: Database, token: str) -> int | None:
+    """The id of the live worker token ``token``; None for an unknown, revoked, malformed or
+    user token (one indexed lookup, no cache).
+
+    Raises:
+        DatabaseUnavailableError: the token could not be looked up (503).
+    """
+    with db.session(write=False) as session:
+        return tokens.find_worker_token(session, token)
+
+
 def create_token(db: Database, *, owner: str, admin: bool = False) -> CreatedToken:
     """Store a new API token for ``owner`` (only its hash); the token itself is returned once.
 
@@ -29,6 +40,25 @@ def create_token(db: Database, *, owner: str, admin: bool = False) -> CreatedTok
     """
     with db.session() as session:
         row, token = tokens.create_token(session, owner=owner, admin=admin)
+        return CreatedToken(_info(row), token)
+
+
+def create_worker_token(
+    db: Database, *, name: str | None = None, replace: bool = False
+) -> CreatedToken:
+    """Store a new worker token called ``name`` (only its hash); the token itself is returned
+    once. ``replace``: revoke the live worker tokens of that name first, in the same
+    transaction (``ddpq up`` mints its own on every start).
+
+    Raises:
+        InvalidOwnerError: ``name`` is not a valid name (422).
+    """
+    with db.session() as session:
+        if replace and name is not None:
+            tokens.revoke_worker_tokens_named(session, name)
+        row, token = tokens.create_token(
+            session, owner=tokens.WORKER_TOKEN_OWNER, kind=tokens.WORKER, name=name
+        )
         return CreatedToken(_info(row), token)
 
 
@@ -49,4 +79,6 @@ def revoke_token(db: Database, token_id: int) -> TokenInfo:
 
 
 def _info(row: ApiToken) -> TokenInfo:
-    return TokenInfo(row.id, row.owner, bool(row.admin), row.created_at, row.revoked_at)
+    return TokenInfo(
+        row.id, row.owner, bool(row.admin), row.created_at, row.revoked_at, row.kind, row.name
+    )

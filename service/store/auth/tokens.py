@@ -1,7 +1,9 @@
 """API tokens: create (the secret shown once, only its sha256 stored), look up, list, revoke.
 
-A token is ``ddpq_`` plus 32 random bytes from ``secrets.token_urlsafe`` (256 bits). The
-table keeps ``sha256(token)`` and nothing from which the token could be rebuilt.
+A user's token is ``ddpq_``, a worker's ``ddpqw_`` (``WORKER_TOKEN_PREFIX``), plus 32 random
+bytes from ``secrets.token_urlsafe`` (256 bits). The table keeps ``sha256(token)`` and its
+kind, and nothing from which the token could be rebuilt. A user token opens only the user
+routes, a worker token only the worker routes (``service.api.deps``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from sqlalchemy.orm import Session
 
 from service.core.errors import DdpqError, NotFoundError
 from service.core.tokens import hash_token
+from service.core.wire.worker import WORKER_TOKEN_PREFIX
 from service.store.auth.values import Caller
 from service.store.models import ApiToken, utcnow
 
 TOKEN_PREFIX = "ddpq_"  # lets secret scanners and people recognise a leaked token
+USER, WORKER = "user", "worker"  # api_tokens.kind
+# A worker token's owner column: workers own no jobs.
+WORKER_TOKEN_OWNER = "worker"
 TOKEN_BYTES = 32
 MAX_TOKEN_CHARS = 200  # longer Authorization values are refused without a database lookup
 OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$")
@@ -30,9 +36,11 @@ class InvalidOwnerError(DdpqError):
     code = "invalid_owner"
 
 
-def new_token() -> str:
-    """A fresh random token (``ddpq_`` + 43 URL-safe characters)."""
-    return TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
+def new_token(kind: str = USER) -> str:
+    """A fresh random token: ``ddpq_`` (a user's) or ``ddpqw_`` (a worker's) + 43 URL-safe
+    characters."""
+    prefix = WORKER_TOKEN_PREFIX if kind == WORKER else TOKEN_PREFIX
+    return prefix + secrets.token_urlsafe(TOKEN_BYTES)
 
 
 def check_owner(owner: str) -> str:
@@ -50,18 +58,27 @@ def check_owner(owner: str) -> str:
     return owner
 
 
-def create_token(session: Session, *, owner: str, admin: bool = False) -> tuple[ApiToken, str]:
-    """Store a new token for ``owner`` (only its hash).
+def create_token(
+    session: Session, *, owner: str, admin: bool = False, kind: str = USER, name: str | None = None
+) -> tuple[ApiToken, str]:
+    """Store a new token (only its hash): a user token for ``owner``, or (``kind`` "worker")
+    a worker token called ``name`` (``owner`` is then ``WORKER_TOKEN_OWNER``).
 
     Returns:
         ``(row, token)``: the stored row and the token itself, which exists nowhere else
         afterwards; show it once.
 
     Raises:
-        InvalidOwnerError: ``owner`` is not a valid owner name.
+        InvalidOwnerError: ``owner`` (or ``name``) is not a valid name.
     """
-    token = new_token()
-    row = ApiToken(owner=check_owner(owner), token_hash=hash_token(token), admin=admin)
+    if kind == WORKER:
+        owner, admin = WORKER_TOKEN_OWNER, False
+    if name is not None:
+        check_owner(name)
+    token = new_token(kind)
+    row = ApiToken(
+        owner=check_owner(owner), token_hash=hash_token(token), admin=admin, kind=kind, name=name
+    )
     session.add(row)
     session.flush()
     return row, token
@@ -75,10 +92,39 @@ def find_caller(session: Session, token: str) -> Caller | None:
         return None
     row = session.execute(
         select(ApiToken.owner, ApiToken.admin).where(
-            ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None)
+            ApiToken.token_hash == hash_token(token),
+            ApiToken.revoked_at.is_(None),
+            ApiToken.kind == USER,
         )
     ).one_or_none()
     return None if row is None else Caller(owner=row.owner, admin=bool(row.admin))
+
+
+def find_worker_token(session: Session, token: str) -> int | None:
+    """The id of the live worker token ``token``; None for an unknown, revoked, malformed or
+    user token. One indexed lookup by hash, no cache (a revocation holds from the next
+    request)."""
+    if not token or len(token) > MAX_TOKEN_CHARS:
+        return None
+    return session.scalar(
+        select(ApiToken.id).where(
+            ApiToken.token_hash == hash_token(token),
+            ApiToken.revoked_at.is_(None),
+            ApiToken.kind == WORKER,
+        )
+    )
+
+
+def revoke_worker_tokens_named(session: Session, name: str) -> int:
+    """Revoke every live worker token called ``name`` (``ddpq up`` replaces its own token on
+    each start); how many were revoked."""
+    result = session.execute(
+        update(ApiToken)
+        .where(ApiToken.kind == WORKER, ApiToken.name == name, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def list_tokens(session: Session) -> list[ApiToken]:

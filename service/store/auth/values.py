@@ -22,14 +22,17 @@ class Caller:
 
 @dataclass(frozen=True, slots=True)
 class TokenInfo:
-    """One API token as stored: its id, owner, role and when it was created and revoked
-    (None: live). The token itself is not kept, only its hash."""
+    """One API token as stored: its id, owner, role, kind (a user's or a worker's) and name,
+    and when it was created and revoked (None: live). The token itself is not kept, only its
+    hash."""
 
     id: int
     owner: str
     admin: bool
     created_at: datetime
     revoked_at: datetime | None
+    kind: str = "user"  # "user" | "worker"
+    name: str | None = None  # a worker token's name (e.g. the host it is for)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from sqlalchemy import bindparam, delete, exists, func, or_, select, text, updat
 from sqlalchemy.orm import Session, aliased
 
 from service.core.events import EventKind
+from service.core.holds import ClaimedJob
 from service.core.states import JobState, SweepState
 from service.store import events
 from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
@@ -216,3 +217,10 @@ def claim_update_statements(picked: Any, *ctes: Any) -> tuple[Any, Any]:
     claimed = claim.returning(*Job.__table__.c).cte("claimed")
     add_events = events.claim_events_from(claimed)
     return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_events)
+
+
+def claimed_job(job: Job) -> ClaimedJob:
+    """A claimed ``job`` as the worker gets it: attempt, restarts, ``max_restarts`` from its
+    spec, and the spec itself (no attempt token yet)."""
+    spec = dict(job.spec)
+    return ClaimedJob(job.id, job.attempt, job.restarts, int(spec.get("max_restarts", 0)), spec)

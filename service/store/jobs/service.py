@@ -43,7 +43,6 @@ from service.store.jobs.values import (
     Submitted,
 )
 from service.store.jobs.view import get_job_row, get_job_view
-from service.store.models import Job
 from service.store.workspaces.crud import use_workspaces
 
 # -- the API's ----------------------------------------------------------------------------
@@ -346,9 +345,7 @@ def claim_job_batch(
         return ClaimedJobs(jobs, batch.sweep_id, batch.max_concurrent)
 
 
-def _claimed(job: Job) -> ClaimedJob:
-    spec = dict(job.spec)
-    return ClaimedJob(job.id, job.attempt, job.restarts, int(spec.get("max_restarts", 0)), spec)
+_claimed = claims.claimed_job
 
 
 def apply_transition(

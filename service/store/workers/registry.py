@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from service.core.errors import WorkerTokenMismatchError
 from service.core.holds import HeldJob
 from service.core.states import ACTIVE_STATES
 from service.store.jobs.queue import LIVE_HEARTBEATS, explain_queue
@@ -34,13 +35,25 @@ def register_worker(
     pid: int,
     launcher: str,
     capacity: dict[str, Any],
+    token_id: int | None = None,
 ) -> Worker:
-    """Insert (or revive) the worker row. ``capacity``: ``{"slots": int, "gpus": [int]}``."""
+    """Insert (or revive) the worker row. ``capacity``: ``{"slots": int, "gpus": [int]}``;
+    ``token_id``: the worker token it registers with (None: a worker on the database itself,
+    in tests).
+
+    Raises:
+        WorkerTokenMismatchError: the id is registered with another worker token.
+    """
     now = utcnow()
-    worker = session.get(Worker, worker_id)
+    worker = session.get(Worker, worker_id, with_for_update=True)
     if worker is None:
-        worker = Worker(id=worker_id)
+        worker = Worker(id=worker_id, token_id=token_id)
         session.add(worker)
+    elif worker.token_id is not None and worker.token_id != token_id:
+        raise WorkerTokenMismatchError(
+            f"worker id {worker_id} is registered with another worker token"
+        )
+    worker.token_id = token_id
     worker.host, worker.pid, worker.launcher, worker.capacity = host, pid, launcher, capacity
     worker.started_at = worker.heartbeat_at = now
     worker.stopped_at = None

@@ -22,3 +22,24 @@ class WorkerView:
     heartbeat_at: datetime
     stopped_at: datetime | None
     running_jobs: tuple[int, ...]
+    # "live" (beat within LIVE_HEARTBEATS intervals), "lost" (the API no longer hears from
+    # it: not counted as a worker that could run anything) or "stopped" (shut down cleanly).
+    status: str = "live"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCaller:
+    """Who calls the worker API: the live worker token (``token_id``) and the worker id it
+    names. ``registered``: the id has a row, registered with ``registered_token_id`` (None:
+    a row from before worker tokens) and ``launcher``."""
+
+    token_id: int
+    worker_id: str
+    registered: bool
+    registered_token_id: int | None
+    launcher: str | None
+
+    @property
+    def owns_row(self) -> bool:
+        """Whether the row exists and this token registered it."""
+        return self.registered and self.registered_token_id == self.token_id

@@ -40,11 +40,12 @@
       w.heartbeat_age_s !== undefined && w.heartbeat_age_s !== null
         ? Number(w.heartbeat_age_s)
         : (Date.now() - (d.parseTime(w.heartbeat_at) || 0)) / 1000;
-    const stale = age > STALE_AFTER_S;
+    // The API's status when it sends one: "lost" once it no longer hears from the worker.
+    const stale = w.status ? w.status === "lost" : age > STALE_AFTER_S;
     return d.el(
       "td",
       { title: w.heartbeat_at },
-      d.el("span", { class: "badge " + (stale ? "stale" : "ok") }, stale ? "stale" : "alive"),
+      d.el("span", { class: "badge " + (stale ? "stale" : "ok") }, stale ? "lost" : "alive"),
       " " + d.fmtDuration(age) + " ago",
     );
   }

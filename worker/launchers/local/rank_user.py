@@ -3,8 +3,8 @@
 With it set, torchrun (and so every rank) runs as that user with its own primary group and no
 supplementary groups; the attempt directory and the job's checkpoint directory are handed to
 it. What the worker keeps to itself then stays out of the ranks' reach by plain file
-permissions: the SQLite file is 0600 root (``service.store.db.make_sqlite_files_private``),
-and the worker's environment is another user's ``/proc/<pid>/environ``.
+permissions: the embedded default's SQLite file is 0600 root (the store makes it private),
+and the worker's environment (its worker token) is another user's ``/proc/<pid>/environ``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,116 @@
+"""The worker API's long poll: claims that found nothing wait here until a job they could
+claim may exist, without holding a database connection while they wait.
+
+Two things wake a waiting claim: a submission through this API process (``notify``, at
+once), and a probe that runs while claims wait: every ``PROBE_S`` seconds, one read per
+distinct (launcher, GPUs) among the waiting claims, the same claim predicate the claim
+itself and the queue explanation use (``has_claimable_job``). The probe finds what another
+API process queued, a requeue by the reaper, a sweep slot freed. A woken claim tries to claim
+again; several woken together race through ``FOR UPDATE SKIP LOCKED`` and the losers wait
+again. The database thus sees at most one probe per key per ``PROBE_S`` per process, however
+many workers wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 0.1
+# What a waiting claim can take: (launcher, GPUs per node it has free).
+Key = tuple[str, int]
+
+
+class ClaimWaits:
+    """Waiting claims of one API process, woken by ``notify`` or by the probe.
+
+    Args:
+        probe: ``probe(launcher, max_gpus_per_node)`` → whether such a claim could find a job
+            (blocking; run in the threadpool). An error there is logged and counts as "no".
+        probe_s: seconds between probes while claims wait.
+    """
+
+    def __init__(self, probe: Callable[[str, int], bool], probe_s: float = PROBE_S) -> None:
+        self._probe = probe
+        self._probe_s = probe_s
+        self._events: dict[Key, asyncio.Event] = {}
+        self._waiting: Counter[Key] = Counter()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    async def wait(self, key: Key, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a wake-up meant for ``key``; whether one came."""
+        self._loop = asyncio.get_running_loop()
+        event = self._events.setdefault(key, asyncio.Event())
+        self._waiting[key] += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._probe_while_waiting())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiting[key] -= 1
+            if self._waiting[key] <= 0:
+                del self._waiting[key]
+
+    def notify(self) -> None:
+        """Wake every waiting claim (a job was queued here). Safe from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake_all()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake(self, key: Key) -> None:
+        event = self._events.pop(key, None)
+        if event is not None:
+            event.set()  # those waiting now wake; a later wait gets a fresh event
+
+    def _wake_all(self) -> None:
+        for key in list(self._events):
+            self._wake(key)
+
+    async def _probe_while_waiting(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(self._probe_s)
+            for key in list(self._waiting):
+                try:
+                    found = await run_in_threadpool(self._probe, *key)
+                except Exception as exc:  # a database outage: the claims time out instead
+                    log.debug("claim probe failed: %s", exc)
+                    found = False
+                if found:
+                    self._wake(key)
+
+    async def close(self) -> None:
+        """Stop the probe (at the app's shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def claim_waits(app: FastAPI) -> ClaimWaits:
+    """The app's ``ClaimWaits`` (``create_app`` puts one on ``app.state``)."""
+    waits: ClaimWaits = app.state.claim_waits
+    return waits
