@@ -26,6 +26,22 @@ def command_of(service: dict[str, Any]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
 
 
+def ddpq_calls(service: dict[str, Any]) -> list[list[str]]:
+    """Every `ddpq …` invocation a service runs: its command, or each one in its `sh -c`
+    script (redirections and `exec` dropped)."""
+    command = command_of(service)
+    if command[:2] != ["sh", "-c"]:
+        return [command] if command[:1] == ["ddpq"] else []
+    calls = []
+    for part in re.split(r"&&|;|\|\|", command[2]):
+        words = shlex.split(part.split(">")[0])
+        if words[:1] == ["exec"]:
+            words = words[1:]
+        if words[:1] == ["ddpq"]:
+            calls.append(words)
+    return calls
+
+
 def environment_of(service: dict[str, Any]) -> dict[str, str]:
     env = service.get("environment", {})
     if isinstance(env, list):
@@ -34,8 +50,7 @@ def environment_of(service: dict[str, Any]) -> dict[str, str]:
 
 
 def ddpq_commands() -> list[tuple[str, list[str]]]:
-    found = [(name, command_of(svc)[1:]) for name, svc in SERVICES.items()]
-    found = [(name, args) for name, args in found if command_of(SERVICES[name])[:1] == ["ddpq"]]
+    found = [(name, call[1:]) for name, svc in SERVICES.items() for call in ddpq_calls(svc)]
     dockerfile_cmd = re.search(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.M)
     assert dockerfile_cmd, "the Dockerfile should end with a CMD [...] line"
     cmd = yaml.safe_load(dockerfile_cmd.group(1))
@@ -51,10 +66,12 @@ def test_the_four_services_and_their_order() -> None:
     for name in ("api", "worker"):
         dep = SERVICES[name]["depends_on"]["migrate"]["condition"]
         assert dep == "service_completed_successfully", f"{name} must wait for the migration"
-    assert command_of(SERVICES["migrate"]) == ["ddpq", "db", "upgrade"]
+    migrate = ddpq_calls(SERVICES["migrate"])
+    assert migrate[0] == ["ddpq", "db", "upgrade"]
+    assert migrate[1][:4] == ["ddpq", "token", "create", "--worker"]
     assert command_of(SERVICES["api"])[:2] == ["ddpq", "serve"]
     assert "0.0.0.0" in command_of(SERVICES["api"])
-    assert command_of(SERVICES["worker"])[:2] == ["ddpq", "worker"]
+    assert [call[:2] for call in ddpq_calls(SERVICES["worker"])] == [["ddpq", "worker"]]
 
 
 @pytest.mark.parametrize(("where", "args"), ddpq_commands(), ids=lambda v: str(v))
@@ -93,18 +110,28 @@ def test_every_ddpq_variable_is_a_setting() -> None:
     assert seen >= 4
 
 
-def test_services_share_the_database_and_artifacts() -> None:
-    urls = {environment_of(SERVICES[n])["DDPQ_DATABASE_URL"] for n in ("migrate", "api", "worker")}
+def test_only_the_api_side_holds_the_database() -> None:
+    urls = {environment_of(SERVICES[n])["DDPQ_DATABASE_URL"] for n in ("migrate", "api")}
     assert len(urls) == 1 and "@postgres:" in urls.pop()
+    worker = SERVICES["worker"]
+    assert "DDPQ_DATABASE_URL" not in environment_of(worker), "a worker refuses a database URL"
+    assert "postgres" not in str(worker), "the worker holds nothing of the database's"
     mounts = [set(SERVICES[n].get("volumes", [])) for n in ("api", "worker")]
     assert mounts[0] & mounts[1], "api and worker must share the artifacts volume"
 
 
-def test_the_worker_hands_its_ranks_the_api_url_and_keeps_the_database() -> None:
-    env = environment_of(SERVICES["worker"])
-    assert env.get("DDPQ_API_URL") == "http://api:8000", (
-        "the worker's ranks report to the api service: set DDPQ_API_URL=http://api:8000"
+def test_the_worker_holds_the_api_url_and_a_worker_token() -> None:
+    worker = SERVICES["worker"]
+    (call,) = ddpq_calls(worker)
+    assert call[call.index("--api") + 1] == "http://api:8000", (
+        "the worker and its ranks reach the api service at http://api:8000"
     )
-    assert "@postgres:" in env["DDPQ_DATABASE_URL"], "the worker itself still claims jobs"
-    depends = SERVICES["worker"].get("depends_on", {})
-    assert "api" in depends, "the worker should start once the API its ranks report to is up"
+    script = command_of(worker)[2]
+    assert "DDPQ_WORKER_TOKEN" in script
+    # The token file comes from the one-shot migrate service, through a volume only they mount.
+    token_volume = {v.split(":")[0] for v in worker["volumes"]} & {
+        v.split(":")[0] for v in SERVICES["migrate"]["volumes"]
+    }
+    assert token_volume and not token_volume & {v.split(":")[0] for v in SERVICES["api"]["volumes"]}
+    depends = worker.get("depends_on", {})
+    assert "api" in depends, "the worker should start once the API it reaches is up"

@@ -12,12 +12,15 @@ another worker's jobs, and it reads only the specs of jobs it claims.
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from service.api.bodies import body_doc, json_body
 from service.api.claim_waits import claim_waits
 from service.api.deps import REQUIRE_WORKER, WORKER_UNAUTHORIZED, SettingsDep, WorkerDep
+from service.api.http import ERRORS
 from service.core.errors import NotFoundError, SpecValidationError, WorkerTokenMismatchError
 from service.core.events import EventKind
 from service.core.launchers import launcher_names
@@ -52,7 +55,7 @@ from service.store.workers import service as workers
 from service.store.workers.values import WorkerCaller
 
 router = APIRouter(
-    tags=["worker API"], dependencies=[REQUIRE_WORKER], responses=WORKER_UNAUTHORIZED
+    tags=["worker API"], dependencies=[REQUIRE_WORKER], responses={**ERRORS, **WORKER_UNAUTHORIZED}
 )
 
 
@@ -77,9 +80,17 @@ def _db(request: Request) -> Database:
     return db
 
 
-@router.put(REGISTER_PATH, response_model=WorkerAck, summary="Register (or revive) this worker")
+@router.put(
+    REGISTER_PATH,
+    response_model=WorkerAck,
+    summary="Register (or revive) this worker",
+    openapi_extra=body_doc(RegisterIn),
+)
 async def register(
-    body: RegisterIn, request: Request, caller: WorkerDep, settings: SettingsDep
+    body: Annotated[RegisterIn, json_body(RegisterIn)],
+    request: Request,
+    caller: WorkerDep,
+    settings: SettingsDep,
 ) -> WorkerAck:
     """Insert or revive the calling worker's row, bound to its token from now on; the answer
     gives the lease length the API grants (seconds). 422 for an unknown launcher."""
@@ -122,9 +133,17 @@ async def stop(request: Request, caller: WorkerDep, settings: SettingsDep) -> Wo
     return WorkerAck(worker_id=caller.worker_id, lease_s=settings.lease_s)
 
 
-@router.post(CLAIM_PATH, response_model=ClaimOut, summary="Claim jobs (a long poll)")
+@router.post(
+    CLAIM_PATH,
+    response_model=ClaimOut,
+    summary="Claim jobs (a long poll)",
+    openapi_extra=body_doc(ClaimIn),
+)
 async def claim(
-    body: ClaimIn, request: Request, caller: WorkerDep, settings: SettingsDep
+    body: Annotated[ClaimIn, json_body(ClaimIn)],
+    request: Request,
+    caller: WorkerDep,
+    settings: SettingsDep,
 ) -> ClaimOut:
     """Claim the next job this worker can run (or, with ``batch``, up to ``limit`` trials of
     one sweep), each now ``starting``, leased to it, with its spec and a new attempt token
@@ -155,8 +174,15 @@ async def claim(
         await waits.wait((launcher, body.max_gpus_per_node), left)
 
 
-@router.post(TRANSITIONS_PATH, response_model=TransitionOut, summary="Change a held job's state")
-async def transition(body: TransitionIn, request: Request, caller: WorkerDep) -> TransitionOut:
+@router.post(
+    TRANSITIONS_PATH,
+    response_model=TransitionOut,
+    summary="Change a held job's state",
+    openapi_extra=body_doc(TransitionIn),
+)
+async def transition(
+    body: Annotated[TransitionIn, json_body(TransitionIn)], request: Request, caller: WorkerDep
+) -> TransitionOut:
     """Apply a state change to a job this worker holds: one compare-and-set on its state and
     holder, with its event (the failure reason in the event's data is what the retry policy
     reads). 409 ``stale_state`` when the job moved on or another worker holds it; 409
@@ -171,9 +197,17 @@ async def transition(body: TransitionIn, request: Request, caller: WorkerDep) ->
     return TransitionOut(state=state)
 
 
-@router.post(HANDLES_PATH, response_model=WorkerAck, summary="Record scheduler job ids")
+@router.post(
+    HANDLES_PATH,
+    response_model=WorkerAck,
+    summary="Record scheduler job ids",
+    openapi_extra=body_doc(HandlesIn),
+)
 async def handles(
-    body: HandlesIn, request: Request, caller: WorkerDep, settings: SettingsDep
+    body: Annotated[HandlesIn, json_body(HandlesIn)],
+    request: Request,
+    caller: WorkerDep,
+    settings: SettingsDep,
 ) -> WorkerAck:
     """Store detached launchers' handles (Slurm job ids) as the ``scheduler_job_id`` of jobs
     this worker holds at those attempts; a handle of any other job is dropped."""
@@ -184,8 +218,15 @@ async def handles(
     return WorkerAck(worker_id=caller.worker_id, lease_s=settings.lease_s)
 
 
-@router.post(NOTES_PATH, response_model=NoteOut, summary="Add a note to a held job's events")
-async def note(body: NoteIn, request: Request, caller: WorkerDep) -> NoteOut:
+@router.post(
+    NOTES_PATH,
+    response_model=NoteOut,
+    summary="Add a note to a held job's events",
+    openapi_extra=body_doc(NoteIn),
+)
+async def note(
+    body: Annotated[NoteIn, json_body(NoteIn)], request: Request, caller: WorkerDep
+) -> NoteOut:
     """A note (no state change) on the current attempt of a job this worker holds; 404
     ``job_not_held`` otherwise, 422 for data its kind's wording lacks."""
     _registered(caller)
@@ -204,8 +245,15 @@ async def note(body: NoteIn, request: Request, caller: WorkerDep) -> NoteOut:
     return NoteOut(written=written)
 
 
-@router.post(PENDING_PATH, response_model=NoteOut, summary="Record a scheduler pending reason")
-async def pending_reason(body: PendingIn, request: Request, caller: WorkerDep) -> NoteOut:
+@router.post(
+    PENDING_PATH,
+    response_model=NoteOut,
+    summary="Record a scheduler pending reason",
+    openapi_extra=body_doc(PendingIn),
+)
+async def pending_reason(
+    body: Annotated[PendingIn, json_body(PendingIn)], request: Request, caller: WorkerDep
+) -> NoteOut:
     """The batch scheduler's pending reason for the current attempt of a job this worker
     holds, unless it is the newest one recorded (``written`` False then); 404 otherwise."""
     _registered(caller)
@@ -231,8 +279,15 @@ async def adopt(request: Request, caller: WorkerDep, settings: SettingsDep) -> A
     return AdoptOut(jobs=adopted)
 
 
-@router.post(ADOPTER_PATH, response_model=AdopterOut, summary="Who adopted a job's attempt")
-async def adopter(body: AdopterIn, request: Request, caller: WorkerDep) -> AdopterOut:
+@router.post(
+    ADOPTER_PATH,
+    response_model=AdopterOut,
+    summary="Who adopted a job's attempt",
+    openapi_extra=body_doc(AdopterIn),
+)
+async def adopter(
+    body: Annotated[AdopterIn, json_body(AdopterIn)], request: Request, caller: WorkerDep
+) -> AdopterOut:
     """The other worker that adopted ``attempt`` of the job and still holds it, if any: a
     worker that lost a detached job then leaves it running instead of cancelling it."""
     _registered(caller)
