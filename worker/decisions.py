@@ -2,7 +2,8 @@
 
 No I/O here: ``worker.loop.WorkerLoop`` gathers observations (launcher polls, heartbeats) and
 applies the decisions. One table, ``PHASE_DECISIONS``, maps each ``RunPhase`` a launcher can
-report to the job's next state.
+report to the job's next state. ``decide_fences`` picks the jobs whose lease this worker could
+not renew in time, to stop their ranks before the control plane may requeue them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ SUMMARY_CHARS = 300
 # and weights into the same non-finite loss, and a failure before the first step (bad config,
 # import error) would fail the same way. A stalled attempt is retried like any other failure.
 NOT_RETRIED_REASONS = frozenset({FailureReason.NONFINITE_LOSS, FailureReason.SETUP})
+# Seconds the lease fence keeps in hand beyond the launcher's cancel grace and one tick: a
+# failing call may take a moment to fail, and the ranks' stop checkpoint a moment to land.
+FENCE_MARGIN_S = 2.0
 
 
 @dataclass
@@ -40,10 +44,16 @@ class HeldRun:
     cancel_sent: bool = False
     # The token its ranks get, minted by the claim (adopted runs are never launched here).
     attempt_token: str = field(default="", repr=False)
+    # The worker's monotonic clock (seconds) just before it sent the last call that leased
+    # the job to it (claim, adoption or heartbeat): the API's lease runs ``lease_s`` from a
+    # moment no earlier, so it cannot lapse before ``renewed_mono + lease_s``. None: unknown
+    # (never fenced).
+    renewed_mono: float | None = None
 
     @classmethod
-    def claimed(cls, job: ClaimedJob) -> HeldRun:
-        """The run of a job this worker just claimed (``starting``, not launched yet)."""
+    def claimed(cls, job: ClaimedJob, *, renewed_mono: float | None = None) -> HeldRun:
+        """The run of a job this worker just claimed (``starting``, not launched yet);
+        ``renewed_mono``: the worker's monotonic time just before it sent the claim."""
         return cls(
             job_id=job.job_id,
             attempt=job.attempt,
@@ -51,11 +61,13 @@ class HeldRun:
             restarts=job.restarts,
             max_restarts=job.max_restarts,
             attempt_token=job.attempt_token,
+            renewed_mono=renewed_mono,
         )
 
     @classmethod
-    def adopted(cls, job: AdoptedJob) -> HeldRun:
-        """The run of a detached job this worker adopted, followed by its scheduler id."""
+    def adopted(cls, job: AdoptedJob, *, renewed_mono: float | None = None) -> HeldRun:
+        """The run of a detached job this worker adopted, followed by its scheduler id;
+        ``renewed_mono``: the worker's monotonic time just before it sent the adoption."""
         return cls(
             job_id=job.job_id,
             attempt=job.attempt,
@@ -64,6 +76,7 @@ class HeldRun:
             max_restarts=job.max_restarts,
             handle=job.scheduler_job_id,
             cancel_requested=job.cancel_requested,
+            renewed_mono=renewed_mono,
         )
 
 
@@ -217,6 +230,83 @@ def reconcile(runs: Mapping[int, HeldRun], held: Sequence[HeldJob]) -> Reconcili
         cancel_requested=frozenset(i for i, h in kept.items() if h.cancel_requested),
         orphans=orphans,
     )
+
+
+def stop_budget_for(lease_s: float, cancel_grace_s: float, tick_s: float) -> float:
+    """Seconds before a lease can lapse at which the worker starts stopping the job's ranks
+    (the fence): the launcher's cancel grace (SIGTERM → SIGKILL, ``cancel`` blocks that
+    long), one tick (the loop may notice a tick late) and ``FENCE_MARGIN_S``; at most half
+    of ``lease_s``, so that a short lease (tests) is not fenced as soon as it is claimed.
+
+    All arguments and the result are in seconds.
+    """
+    return min(cancel_grace_s + tick_s + FENCE_MARGIN_S, lease_s / 2)
+
+
+def fence_deadline(run: HeldRun, *, lease_s: float, budget_s: float) -> float | None:
+    """The worker's monotonic time (seconds) by which ``run``'s lease must be renewed, else
+    its ranks are stopped: ``renewed_mono + lease_s - budget_s``; None when the renewal
+    time is unknown."""
+    if run.renewed_mono is None:
+        return None
+    return run.renewed_mono + lease_s - budget_s
+
+
+def next_fence_deadline(
+    runs: Mapping[int, HeldRun], *, lease_s: float, budget_s: float
+) -> float | None:
+    """The earliest ``fence_deadline`` of ``runs`` (monotonic seconds); None if none has one."""
+    deadlines = [fence_deadline(r, lease_s=lease_s, budget_s=budget_s) for r in runs.values()]
+    known = [d for d in deadlines if d is not None]
+    return min(known) if known else None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A held job whose lease this worker did not renew in time: stop its ranks here and
+    forget it, without the control plane (unreachable), before the API may requeue it and
+    another worker start its next attempt.
+
+    ``unrenewed_s``: seconds since the last renewal was sent; ``lapses_in_s``: seconds left
+    before the lease can lapse at the earliest (the API cannot requeue it sooner).
+    """
+
+    job_id: int
+    attempt: int
+    unrenewed_s: float
+    lapses_in_s: float
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job_id} attempt {self.attempt}: lease not renewed for "
+            f"{self.unrenewed_s:.1f} s, lapses in {self.lapses_in_s:.1f} s at the earliest"
+        )
+
+
+def decide_fences(
+    runs: Mapping[int, HeldRun],
+    *,
+    now: float,
+    lease_s: float,
+    budget_s: float,
+    ahead_s: float = 0.0,
+) -> tuple[Fence, ...]:
+    """The runs to fence at ``now`` (the worker's monotonic clock, seconds), in job id
+    order: none unless some run's fence deadline (``fence_deadline``) has passed; then those
+    and every run whose deadline comes within ``ahead_s`` seconds, since stopping the first
+    ones blocks the caller that long and it would notice the others late. Only for attached
+    launchers: a detached launcher's jobs are adopted, never requeued, while they run."""
+    candidates: list[tuple[float, Fence]] = []
+    for job_id in sorted(runs):
+        run = runs[job_id]
+        deadline = fence_deadline(run, lease_s=lease_s, budget_s=budget_s)
+        if deadline is None or run.renewed_mono is None or deadline > now + ahead_s:
+            continue
+        unrenewed = now - run.renewed_mono
+        candidates.append((deadline, Fence(job_id, run.attempt, unrenewed, lease_s - unrenewed)))
+    if not any(deadline <= now for deadline, _ in candidates):
+        return ()
+    return tuple(fence for _, fence in candidates)
 
 
 class GpuPool:

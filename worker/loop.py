@@ -13,6 +13,16 @@ the next worker to adopt instead of cancelling them. A launcher that ``adopts`` 
 such jobs from lost or stopped workers on every tick (the worker API's adoptions) and follows
 them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
 gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
+
+The lease fence: a worker that cannot reach the control plane keeps its jobs running only
+while their leases surely hold. Each held run remembers when its lease was last renewed
+(``HeldRun.renewed_mono``: just before the claim or heartbeat that renewed it was sent); once
+``renewed + lease_s - stop budget`` has passed (``worker.decisions.decide_fences``), an
+attached launcher's ranks are stopped and the run forgotten, with no call to the control
+plane, so that the job never runs here while the API requeues it for another worker. The
+first heartbeat that gets through requeues such a job if the API still lists it as held
+here (an orphan of ``reconcile``). Detached jobs (Slurm) are adopted, never requeued, while
+they run: they are never fenced.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from service.core.config import Settings
@@ -30,12 +42,21 @@ from worker.decisions import (
     Decision,
     GpuPool,
     HeldRun,
+    decide_fences,
     decide_on_launch_error,
     decide_on_shutdown,
     decide_on_status,
+    next_fence_deadline,
     reconcile,
+    stop_budget_for,
 )
-from worker.launchers.base import ArrayStarter, BatchPoller, Launcher, RunStatus
+from worker.launchers.base import (
+    ArrayStarter,
+    BatchPoller,
+    GracefulCanceller,
+    Launcher,
+    RunStatus,
+)
 from worker.launches import Launches
 from worker.records import WorkerRecords
 
@@ -45,6 +66,9 @@ MAX_TICK_S = 1.0
 MAX_BACKOFF_S = 30.0
 # The longest one claim waits for a job (a long poll), so a stop is seen this soon.
 MAX_CLAIM_WAIT_S = 1.0
+# How long an attached launcher's ``cancel`` may take when it does not say
+# (``GracefulCanceller``): the local launcher's default grace, so the fence stops early enough.
+DEFAULT_CANCEL_GRACE_S = 10.0
 
 
 def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
@@ -61,6 +85,9 @@ class WorkerLoop:
     the backend's business (Slurm). Jobs adopted from other workers count against ``slots``
     like claimed ones.
 
+    ``clock`` is the monotonic clock (seconds) the loop times ticks and leases with; tests
+    pass a fake one.
+
     Raises:
         KeyError: the launcher's name has no row in ``LAUNCHER_TRAITS``.
     """
@@ -76,8 +103,10 @@ class WorkerLoop:
         slots: int = 1,
         gpus: list[int] | None = None,
         cpus: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.records = records
         self.launcher = launcher
         self.worker_id = records.worker_id
@@ -98,6 +127,9 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
+        self.cancel_grace_s = (  # seconds a cancel may block
+            launcher.grace_s if isinstance(launcher, GracefulCanceller) else DEFAULT_CANCEL_GRACE_S
+        )
 
     @property
     def tick_s(self) -> float:
@@ -105,10 +137,21 @@ class WorkerLoop:
         return min(self.settings.heartbeat_interval_s, MAX_TICK_S)
 
     @property
+    def lease_s(self) -> float:
+        """A lease's length (seconds) as the control plane grants it (each answer says)."""
+        return self.records.lease_s
+
+    @property
+    def stop_budget_s(self) -> float:
+        """Seconds before a lease could lapse by which this worker stops a job it could not
+        renew (``stop_budget_for``)."""
+        return stop_budget_for(self.lease_s, self.cancel_grace_s, self.tick_s)
+
+    @property
     def max_backoff_s(self) -> float:
         """Longest wait between failing ticks (seconds): at most a quarter of the lease, so
         after a short outage the leases are renewed before anyone requeues the jobs."""
-        return max(self.tick_s, min(MAX_BACKOFF_S, self.settings.lease_s / 4))
+        return max(self.tick_s, min(MAX_BACKOFF_S, self.lease_s / 4))
 
     def register(self) -> None:
         """Insert (or revive) this worker's row."""
@@ -123,38 +166,103 @@ class WorkerLoop:
 
         A failing tick (database outage, or any error: logged with its traceback) never ends
         the worker: it is retried with exponential backoff up to ``max_backoff_s`` seconds,
-        running jobs left alone. The first tick that succeeds reconciles: its heartbeat renews
-        the leases still held and stops the ranks of jobs requeued or ended elsewhere.
+        running jobs left alone while their leases surely hold. Before every tick, jobs whose
+        lease was not renewed in time are fenced (``fence_lapsing_runs``); no wait lasts past
+        the next fence deadline, and a failing loop tries once more a tick before it. The
+        first tick that succeeds reconciles: its heartbeat renews the leases still held,
+        stops the ranks of jobs requeued or ended elsewhere and requeues jobs held here that
+        no longer run (fenced ones included).
         """
-        backoff, failing_since = self.tick_s, 0.0
+        backoff = self.tick_s
+        failing_since: float | None = None  # clock() when ticks started to fail
         try:
             while not stop.is_set():
+                self.fence_lapsing_runs()
                 try:
                     self.tick()
-                    if failing_since:
+                    if failing_since is not None:
                         log.info("ticks succeed again after %.1f s; holding jobs %s",
-                                 time.monotonic() - failing_since, sorted(self.runs))  # fmt: skip
-                    backoff, failing_since = self.tick_s, 0.0
-                    self._pause(stop, self.tick_s)
+                                 self.clock() - failing_since, sorted(self.runs))  # fmt: skip
+                    backoff, failing_since = self.tick_s, None
+                    self._pause(stop, self._until_fence_s(self.tick_s))
                     continue
                 except Exception as exc:
-                    failing_since = failing_since or time.monotonic()
+                    if failing_since is None:
+                        failing_since = self.clock()
+                    wait = self._until_fence_s(backoff)
+                    backoff = min(backoff * 2, self.max_backoff_s)
                     if isinstance(exc, ControlPlaneUnavailableError):
-                        log.warning("API unavailable (%s); retrying in %.1f s", exc, backoff)
+                        log.warning("API unavailable (%s); retrying in %.1f s", exc, wait)
                     else:
-                        log.exception("worker tick failed; retrying in %.1f s", backoff)
-                    wait, backoff = backoff, min(backoff * 2, self.max_backoff_s)
+                        log.exception("worker tick failed; retrying in %.1f s", wait)
                 stop.wait(wait)
         finally:
             self.shutdown()
+
+    def _until_fence_s(self, wait_s: float) -> float:
+        """``wait_s`` (seconds), cut so that a failing loop tries once more a tick before its
+        runs' earliest fence deadline (an outage that ends by then costs nothing) and wakes
+        by that deadline. A detached launcher's runs have none."""
+        if self.detached:
+            return wait_s
+        lease_s, budget_s = self.lease_s, self.stop_budget_s
+        deadline = next_fence_deadline(self.runs, lease_s=lease_s, budget_s=budget_s)
+        if deadline is None:
+            return wait_s
+        left = deadline - self.clock()
+        last_try = left - self.tick_s  # a try that fails within a tick does not delay the fence
+        # Within a tenth of a tick of it, the try that just failed was that last one (and a
+        # vanishing wait never repeats).
+        return max(0.0, min(wait_s, last_try if last_try > self.tick_s / 10 else left))
+
+    def fence_lapsing_runs(self) -> list[int]:
+        """Stop the ranks of every held job whose lease this worker did not renew in time
+        (``decide_fences``) and forget it here, its GPUs given back: no call to the control
+        plane, which may be unreachable. The API requeues the job once its lease lapses (or
+        the next heartbeat that gets through does, as an orphan); either way the job never
+        runs here and elsewhere at once. Nothing for a detached launcher (its jobs are
+        adopted, never requeued, while they run). Returns the fenced job ids.
+        """
+        if self.detached:
+            return []
+        lease_s, budget_s = self.lease_s, self.stop_budget_s
+        fences = decide_fences(
+            self.runs, now=self.clock(), lease_s=lease_s, budget_s=budget_s,
+            ahead_s=self.cancel_grace_s,
+        )  # fmt: skip
+        runs = [self.runs[fence.job_id] for fence in fences]
+        for run, fence in zip(runs, fences, strict=True):
+            _jlog(logging.WARNING, run, "lease not renewed for %.1f s (control plane "
+                  "unreachable or late): stopping its ranks so that it never runs twice; the API "
+                  "requeues it when the lease lapses (in %.1f s at the earliest)",
+                  fence.unrenewed_s, fence.lapses_in_s)  # fmt: skip
+        self._cancel_at_once(runs)
+        for run in runs:
+            self._forget(run)
+        return [f.job_id for f in fences]
+
+    def _cancel_at_once(self, runs: list[HeldRun]) -> None:
+        """Cancel the processes of ``runs`` side by side and wait for all: each cancel
+        blocks up to the launcher's grace (SIGTERM, a stop checkpoint, SIGKILL), and every
+        job must be stopped within its own budget, not one grace after another's. A cancel
+        that fails is logged: retrying would fail alike, and the lease lapses regardless."""
+        started = [(run, run.handle) for run in runs if run.handle is not None]
+        if not started:
+            return
+        with ThreadPoolExecutor(len(started), thread_name_prefix="fence") as pool:
+            futures = [(run, pool.submit(self.launcher.cancel, h)) for run, h in started]
+        for run, future in futures:
+            if (exc := future.exception()) is not None:
+                log.error("job_id=%d attempt=%d: could not stop its processes",
+                          run.job_id, run.attempt, exc_info=exc)  # fmt: skip
 
     def _pause(self, stop: threading.Event, wait_s: float) -> None:
         """Wait ``wait_s`` seconds for the next tick. While a slot is free, wait in a long
         poll on the claim instead (the API answers as soon as a job this worker can run is
         queued) and launch what it returns at once. An error here ends the pause early; the
         tick reports it."""
-        deadline = time.monotonic() + wait_s
-        while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
+        deadline = self.clock() + wait_s
+        while (left := deadline - self.clock()) > 0 and not stop.is_set():
             if self.stopping or len(self.runs) >= self.slots:
                 stop.wait(left)
                 return
@@ -250,6 +358,9 @@ class WorkerLoop:
     # -- steps of a tick ---------------------------------------------------------------
 
     def _heartbeat(self) -> None:
+        # Taken before sending: the API renews the leases at some moment after this one, so
+        # a reply that comes late never makes the fence believe a lease lasts longer.
+        sent = self.clock()
         try:
             held = self.records.heartbeat()
         except NotFoundError:
@@ -267,6 +378,8 @@ class WorkerLoop:
                 if run.handle is not None:
                     self.launcher.cancel(run.handle)
             self._forget(run)
+        for run in self.runs.values():  # every run left is held there: its lease renewed
+            run.renewed_mono = sent
         for job_id, state in plan.states.items():
             self.runs[job_id].state = state
         for job_id in plan.cancel_requested:
@@ -284,8 +397,9 @@ class WorkerLoop:
 
     def _adopt(self) -> None:
         """Follow the detached jobs of lost or stopped workers (by their scheduler_job_id)."""
+        sent = self.clock()
         for job in self.records.adopt():
-            self.runs[job.job_id] = HeldRun.adopted(job)
+            self.runs[job.job_id] = HeldRun.adopted(job, renewed_mono=sent)
 
     def _watch_all(self) -> None:
         """Watch every held job; pending cancels first, then one batched poll where the
@@ -327,6 +441,7 @@ class WorkerLoop:
         The first claim may wait up to ``wait_s`` seconds for a job (a long poll)."""
         while len(self.runs) < self.slots:
             free = self.slots - len(self.runs)
+            sent = self.clock()  # a claim leases its jobs for lease_s from a moment after this
             if isinstance(self.launcher, ArrayStarter):
                 batch = self.records.claim_batch(self._max_gpus, free, wait_s)
                 jobs = batch.jobs if batch is not None else ()
@@ -336,7 +451,7 @@ class WorkerLoop:
             if not jobs:
                 return
             wait_s = 0.0  # a job came: take what else is queued without waiting
-            claimed = [(HeldRun.claimed(job), job.spec) for job in jobs]
+            claimed = [(HeldRun.claimed(job, renewed_mono=sent), job.spec) for job in jobs]
             for run, _ in claimed:
                 self._hold(run)
             if batch is not None and batch.sweep_id is not None:

@@ -382,11 +382,47 @@ def test_requeued_during_an_outage_stops_the_stale_attempt(
         down.dispose()
 
 
-def test_outage_shorter_than_the_lease_keeps_the_job(db: Database, tmp_path: Path) -> None:
-    """Backoff never exceeds a quarter of the lease: after an outage of ~3/4 of the lease the
-    worker renews its leases before they run out, so no reaper requeues its job."""
+def test_outage_shorter_than_the_fence_keeps_the_job(db: Database, tmp_path: Path) -> None:
+    """Backoff never exceeds a quarter of the lease, nor sleeps past the fence deadline
+    (lease 8 s − stop budget 4 s): after an outage shorter than that the worker renews its
+    leases before they run out, so nothing is stopped and no reaper requeues its job."""
     settings = Settings(
         home=tmp_path, database_url="sqlite://", heartbeat_interval_s=0.2, lease_s=8
+    )
+    launcher = ScriptedLauncher()
+    loop = _loop(settings, db, launcher)
+    assert loop.stop_budget_s == 4.0
+    job_id = _submit(db)
+    loop.tick()
+    down = Database.from_url(UNREACHABLE_URL)
+    _use_db(loop, down)
+    stop, thread = _run_in_thread(loop)
+    try:
+        time.sleep(2.0)  # ticks fail at ~0, 0.2, 0.6, 1.4; the next (~3.0) gets through
+        _use_db(loop, db)
+        deadline = time.monotonic() + 6.5  # past the lease of the last heartbeat before
+        while time.monotonic() < deadline:
+            with db.session() as s:  # another worker's reaper, every 0.1 s
+                assert leases.requeue_expired_jobs(s) == [], "the lease ran out: job requeued"
+            time.sleep(0.1)
+        job = _job(db, job_id)
+        assert (job.state, job.attempt) == ("running", 1)
+        assert launcher.cancelled == []
+    finally:
+        stop.set()
+        thread.join(30)
+        down.dispose()
+
+
+def test_outage_longer_than_the_fence_stops_the_ranks_before_the_lease_lapses(
+    db: Database, tmp_path: Path
+) -> None:
+    """With the database out of reach past the fence deadline (lease 6 s − stop budget
+    3 s), the worker stops the job's ranks while its lease still holds (no reaper could have
+    requeued it yet); once the database answers, it requeues the job (still held here) and
+    runs attempt 2."""
+    settings = Settings(
+        home=tmp_path, database_url="sqlite://", heartbeat_interval_s=0.2, lease_s=6
     )
     launcher = ScriptedLauncher()
     loop = _loop(settings, db, launcher)
@@ -396,16 +432,17 @@ def test_outage_shorter_than_the_lease_keeps_the_job(db: Database, tmp_path: Pat
     _use_db(loop, down)
     stop, thread = _run_in_thread(loop)
     try:
-        time.sleep(6.5)  # unbounded doubling would sleep past the lease from here (6.2 → 12.6)
+        _wait(lambda: f"{job_id}.1" in launcher.cancelled, 30, "the fence to stop attempt 1")
+        with db.session() as s:  # another worker's reaper, right after the stop
+            assert leases.requeue_expired_jobs(s) == [], "stopped only after the lease lapsed"
+        assert loop.runs == {}
         _use_db(loop, db)
-        deadline = time.monotonic() + 3.0  # past the lease of the last heartbeat before
-        while time.monotonic() < deadline:
-            with db.session() as s:  # another worker's reaper, every 0.1 s
-                assert leases.requeue_expired_jobs(s) == [], "the lease ran out: job requeued"
-            time.sleep(0.1)
-        job = _job(db, job_id)
-        assert (job.state, job.attempt) == ("running", 1)
-        assert launcher.cancelled == []
+        _wait(lambda: len(launcher.started) == 2, 30, "attempt 2 to be launched")
+        assert [(p.job_id, p.attempt) for p in launcher.started] == [(job_id, 1), (job_id, 2)]
+        assert ("running", "queued", "held by this worker but not running here") in _reasons(
+            db, job_id
+        )
+        assert launcher.cancelled == [f"{job_id}.1"], "attempt 1 stopped once, 2 left alone"
     finally:
         stop.set()
         thread.join(30)

@@ -250,6 +250,16 @@ class BatchPoller(Protocol):
 
 
 @runtime_checkable
+class GracefulCanceller(Protocol):
+    """A launcher whose ``cancel`` lets the ranks stop cleanly and blocks meanwhile: SIGTERM
+    (the ranks write a stop checkpoint), SIGKILL after ``grace_s`` seconds (the local
+    launcher). The worker's lease fence starts a cancel that long, plus a margin, before a
+    lease it cannot renew may lapse."""
+
+    grace_s: float
+
+
+@runtime_checkable
 class PendingExplainer(Protocol):
     """A launcher whose backend says why a submitted attempt is still pending (Slurm's
     ``squeue -o %r``), for many attempts with one query."""
