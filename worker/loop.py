@@ -2,7 +2,7 @@
 
 Plan, then act: every state change is first a ``Decision`` made by a pure function of what
 the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
-applies it through its ``worker.records.WorkerRecords`` (one store call each). The loop knows a
+applies it through its ``worker.records.WorkerRecords`` (one API call each). The loop knows a
 launcher only through the ``worker.launchers.base.Launcher`` interface and the launcher's row in
 ``service.core.launchers.LAUNCHER_TRAITS``: ``host_gpus`` (hand out this host's GPUs, bound
 to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
@@ -14,15 +14,10 @@ such jobs from lost or stopped workers on every tick (the worker API's adoptions
 them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
 gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
 
-The lease fence: a worker that cannot reach the control plane keeps its jobs running only
-while their leases surely hold. Each held run remembers when its lease was last renewed
-(``HeldRun.renewed_mono``: just before the claim or heartbeat that renewed it was sent); once
-``renewed + lease_s - stop budget`` has passed (``worker.decisions.decide_fences``), an
-attached launcher's ranks are stopped and the run forgotten, with no call to the control
-plane, so that the job never runs here while the API requeues it for another worker. The
-first heartbeat that gets through requeues such a job if the API still lists it as held
-here (an orphan of ``reconcile``). Detached jobs (Slurm) are adopted, never requeued, while
-they run: they are never fenced.
+The lease fence (``worker.fences``): a worker that cannot reach the control plane stops a
+job's ranks before a lease it could not renew can lapse, so the job never runs here while the
+API requeues it elsewhere. The first heartbeat that gets through requeues such a job if the
+API still lists it as held here (an orphan of ``reconcile``).
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from service.core.config import Settings
@@ -42,18 +36,15 @@ from worker.decisions import (
     Decision,
     GpuPool,
     HeldRun,
-    decide_fences,
     decide_on_launch_error,
     decide_on_shutdown,
     decide_on_status,
-    next_fence_deadline,
     reconcile,
-    stop_budget_for,
 )
+from worker.fences import LeaseFence
 from worker.launchers.base import (
     ArrayStarter,
     BatchPoller,
-    GracefulCanceller,
     Launcher,
     RunStatus,
 )
@@ -66,9 +57,6 @@ MAX_TICK_S = 1.0
 MAX_BACKOFF_S = 30.0
 # The longest one claim waits for a job (a long poll), so a stop is seen this soon.
 MAX_CLAIM_WAIT_S = 1.0
-# How long an attached launcher's ``cancel`` may take when it does not say
-# (``GracefulCanceller``): the local launcher's default grace, so the fence stops early enough.
-DEFAULT_CANCEL_GRACE_S = 10.0
 
 
 def _jlog(level: int, run: HeldRun, msg: str, *args: Any) -> None:
@@ -127,9 +115,7 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
-        self.cancel_grace_s = (  # seconds a cancel may block
-            launcher.grace_s if isinstance(launcher, GracefulCanceller) else DEFAULT_CANCEL_GRACE_S
-        )
+        self.fence = LeaseFence(launcher, clock, detached=self.detached)
 
     @property
     def tick_s(self) -> float:
@@ -144,8 +130,8 @@ class WorkerLoop:
     @property
     def stop_budget_s(self) -> float:
         """Seconds before a lease could lapse by which this worker stops a job it could not
-        renew (``stop_budget_for``)."""
-        return stop_budget_for(self.lease_s, self.cancel_grace_s, self.tick_s)
+        renew (``LeaseFence.budget_s``)."""
+        return self.fence.budget_s(self.lease_s, self.tick_s)
 
     @property
     def max_backoff_s(self) -> float:
@@ -200,61 +186,17 @@ class WorkerLoop:
             self.shutdown()
 
     def _until_fence_s(self, wait_s: float) -> float:
-        """``wait_s`` (seconds), cut so that a failing loop tries once more a tick before its
-        runs' earliest fence deadline (an outage that ends by then costs nothing) and wakes
-        by that deadline. A detached launcher's runs have none."""
-        if self.detached:
-            return wait_s
-        lease_s, budget_s = self.lease_s, self.stop_budget_s
-        deadline = next_fence_deadline(self.runs, lease_s=lease_s, budget_s=budget_s)
-        if deadline is None:
-            return wait_s
-        left = deadline - self.clock()
-        last_try = left - self.tick_s  # a try that fails within a tick does not delay the fence
-        # Within a tenth of a tick of it, the try that just failed was that last one (and a
-        # vanishing wait never repeats).
-        return max(0.0, min(wait_s, last_try if last_try > self.tick_s / 10 else left))
+        """``wait_s`` cut at the runs' fence (``LeaseFence.until_s``)."""
+        return self.fence.until_s(self.runs, wait_s, lease_s=self.lease_s, tick_s=self.tick_s)
 
     def fence_lapsing_runs(self) -> list[int]:
         """Stop the ranks of every held job whose lease this worker did not renew in time
-        (``decide_fences``) and forget it here, its GPUs given back: no call to the control
-        plane, which may be unreachable. The API requeues the job once its lease lapses (or
-        the next heartbeat that gets through does, as an orphan); either way the job never
-        runs here and elsewhere at once. Nothing for a detached launcher (its jobs are
-        adopted, never requeued, while they run). Returns the fenced job ids.
-        """
-        if self.detached:
-            return []
-        lease_s, budget_s = self.lease_s, self.stop_budget_s
-        fences = decide_fences(
-            self.runs, now=self.clock(), lease_s=lease_s, budget_s=budget_s,
-            ahead_s=self.cancel_grace_s,
-        )  # fmt: skip
-        runs = [self.runs[fence.job_id] for fence in fences]
-        for run, fence in zip(runs, fences, strict=True):
-            _jlog(logging.WARNING, run, "lease not renewed for %.1f s (control plane "
-                  "unreachable or late): stopping its ranks so that it never runs twice; the API "
-                  "requeues it when the lease lapses (in %.1f s at the earliest)",
-                  fence.unrenewed_s, fence.lapses_in_s)  # fmt: skip
-        self._cancel_at_once(runs)
+        and forget it here, its GPUs given back (``LeaseFence.stop_lapsing``: no call to the
+        control plane). Returns the fenced job ids."""
+        runs = self.fence.stop_lapsing(self.runs, lease_s=self.lease_s, tick_s=self.tick_s)
         for run in runs:
             self._forget(run)
-        return [f.job_id for f in fences]
-
-    def _cancel_at_once(self, runs: list[HeldRun]) -> None:
-        """Cancel the processes of ``runs`` side by side and wait for all: each cancel
-        blocks up to the launcher's grace (SIGTERM, a stop checkpoint, SIGKILL), and every
-        job must be stopped within its own budget, not one grace after another's. A cancel
-        that fails is logged: retrying would fail alike, and the lease lapses regardless."""
-        started = [(run, run.handle) for run in runs if run.handle is not None]
-        if not started:
-            return
-        with ThreadPoolExecutor(len(started), thread_name_prefix="fence") as pool:
-            futures = [(run, pool.submit(self.launcher.cancel, h)) for run, h in started]
-        for run, future in futures:
-            if (exc := future.exception()) is not None:
-                log.error("job_id=%d attempt=%d: could not stop its processes",
-                          run.job_id, run.attempt, exc_info=exc)  # fmt: skip
+        return [run.job_id for run in runs]
 
     def _pause(self, stop: threading.Event, wait_s: float) -> None:
         """Wait ``wait_s`` seconds for the next tick. While a slot is free, wait in a long

@@ -32,8 +32,9 @@ from worker.decisions import (
     reconcile,
     stop_budget_for,
 )
+from worker.fences import DEFAULT_CANCEL_GRACE_S
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.loop import DEFAULT_CANCEL_GRACE_S, WorkerLoop
+from worker.loop import WorkerLoop
 
 T0 = 1000.0  # the fake clock's start (monotonic seconds)
 
