@@ -36,6 +36,7 @@ class DatabaseRecords:
     worker_id: str
     launcher: str
     lease_s: float
+    call_timeout_s: float = 0.0
 
     def register(self, *, host: str, pid: int, capacity: dict[str, Any]) -> None:
         """See ``WorkerRecords.register``."""

@@ -75,9 +75,10 @@ from service.core.wire.worker import (
 
 Out = TypeVar("Out", bound=BaseModel)
 
-CONNECT_TIMEOUT_S = 5.0
-# Seconds an answer may take beyond a claim's own wait before the call counts as failed.
-READ_TIMEOUT_S = 20.0
+# A call fails after these (seconds): the worker's lease fence counts the longest a call can
+# block in its budget, so they stay short; a slow answer is retried on the next tick.
+CONNECT_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 5.0  # beyond a claim's own wait
 
 
 class ApiRecords:
@@ -119,6 +120,11 @@ class ApiRecords:
     def worker_id(self) -> str:
         """The worker these records speak for."""
         return self._worker_id
+
+    @property
+    def call_timeout_s(self) -> float:
+        """See ``WorkerRecords.call_timeout_s``: connecting, then reading the answer."""
+        return CONNECT_TIMEOUT_S + READ_TIMEOUT_S
 
     def close(self) -> None:
         """Close the HTTP client (if this object made it)."""

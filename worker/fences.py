@@ -34,6 +34,9 @@ class LeaseFence:
     launcher: Launcher
     clock: Callable[[], float]
     detached: bool = False
+    # The longest one control-plane call may block (seconds): the fence is checked between
+    # calls, so a call that hangs until its timeout delays it that much.
+    call_timeout_s: float = 0.0
     cancel_grace_s: float = field(init=False)  # seconds one cancel may block
 
     def __post_init__(self) -> None:
@@ -43,8 +46,9 @@ class LeaseFence:
 
     def budget_s(self, lease_s: float, tick_s: float) -> float:
         """Seconds before a lease of ``lease_s`` could lapse by which a job this worker could
-        not renew is stopped (``stop_budget_for``: the cancel's grace, a tick, a margin)."""
-        return stop_budget_for(lease_s, self.cancel_grace_s, tick_s)
+        not renew is stopped (``stop_budget_for``: the cancel's grace, a call that hangs until
+        its timeout, a tick, a margin)."""
+        return stop_budget_for(lease_s, self.cancel_grace_s + self.call_timeout_s, tick_s)
 
     def until_s(
         self, runs: Mapping[int, HeldRun], wait_s: float, *, lease_s: float, tick_s: float
@@ -98,8 +102,10 @@ class LeaseFence:
         started = [(run, run.handle) for run in runs if run.handle is not None]
         if not started:
             return
+        launcher = self.launcher
+        stop = launcher.stop_within_grace if isinstance(launcher, GracefulCanceller) else None
         with ThreadPoolExecutor(len(started), thread_name_prefix="fence") as pool:
-            futures = [(run, pool.submit(self.launcher.cancel, h)) for run, h in started]
+            futures = [(run, pool.submit(stop or launcher.cancel, h)) for run, h in started]
         for run, future in futures:
             if (exc := future.exception()) is not None:
                 log.error("job_id=%d attempt=%d: could not stop its processes",

@@ -115,7 +115,9 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
-        self.fence = LeaseFence(launcher, clock, detached=self.detached)
+        self.fence = LeaseFence(
+            launcher, clock, detached=self.detached, call_timeout_s=records.call_timeout_s
+        )
 
     @property
     def tick_s(self) -> float:

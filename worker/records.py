@@ -64,6 +64,12 @@ class WorkerRecords(Protocol):
         runs out."""
         ...
 
+    @property
+    def call_timeout_s(self) -> float:
+        """The longest one call may block before it fails (seconds; a claim's own wait
+        aside): the lease fence counts it in its budget."""
+        ...
+
     def claim(self, max_gpus_per_node: int, wait_s: float = 0.0) -> ClaimedJob | None:
         """Claim the next job (now ``starting``, leased to this worker, with the attempt
         token for its ranks); with nothing claimable wait up to ``wait_s`` seconds for one (a

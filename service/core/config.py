@@ -95,7 +95,14 @@ class Settings(BaseSettings):
     max_metric_points: int = Field(default=10_000, ge=2, description="Cap on limit/max_points.")
     # Worker liveness.
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
-    lease_s: float = Field(default=30.0, gt=0, description="A job's lease; renewed each heartbeat.")
+    lease_s: float = Field(
+        default=45.0,
+        gt=0,
+        description="A job's lease (seconds), renewed by each heartbeat: a lost worker's jobs "
+        "are requeued once it lapses. A worker cut off from the API stops a job's ranks ~20 s "
+        "before its lease could lapse (cancel grace, a call's timeout, a tick, a margin), so "
+        "keep it ≥ 40 s.",
+    )
     worker_retention_s: float = Field(
         default=7 * 24 * 3600.0,
         gt=0,

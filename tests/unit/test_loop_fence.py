@@ -78,6 +78,7 @@ class FakeRecords:
     clock: FakeClock
     worker_id: str = "w-fence"
     lease_s: float = 30.0  # the lease the control plane grants (``_loop`` sets the settings')
+    call_timeout_s: float = 0.0  # calls fail at once here
     outage: tuple[float, float] = (math.inf, math.inf)
     heartbeat_takes_s: float = 0.0
     queue: list[tuple[float, ClaimedJob]] = field(default_factory=list)  # (claimable at, job)
@@ -182,6 +183,7 @@ class FakeLauncher:
     grace_s: float = 10.0  # what the local launcher's cancel may block (GracefulCanceller)
     started: list[tuple[float, str]] = field(default_factory=list)
     cancelled: list[tuple[float, str]] = field(default_factory=list)
+    fenced: list[str] = field(default_factory=list)  # stopped by the fence (no upload wait)
 
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[Any]:
         return LaunchPlan(self.name, job_id, attempt, ["true"], {}, "/", "/tmp")
@@ -201,6 +203,10 @@ class FakeLauncher:
 
     def cancel(self, handle: str) -> None:
         self.cancelled.append((self.clock(), handle))
+
+    def stop_within_grace(self, handle: str) -> None:
+        self.fenced.append(handle)
+        self.cancel(handle)
 
 
 def _settings(tmp_path: Path, *, lease_s: float, heartbeat_interval_s: float) -> Settings:
@@ -293,6 +299,7 @@ def test_outage_stops_the_ranks_once_before_the_lease_can_lapse(
     assert launcher.started == [(T0, "1.1")]
     cancels = _cancel_times(launcher, "1.1")
     assert len(cancels) == 1, f"attempt 1 must be stopped exactly once, got {cancels}"
+    assert launcher.fenced == ["1.1"], "stopped within the grace: no wait for an upload"
     renewed = T0  # the claim and the last heartbeat that got through were sent at T0
     eps = 1e-6  # the fake clock's float sums
     assert lease_s - budget_s - eps <= cancels[0] - renewed < lease_s, "stopped out of the fence"

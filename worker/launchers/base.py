@@ -253,10 +253,16 @@ class BatchPoller(Protocol):
 class GracefulCanceller(Protocol):
     """A launcher whose ``cancel`` lets the ranks stop cleanly and blocks meanwhile: SIGTERM
     (the ranks write a stop checkpoint), SIGKILL after ``grace_s`` seconds (the local
-    launcher). The worker's lease fence starts a cancel that long, plus a margin, before a
-    lease it cannot renew may lapse."""
+    launcher). The worker's lease fence stops a job with ``stop_within_grace``, which never
+    waits longer, that long plus a margin before a lease it cannot renew may lapse."""
 
     grace_s: float
+
+    def stop_within_grace(self, handle: str) -> None:
+        """``cancel``, but SIGKILL whatever is left after ``grace_s`` seconds, whatever the
+        ranks are doing (``cancel`` may wait longer for a stop checkpoint's upload, which
+        cannot reach an API the worker is cut off from)."""
+        ...
 
 
 @runtime_checkable

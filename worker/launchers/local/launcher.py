@@ -325,12 +325,20 @@ class LocalLauncher:
 
         Idempotent; returns once no process of the attempt is left.
         """
+        self._cancel(handle, upload_wait=True)
+
+    def stop_within_grace(self, handle: str) -> None:
+        """``cancel`` without waiting for a stop checkpoint's upload: SIGKILL after
+        ``grace_s`` seconds at the latest (the lease fence: the API may be unreachable)."""
+        self._cancel(handle, upload_wait=False)
+
+    def _cancel(self, handle: str, *, upload_wait: bool) -> None:
         run = self._runs.get(handle)
         if run is None:
             return
         if run.final is None and run.popen.poll() is None:
             run.cancelled = True
-        terminate(run, self.artifact_dir, grace_s=self.grace_s)
+        terminate(run, self.artifact_dir, grace_s=self.grace_s, upload_wait=upload_wait)
 
     def _prune(self) -> None:
         finished = [h for h, r in self._runs.items() if r.final is not None]

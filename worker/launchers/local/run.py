@@ -72,13 +72,16 @@ def failure_known(run: LocalRun, now: float, grace_s: float) -> bool:
     return not all(is_peer_lost(e) for e in read_rank_errors(Path(run.plan.log_dir)))
 
 
-def terminate(run: LocalRun, artifact_dir: Path, *, grace_s: float) -> None:
-    """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds, or up to
-    ``STOP_UPLOAD_S`` later while rank 0 still uploads its stop checkpoint (its marker
-    file, ``stop_upload_marker``: the checkpoint must reach the API before it exits)."""
+def terminate(
+    run: LocalRun, artifact_dir: Path, *, grace_s: float, upload_wait: bool = True
+) -> None:
+    """SIGTERM the attempt, SIGKILL what is left after ``grace_s`` seconds, or (with
+    ``upload_wait``) up to ``STOP_UPLOAD_S`` later while rank 0 still uploads its stop
+    checkpoint (its marker file, ``stop_upload_marker``: the checkpoint must reach the API
+    before it exits)."""
     term_and_wait(run.popen, run.tags, grace_s)
     marker = stop_upload_marker(artifact_dir, run.plan.job_id, run.plan.attempt)
-    deadline = time.monotonic() + STOP_UPLOAD_S
+    deadline = time.monotonic() + (STOP_UPLOAD_S if upload_wait else 0.0)
     while marker.exists() and time.monotonic() < deadline:
         if run.popen.poll() is not None and not find_tagged_processes(run.tags):
             break
