@@ -35,7 +35,11 @@ PG_FIXTURES = frozenset({"pg_schema_url", "pg_schema", "pg_deployment"})
 # Tests that share one thing outside the test process run one after another on one xdist
 # worker: the dev Slurm cluster's two nodes (queue lengths, max_concurrent are asserted), and
 # the root namespace's veth addresses.
-XDIST_GROUPS = {"tests/slurm/": "slurm", "tests/e2e/test_checkpoint_hosts.py": "netns"}
+XDIST_GROUPS = {
+    "tests/slurm/": "slurm",
+    "tests/e2e/test_checkpoint_hosts.py": "netns",
+    "tests/e2e/test_worker_hosts.py": "netns",
+}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -2,11 +2,19 @@
 artifact directory of its own, optionally each in a network namespace of its own (``ip netns``
 + veth pairs, as root) so that a worker host reaches nothing but the API's port.
 
-Topology with namespaces: the API's namespace is the hub; every worker namespace and the test
-process (the root namespace) get a veth pair to it, a /30 each, no forwarding. A worker's only
-route leads to the API's namespace, where only the API listens. The database is a SQLite file
-(a file, not a port: the workers and the API open it through the one kernel) or, on loopback,
-PostgreSQL.
+Topology with ``Namespaces``: the API's namespace is the hub; every worker namespace and the
+test process (the root namespace) get a veth pair to it, a /30 each, no forwarding. A worker's
+only route leads to the API's namespace, where only the API listens. The database is a SQLite
+file (a file, not a port: the workers and the API open it through the one kernel) or, on
+loopback, PostgreSQL.
+
+Topology with ``RootHub``: the root namespace is the hub, so the API runs beside PostgreSQL
+(which listens on the root's 127.0.0.1) and the database may be PostgreSQL. The API binds one
+address of the root, ``api_ip`` (a /32 on a veth pair of the root's own, as the kernel here has
+no dummy links); each worker namespace gets a veth pair to the root with a /32 at its end and a
+route to ``api_ip`` alone: no other address of the root, and no other namespace, is routed to.
+No IPv6 on these links. There is no firewall: a root listener on a wildcard address answers at
+``api_ip`` too (PostgreSQL listens on loopback only, and the tests check it cannot be reached).
 """
 
 from __future__ import annotations
@@ -84,6 +92,11 @@ class Namespaces:
             _ip("link", "set", other_end, "up")
         return hub_ip, other_ip
 
+    def api_endpoint(self) -> tuple[str | None, str, str, int]:
+        """Where the API runs: (its namespace, None for the root; the address it binds; the
+        address the test process reaches it at; its port)."""
+        return self.create_hub(), "0.0.0.0", self.root_link(), 8000
+
     def root_link(self) -> str:
         """Link the root namespace (the test) to the hub; returns the hub's IP on it (the
         root's end is ``root_ip``)."""
@@ -99,6 +112,72 @@ class Namespaces:
         """Delete every namespace (their veth ends, and so the pairs, go with them)."""
         for name in reversed(self.names):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+class RootHub(Namespaces):
+    """Worker namespaces wired as a star around the root namespace, the API's (see the module
+    docstring): the API binds ``api_ip``, the only address of the root a worker routes to.
+
+    Raises (``create_hub``):
+        OSError / subprocess.CalledProcessError: namespaces cannot be made here: the caller
+            skips.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subnet = 200 + secrets.randbelow(50)  # apart from Namespaces' 10.100-199
+        self.api_ip = f"10.{self.subnet}.0.1"
+        self.root_ends: list[str] = []
+
+    def _veth(self, name: str, peer: str) -> None:
+        """A veth pair in the root, both ends without IPv6 (no link-local address)."""
+        _ip("link", "add", name, "type", "veth", "peer", "name", peer)
+        self.root_ends.append(name)
+        for end in (name, peer):
+            _ip("link", "set", end, "addrgenmode", "none")
+
+    def create_hub(self) -> str:
+        """The root's link that holds ``api_ip`` (made once); returns its name."""
+        if not getattr(self, "hub", None):
+            name = f"d25{self.tag}api"
+            self._veth(name, f"d25{self.tag}apx")
+            _ip("addr", "add", f"{self.api_ip}/32", "dev", name)
+            _ip("link", "set", f"d25{self.tag}apx", "up")
+            _ip("link", "set", name, "up")
+            self.hub = name
+        return self.hub
+
+    def api_endpoint(self) -> tuple[str | None, str, str, int]:
+        self.create_hub()
+        return None, self.api_ip, self.api_ip, _free_port()
+
+    def root_link(self) -> str:
+        raise NotImplementedError("the test process is in the hub already: use api_ip")
+
+    def _link(self, other: str | None) -> tuple[str, str]:
+        """A veth pair root ↔ ``other``: a /32 at ``other``'s end, a route each way between
+        it and ``api_ip``; returns (``api_ip``, ``other``'s IP)."""
+        if other is None:
+            raise ValueError("the root is the hub: link a worker namespace")
+        self.create_hub()
+        self.links += 1
+        n = self.links
+        root_end, other_end = f"d25{self.tag}h{n}", f"d25{self.tag}o{n}"
+        self._veth(root_end, other_end)
+        _ip("link", "set", other_end, "netns", other)
+        other_ip = f"10.{self.subnet}.{n}.2"
+        _ip("link", "set", root_end, "up")
+        _ip("route", "add", f"{other_ip}/32", "dev", root_end, "src", self.api_ip)
+        _ip("-n", other, "addr", "add", f"{other_ip}/32", "dev", other_end)
+        _ip("-n", other, "link", "set", other_end, "up")
+        _ip("-n", other, "route", "add", f"{self.api_ip}/32", "dev", other_end, "src", other_ip)
+        return self.api_ip, other_ip
+
+    def destroy(self) -> None:
+        """Delete every namespace and the root's links (each pair goes with either end)."""
+        super().destroy()
+        for name in self.root_ends:
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
 
 
 def reachable(netns: str, host: str, port: int) -> bool:
@@ -127,9 +206,10 @@ class Cluster(JobsOverHttp):
 
     Args:
         tmp_path: where directories and logs go.
-        database_url: the database (SQLite file or PostgreSQL on loopback).
+        database_url: the database (SQLite file; PostgreSQL on loopback or with ``RootHub``).
         store: ``DDPQ_CHECKPOINT_STORE`` of the API.
-        netns: a ``Namespaces`` to put the API and hosts in (None: all on loopback).
+        netns: a ``Namespaces`` (or ``RootHub``) to put the API and hosts in (None: all on
+            loopback).
     """
 
     def __init__(
@@ -139,18 +219,19 @@ class Cluster(JobsOverHttp):
         self.tmp_path, self.netns = tmp_path, netns
         self.procs: list[Proc] = []
         self.hosts: list[Host] = []
-        port = 8000 if netns is not None else _free_port()
         self.base = Settings(
             home=tmp_path / "api" / ".ddpq", database_url=database_url,
-            artifact_dir=tmp_path / "api" / "artifacts", port=port, auth="off",
+            artifact_dir=tmp_path / "api" / "artifacts", auth="off",
             heartbeat_interval_s=0.3, lease_s=15, allowed_entrypoints=["examples.*:*"],
             checkpoint_store=store,  # type: ignore[arg-type]
         )  # fmt: skip
         self.db = Database.from_url(self.base.resolved_database_url)
         migrate.upgrade(self.db.engine)
-        api_ns = netns.create_hub() if netns is not None else None
-        host = netns.root_link() if netns is not None else "127.0.0.1"
-        bind = "0.0.0.0" if netns is not None else "127.0.0.1"
+        if netns is not None:
+            api_ns, bind, host, port = netns.api_endpoint()
+        else:
+            api_ns, bind, host, port = None, "127.0.0.1", "127.0.0.1", _free_port()
+        self.base = self.base.model_copy(update={"port": port})
         env = self._env(self.base)
         argv = [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app",
                 "--host", bind, "--port", str(port), "--no-access-log"]  # fmt: skip
@@ -189,17 +270,20 @@ class Cluster(JobsOverHttp):
         self.hosts.append(host)
         return host
 
-    def start_worker(self, host: Host, **extra: str) -> Proc:
-        """``python -m worker.main`` on ``host``: its own artifact dir, the API by its URL and
-        a worker token; no database URL anywhere in its environment."""
+    def worker_env(self, host: Host) -> dict[str, str]:
+        """The environment of a worker on ``host``: its own artifact dir, the API by its URL
+        and a worker token; no database URL."""
         settings = self.base.model_copy(
             update={"artifact_dir": host.artifact_dir, "api_url": host.api_url}
         )
         if not getattr(self, "worker_token", None):
             self.worker_token = mint_worker_token(self.db)
         base = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-        env = {**worker_environ(settings, self.worker_token, base), "PYTHONUNBUFFERED": "1"}
-        env.update(extra)
+        return {**worker_environ(settings, self.worker_token, base), "PYTHONUNBUFFERED": "1"}
+
+    def start_worker(self, host: Host, **extra: str) -> Proc:
+        """``python -m worker.main`` on ``host``, with ``worker_env(host)`` (and ``extra``)."""
+        env = {**self.worker_env(host), **extra}
         argv = [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
         return self._spawn(f"worker-{host.name}", argv, env, host.netns)
 
