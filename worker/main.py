@@ -91,9 +91,12 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 
 def ensure_logging() -> None:
-    """INFO logs to stderr unless the application configured logging already."""
+    """INFO logs to stderr unless the application configured logging already; httpx's own
+    line per request (several a second from a worker's heartbeats and claims) only from
+    WARNING up."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def worker_credentials(settings: Settings) -> tuple[str, str]:

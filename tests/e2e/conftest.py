@@ -131,20 +131,28 @@ class Deployment(JobsOverHttp):
         self.db.dispose()
 
 
-def _settings(tmp_path: Path, database_url: str) -> Settings:
+def _settings(tmp_path: Path, database_url: str, lease_s: float = 15) -> Settings:
     return Settings(
         home=tmp_path / ".ddpq",
         database_url=database_url,
         artifact_dir=tmp_path / "artifacts",
         port=free_port(),
         heartbeat_interval_s=0.3,
-        lease_s=15,
+        lease_s=lease_s,
         allowed_entrypoints=["examples.*:*", "tests.e2e.deaf_loop:*"],
     )
 
 
-def _deployment(tmp_path: Path, database_url: str) -> Iterator[Deployment]:
-    dep = Deployment(_settings(tmp_path, database_url), tmp_path)
+def _lease_s(request: pytest.FixtureRequest) -> float:
+    """The lease of the test's deployment: its ``lease`` mark's, else 15 s (a lost worker's
+    job comes back soon; a worker cut off from the API stops its ranks ~7 s after its last
+    heartbeat got through)."""
+    mark = request.node.get_closest_marker("lease")
+    return float(mark.args[0]) if mark is not None else 15.0
+
+
+def _deployment(tmp_path: Path, database_url: str, lease_s: float = 15) -> Iterator[Deployment]:
+    dep = Deployment(_settings(tmp_path, database_url, lease_s), tmp_path)
     try:
         yield dep
     finally:
@@ -153,15 +161,17 @@ def _deployment(tmp_path: Path, database_url: str) -> Iterator[Deployment]:
 
 
 @pytest.fixture
-def deployment(tmp_path: Path) -> Iterator[Deployment]:
+def deployment(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Deployment]:
     """A deployment on SQLite."""
-    yield from _deployment(tmp_path, f"sqlite:///{tmp_path / 'ddpq.db'}")
+    yield from _deployment(tmp_path, f"sqlite:///{tmp_path / 'ddpq.db'}", _lease_s(request))
 
 
 @pytest.fixture
-def pg_deployment(tmp_path: Path, pg_schema_url: str) -> Iterator[Deployment]:
+def pg_deployment(
+    tmp_path: Path, pg_schema_url: str, request: pytest.FixtureRequest
+) -> Iterator[Deployment]:
     """A deployment on a fresh PostgreSQL schema."""
-    yield from _deployment(tmp_path, pg_schema_url)
+    yield from _deployment(tmp_path, pg_schema_url, _lease_s(request))
 
 
 @pytest.fixture
