@@ -29,7 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 from service.core.config import Settings
-from service.core.errors import ControlPlaneUnavailableError, NotFoundError, StaleStateError
+from service.core.errors import (
+    ControlPlaneUnavailableError,
+    NotFoundError,
+    StaleStateError,
+    WorkerTokenMismatchError,
+    WorkerTokenRefusedError,
+)
 from service.core.launchers import launcher_traits
 from worker.attempt_notes import PendingReasons, usable_cpus
 from worker.decisions import (
@@ -181,6 +187,10 @@ class WorkerLoop:
                     backoff = min(backoff * 2, self.max_backoff_s)
                     if isinstance(exc, ControlPlaneUnavailableError):
                         log.warning("API unavailable (%s); retrying in %.1f s", exc, wait)
+                    elif isinstance(exc, WorkerTokenRefusedError | WorkerTokenMismatchError):
+                        # Revoked while running: held jobs are stopped by the fence before
+                        # their leases lapse; nothing more is claimed.
+                        log.error("%s; retrying in %.1f s", exc.detail, wait)
                     else:
                         log.exception("worker tick failed; retrying in %.1f s", wait)
                 stop.wait(wait)

@@ -21,6 +21,11 @@ from pathlib import Path
 from types import FrameType
 
 from service.core.config import Settings
+from service.core.errors import (
+    ControlPlaneUnavailableError,
+    WorkerTokenMismatchError,
+    WorkerTokenRefusedError,
+)
 from service.core.launchers import launcher_names, uses_host_gpus
 from service.core.wire.worker import WORKER_TOKEN_PREFIX
 from worker.api_client import ApiRecords
@@ -198,10 +203,27 @@ def run_worker(
         gpus=gpus,
     )
     try:
+        _first_registration(loop)
         with stop_on_signals(stop):
             loop.run(stop)
     finally:
         records.close()
+
+
+def _first_registration(loop: WorkerLoop) -> None:
+    """Register once before the loop starts, so that a token the API refuses stops the worker
+    at start with a clear message (later, a revoked token only stops it claiming). An API
+    that does not answer yet is left to the loop, which retries.
+
+    Raises:
+        WorkerConfigError: the API refused the token, or the id belongs to another token.
+    """
+    try:
+        loop.register()
+    except (WorkerTokenRefusedError, WorkerTokenMismatchError) as exc:
+        raise WorkerConfigError(str(exc.detail)) from None
+    except ControlPlaneUnavailableError as exc:
+        log.warning("API not reachable yet (%s); retrying", exc)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -269,3 +269,22 @@ def test_an_api_app_serves_the_worker_routes_in_its_docs(settings: Settings, db:
     with TestClient(create_app(settings)) as api:
         paths = api.get("/openapi.json").json()["paths"]
     assert {API + wire.CLAIM_PATH, API + wire.REGISTER_PATH} <= set(paths)
+
+
+def test_a_worker_with_a_refused_token_stops_at_start_saying_why(
+    settings: Settings, db: Database
+) -> None:
+    from tests.live import serve_app
+    from tests.workers import worker_settings
+    from worker.errors import WorkerConfigError
+    from worker.main import run_worker
+
+    revoked = auth.create_worker_token(db, name="old").token
+    auth.revoke_token(db, auth.list_tokens(db)[-1].id)
+    with serve_app(create_app(settings)) as url:
+        for token in ("ddpqw_" + "x" * 43, revoked):
+            bad = worker_settings(settings.model_copy(update={"api_url": url}), token)
+            with pytest.raises(WorkerConfigError, match="DDPQ_WORKER_TOKEN"):
+                run_worker(bad, gpus=[], stop=threading.Event())
+        listed = TestClient(create_app(settings)).get(f"{API}/workers").json()["workers"]
+    assert listed == [], "nothing registered with a refused token"
