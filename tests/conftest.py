@@ -38,7 +38,9 @@ PG_FIXTURES = frozenset({"pg_schema_url", "pg_schema", "pg_deployment"})
 XDIST_GROUPS = {
     "tests/slurm/": "slurm",
     "tests/e2e/test_checkpoint_hosts.py": "netns",
+    "tests/e2e/test_script_followed.py": "netns",
     "tests/e2e/test_worker_hosts.py": "netns",
+    "tests/e2e/test_worker_partition.py": "netns",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from service.core.config import Settings
 from service.core.wire import API_PREFIX
 from service.store import migrate
 from service.store.db import Database
+from tests.e2e.hosts import RootHub
 from tests.e2e.jobs_http import JobsOverHttp, Proc, wait_for
 from tests.workers import mint_worker_token, worker_environ
 from worker.processes import find_tagged_processes
@@ -184,3 +186,19 @@ def shared_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def root_hub() -> Iterator[RootHub]:
+    """Worker namespaces around the root's (``hosts.RootHub``), deleted afterwards; skips,
+    saying why, where namespaces cannot be made."""
+    hub = RootHub()
+    try:
+        hub.create_hub()
+    except (OSError, subprocess.SubprocessError) as exc:
+        hub.destroy()
+        pytest.skip(f"network namespaces cannot be made here ({exc}; needs root and `ip netns`)")
+    try:
+        yield hub
+    finally:
+        hub.destroy()

@@ -15,6 +15,11 @@ no dummy links); each worker namespace gets a veth pair to the root with a /32 a
 route to ``api_ip`` alone: no other address of the root, and no other namespace, is routed to.
 No IPv6 on these links. There is no firewall: a root listener on a wildcard address answers at
 ``api_ip`` too (PostgreSQL listens on loopback only, and the tests check it cannot be reached).
+
+A partition (``cut``/``heal``, either topology): a worker host's end of its veth pair is set
+down inside the host's namespace, so the host reaches nothing (a connect fails at once: the
+kernel drops the link's routes), the API and the other hosts carry on; ``heal`` sets it up and
+puts back the routes the kernel dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class Namespaces:
         self.subnet = 100 + secrets.randbelow(100)  # 10.<subnet>.<link>.0/30
         self.names: list[str] = []
         self.links = 0
+        # A worker namespace → its end of the veth pair and the routes to put back on heal.
+        self.ends: dict[str, tuple[str, list[list[str]]]] = {}
 
     def _ns(self, role: str) -> str:
         name = f"ddpq15-{self.tag}-{role}"
@@ -87,6 +94,7 @@ class Namespaces:
             _ip("link", "set", other_end, "netns", other)
             _ip("-n", other, "addr", "add", f"{other_ip}/30", "dev", other_end)
             _ip("-n", other, "link", "set", other_end, "up")
+            self.ends[other] = (other_end, [])  # a /30: its prefix route comes back by itself
         else:
             _ip("addr", "add", f"{other_ip}/30", "dev", other_end)
             _ip("link", "set", other_end, "up")
@@ -107,6 +115,18 @@ class Namespaces:
         """A worker host's namespace linked to the hub; returns (name, the API's IP from it)."""
         name = self._ns(role)
         return name, self._link(name)[0]
+
+    def cut(self, netns: str) -> None:
+        """Partition worker namespace ``netns`` from everything: its veth end down."""
+        dev, _ = self.ends[netns]
+        _ip("-n", netns, "link", "set", dev, "down")
+
+    def heal(self, netns: str) -> None:
+        """Undo ``cut``: the veth end up again, with the routes that went down with it."""
+        dev, routes = self.ends[netns]
+        _ip("-n", netns, "link", "set", dev, "up")
+        for route in routes:
+            _ip("-n", netns, "route", "replace", *route)
 
     def destroy(self) -> None:
         """Delete every namespace (their veth ends, and so the pairs, go with them)."""
@@ -170,7 +190,9 @@ class RootHub(Namespaces):
         _ip("route", "add", f"{other_ip}/32", "dev", root_end, "src", self.api_ip)
         _ip("-n", other, "addr", "add", f"{other_ip}/32", "dev", other_end)
         _ip("-n", other, "link", "set", other_end, "up")
-        _ip("-n", other, "route", "add", f"{self.api_ip}/32", "dev", other_end, "src", other_ip)
+        route = [f"{self.api_ip}/32", "dev", other_end, "src", other_ip]
+        _ip("-n", other, "route", "add", *route)
+        self.ends[other] = (other_end, [route])  # the kernel drops it when the link goes down
         return self.api_ip, other_ip
 
     def destroy(self) -> None:
@@ -210,11 +232,13 @@ class Cluster(JobsOverHttp):
         store: ``DDPQ_CHECKPOINT_STORE`` of the API.
         netns: a ``Namespaces`` (or ``RootHub``) to put the API and hosts in (None: all on
             loopback).
+        lease_s: the API's lease (seconds): a worker's jobs are requeued this long after its
+            last renewal.
     """
 
     def __init__(
         self, tmp_path: Path, database_url: str, *, store: str = "filesystem",
-        netns: Namespaces | None = None,
+        netns: Namespaces | None = None, lease_s: float = 15,
     ) -> None:  # fmt: skip
         self.tmp_path, self.netns = tmp_path, netns
         self.procs: list[Proc] = []
@@ -222,7 +246,7 @@ class Cluster(JobsOverHttp):
         self.base = Settings(
             home=tmp_path / "api" / ".ddpq", database_url=database_url,
             artifact_dir=tmp_path / "api" / "artifacts", auth="off",
-            heartbeat_interval_s=0.3, lease_s=15, allowed_entrypoints=["examples.*:*"],
+            heartbeat_interval_s=0.3, lease_s=lease_s, allowed_entrypoints=["examples.*:*"],
             checkpoint_store=store,  # type: ignore[arg-type]
         )  # fmt: skip
         self.db = Database.from_url(self.base.resolved_database_url)
@@ -286,6 +310,16 @@ class Cluster(JobsOverHttp):
         env = {**self.worker_env(host), **extra}
         argv = [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
         return self._spawn(f"worker-{host.name}", argv, env, host.netns)
+
+    def cut(self, host: Host) -> None:
+        """Partition ``host`` (in a namespace) from the API and every other host."""
+        assert self.netns is not None and host.netns is not None, "a partition needs namespaces"
+        self.netns.cut(host.netns)
+
+    def heal(self, host: Host) -> None:
+        """End ``cut(host)``: it reaches the API again."""
+        assert self.netns is not None and host.netns is not None, "a partition needs namespaces"
+        self.netns.heal(host.netns)
 
     # -- the API, as a user sees it --------------------------------------------------------------
     def loss_steps(self, job_id: int) -> tuple[list[int], int | None]:

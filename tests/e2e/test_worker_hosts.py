@@ -61,20 +61,6 @@ def short_regression(i: int) -> dict[str, Any]:
     return spec
 
 
-@pytest.fixture
-def root_hub() -> Iterator[RootHub]:
-    hub = RootHub()
-    try:
-        hub.create_hub()
-    except (OSError, subprocess.SubprocessError) as exc:
-        hub.destroy()
-        pytest.skip(f"network namespaces cannot be made here ({exc}; needs root and `ip netns`)")
-    try:
-        yield hub
-    finally:
-        hub.destroy()
-
-
 @contextlib.contextmanager
 def cluster_on(tmp_path: Path, url: str, hub: RootHub) -> Iterator[Cluster]:
     """A Cluster in ``hub``, closed (no process of it left) at the end."""
