@@ -26,7 +26,14 @@ import httpx
 
 from bench import common
 from bench.common import BenchResult, cli_main, median, percentile, pick, ratio
-from bench.worker_fleet import ConnectionSampler, Phase, duplicates, job_states, run_phase
+from bench.worker_fleet import (
+    ConnectionSampler,
+    Phase,
+    duplicates,
+    idle_fleet,
+    job_states,
+    run_phase,
+)
 from service.core.holds import ClaimedJob, Transition
 from service.core.states import JobState
 from service.store.auth.service import create_worker_token
@@ -225,6 +232,9 @@ def fleet_part(size: str, workdir: Path) -> dict[str, Any]:
     phases = pick(size, TINY_PHASES, PHASES)
     app_name = f"ddpq_bench_{uuid.uuid4().hex[:8]}"
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in phases}
+    idle: dict[str, dict[str, Any]] = {}
+    idle_s: float = pick(size, 2.0, 5.0)
+    submits: int = pick(size, 2, 10, 20)
     with common.pg_schema() as url:
         tokens = worker_tokens(url, FLEET_TOKENS, "bench-fleet")
         db = common.migrated(url)
@@ -261,9 +271,22 @@ def fleet_part(size: str, workdir: Path) -> dict[str, Any]:
                         fig["all_db_sessions_opened"] = sampler.sessions_opened
                         fig["server_check"] = job_states(db, set(ph.claimed))
                         runs[name].append(fig)
+                # The big and the small fleet again, on an empty queue (not repeated).
+                rng = random.Random(11)
+                for name, n_workers, _ in phases[:2]:
+                    tag = f"idle-{n_workers}-{uuid.uuid4().hex[:4]}"
+                    idle[name.split("_")[0]] = asyncio.run(
+                        idle_fleet(api, tokens, n_workers, tag, serve, idle_s, submits, rng)
+                    )
         finally:
             db.dispose()
-    return {"jobs_per_run": jobs, "reps": reps, "pool_connections": POOL_CONNECTIONS, "runs": runs}
+    return {
+        "jobs_per_run": jobs,
+        "reps": reps,
+        "pool_connections": POOL_CONNECTIONS,
+        "runs": runs,
+        "idle": idle,
+    }
 
 
 def fleet_correct(run: dict[str, Any]) -> bool:
@@ -277,6 +300,11 @@ def fleet_correct(run: dict[str, Any]) -> bool:
         and check["claim_events"] == run["jobs_queued"]
         and check["claimed_twice_by_events"] == check["attempt_above_1"] == 0
     )
+
+
+def submits_of(idle: dict[str, Any]) -> int:
+    """How many jobs an idle fleet's run submitted (each must be claimed once)."""
+    return len(idle["submit_to_claim_ms"])
 
 
 # -- the result --------------------------------------------------------------------------------
@@ -316,10 +344,19 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
     conns = {n: max((r["api_db_connections_max"] or 0) for r in runs[n]) for n in names}
     res.ratios["api_db_connections_max_vs_pools"] = ratio(max(conns.values()), POOL_CONNECTIONS)
     res.ratios["api_db_connections_big_vs_small_fleet"] = ratio(conns[main], conns[small])
+    idle = fleet["idle"]
+    for label, fig in idle.items():  # w200 / w50 (tiny: w40 / w10)
+        res.figures[f"idle_{label}_serve_cores_busy"] = fig["idle_serve_cores_busy"]
+    big_idle = idle[main.split("_")[0]]
+    p50 = big_idle["submit_to_claim_p50_ms"]
+    res.ratios["idle_fleet_long_poll_p50_vs_100ms"] = ratio(p50, 1000 * GOAL_P50_S)
+    res.goals["idle_fleet_long_poll_p50<=100ms"] = p50 is not None and p50 <= 1000 * GOAL_P50_S
     every = [r for n in names for r in runs[n]]
     res.goals["fleet_claims_per_s>=500"] = rate >= GOAL_CLAIMS_PER_S
-    res.goals["fleet_no_duplicates"] = all(fleet_correct(r) for r in every)
-    res.goals["fleet_no_errors"] = all(r["errors"] == 0 for r in every)
+    res.goals["fleet_no_duplicates"] = all(fleet_correct(r) for r in every) and all(
+        f["duplicates"] == 0 and f["claimed"] == submits_of(f) for f in idle.values()
+    )
+    res.goals["fleet_no_errors"] = all(r["errors"] == 0 for r in [*every, *idle.values()])
     res.goals[f"api_db_connections<={POOL_CONNECTIONS}"] = max(conns.values()) <= POOL_CONNECTIONS
     res.notes += [
         f"latency: the long poll is ApiRecords.claim(0, wait_s={MAX_CLAIM_WAIT_S:g}) in a loop "
@@ -339,7 +376,10 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
         f"50 ms; pools = {API_WORKERS} processes x (pool_size + max_overflow = "
         f"{2 * PG_POOL_SIZE}); api_db_backends_seen: distinct backends of the API in those "
         "samples (more than the max: connections opened and closed meanwhile, the pools' "
-        "overflow). CPU from /proc: serve = the server and its worker processes, "
+        "overflow). idle_*: the big and the small fleet long-polling an empty queue (its "
+        "cost over 5 s, tiny 2 s), then jobs POSTed one at a time at random moments: submit "
+        "start -> the answer carrying it, as the fleet's event loop saw it. CPU from /proc: "
+        "serve = the server and its worker processes, "
         "postgres = every postgres process on the box; client and server share the box.",
     ]
     return res

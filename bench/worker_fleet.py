@@ -1,12 +1,14 @@
 """Benchmark #11's second part: a fleet of simulated workers long-polling the worker API of
 ``ddpq serve --workers 2`` over PostgreSQL, each on its own keep-alive connection; claims/s,
-duplicate claims, the API's database connections and its CPU per claim."""
+duplicate claims, the API's database connections and its CPU per claim; and the same fleet
+idle: what its waiting costs, and how soon one of them takes a job submitted then."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -14,10 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 from sqlalchemy import text
 
 from bench import common
+from bench.common import percentile
 from service.core.holds import Transition
 from service.core.states import JobState
 from service.core.wire import API_PREFIX
@@ -243,27 +247,33 @@ async def _register(conns: list[Connection]) -> None:
         raise RuntimeError(f"{len(bad)} of {len(conns)} registrations failed: {bad[:3]}")
 
 
-async def run_phase(
-    api_url: str, tokens: list[str], n_workers: int, jobs: int, lifecycle: bool, tag: str,
-    serve: list[int],
-) -> tuple[Phase, dict[int, int]]:  # fmt: skip
-    """Register ``n_workers`` simulated workers (ids ``<tag>-<i>``, tokens round-robin), then
-    release them together on ``jobs`` queued jobs; ``serve``: the API's pids.
-
-    Returns:
-        What the phase saw, and pid → the API's sockets per process after registration.
-    """
+def connections(api_url: str, tokens: list[str], n_workers: int, tag: str) -> list[Connection]:
+    """One connection per simulated worker (ids ``<tag>-<i>``, tokens round-robin)."""
     host, port = api_url.removeprefix("http://").rsplit(":", 1)
-    conns = [
+    return [
         Connection(host, int(port), {
             "Authorization": f"Bearer {tokens[i % len(tokens)]}",
             WORKER_ID_HEADER: f"{tag}-{i}",
         })
         for i in range(n_workers)
     ]  # fmt: skip
+
+
+async def run_phase(
+    api_url: str, tokens: list[str], n_workers: int, jobs: int, lifecycle: bool, tag: str,
+    serve: list[int],
+) -> tuple[Phase, dict[int, int]]:  # fmt: skip
+    """Register ``n_workers`` simulated workers, then release them together on ``jobs``
+    queued jobs; ``serve``: the API's pids.
+
+    Returns:
+        What the phase saw, and pid → the API's sockets per process after registration.
+    """
+    conns = connections(api_url, tokens, n_workers, tag)
     try:
         await _register(conns)
-        spread = api_sockets_per_pid(int(port), common.serve_pids(int(port)))
+        port = conns[0].port
+        spread = api_sockets_per_pid(port, common.serve_pids(port))
         ph = Phase(serve=serve, cpu0=cpu_snapshot(serve), first_at=time.perf_counter())
         # Generous: 20 claims/s would be far below any box this runs on.
         deadline = ph.first_at + 30.0 + jobs / 20.0
@@ -272,6 +282,84 @@ async def run_phase(
         for c in conns:
             c.close()
     return ph, spread
+
+
+async def idle_fleet(
+    api_url: str, tokens: list[str], n_workers: int, tag: str, serve: list[int],
+    idle_s: float, submits: int, rng: random.Random,
+) -> dict[str, Any]:  # fmt: skip
+    """``n_workers`` simulated workers long-poll an empty queue: what their waiting costs the
+    API for ``idle_s`` seconds, then ``submits`` jobs ``POST``ed one at a time, each at a
+    random moment, and the time from each submit's start to a worker's answer carrying it
+    (the woken claims race for it).
+
+    Raises:
+        RuntimeError: a submitted job was not claimed within 15 s.
+    """
+    conns = connections(api_url, tokens, n_workers, tag)
+    claimed: list[tuple[int, float]] = []  # (job id, answered at)
+    ph = Phase(serve=serve)
+    stopping = asyncio.Event()
+
+    async def wait_for_jobs(conn: Connection) -> None:
+        while not stopping.is_set():
+            try:
+                status, body = await conn.call("POST", CLAIM_PATH, CLAIM_BODY)
+            except (OSError, asyncio.IncompleteReadError, HttpError) as exc:
+                ph.errors.append(f"transport {type(exc).__name__}: {exc}")
+                await asyncio.sleep(ERROR_BACKOFF_S)
+                continue
+            ph.requests += 1
+            if status != 200:
+                ph.errors.append(f"claim {status} {body[:200]!r}")
+                await asyncio.sleep(ERROR_BACKOFF_S)
+                continue
+            now = time.perf_counter()
+            claimed.extend((int(j["job_id"]), now) for j in json.loads(body)["jobs"])
+
+    latencies: list[float] = []
+    try:
+        await _register(conns)
+        tasks = [asyncio.create_task(wait_for_jobs(c)) for c in conns]
+        await asyncio.sleep(2 * CLAIM_WAIT_S)  # every worker in its long poll
+        cpu0, requests0 = cpu_snapshot(serve), ph.requests
+        await asyncio.sleep(idle_s)
+        cpu1, requests1 = cpu_snapshot(serve), ph.requests
+        async with httpx.AsyncClient(base_url=api_url, timeout=30.0, trust_env=False) as http:
+            for _ in range(submits):
+                await asyncio.sleep(rng.uniform(0.25, 0.25 + CLAIM_WAIT_S))
+                t0 = time.perf_counter()
+                resp = await http.post(f"{API_PREFIX}/jobs", json=common.TINY_SPEC)
+                resp.raise_for_status()
+                job_id = int(resp.json()["id"])
+                while not (got := [t for j, t in claimed if j == job_id]):
+                    if time.perf_counter() - t0 > 15.0:
+                        raise RuntimeError(f"job {job_id} not claimed by {n_workers} workers")
+                    await asyncio.sleep(0.002)
+                latencies.append(got[0] - t0)
+        stopping.set()
+        await asyncio.gather(*tasks)
+    finally:
+        for c in conns:
+            c.close()
+    serve_s = common.cpu_delta(cpu0[0], cpu1[0])
+    polls = requests1 - requests0
+    ms = [round(1000 * v, 1) for v in latencies]
+    return {
+        "workers": n_workers,
+        "idle_s": idle_s,
+        "idle_claim_requests_per_s": round(polls / idle_s, 1),
+        "idle_serve_cores_busy": round(serve_s / idle_s, 3),
+        "idle_postgres_cores_busy": round(common.cpu_delta(cpu0[1], cpu1[1]) / idle_s, 3),
+        "idle_serve_cpu_ms_per_claim_request": round(1000 * serve_s / polls, 2) if polls else None,
+        "submit_to_claim_ms": ms,
+        "submit_to_claim_p50_ms": percentile(ms, 50) if ms else None,
+        "submit_to_claim_p90_ms": percentile(ms, 90) if ms else None,
+        "duplicates": duplicates([j for j, _ in claimed]),
+        "claimed": len(claimed),
+        "errors": len(ph.errors),
+        "first_errors": ph.errors[:3],
+    }
 
 
 def job_states(db: Database, ids: set[int]) -> dict[str, Any]:

@@ -147,3 +147,7 @@ def test_worker_api_tiny(tmp_path: Path) -> None:
     assert res.goals[f"api_db_connections<={worker_api.POOL_CONNECTIONS}"], res.figures["fleet"]
     for label in worker_api.SERVERS:
         assert len(res.figures["latency"][label]["long_poll"]["ms"]) == 3, res.figures["latency"]
+    # Each idle fleet took every job submitted to it, once (run() raises if one was not taken).
+    idle = res.figures["fleet"]["idle"]
+    assert sorted(idle) == ["w10", "w40"], idle
+    assert all(f["claimed"] == len(f["submit_to_claim_ms"]) == 2 for f in idle.values()), idle
