@@ -247,10 +247,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_api(
-    db_url: str, workdir: Path, *, workers: int = 1, start_timeout_s: float = 60.0
+    db_url: str,
+    workdir: Path,
+    *,
+    workers: int = 1,
+    start_timeout_s: float = 60.0,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """``ddpq serve`` for ``db_url`` in a process of its own on a free loopback port, as a
-    deployment runs it (the ranks' attempt API); stopped on exit.
+    deployment runs it (the ranks' attempt API); stopped on exit. ``extra_env``: more
+    environment for it (settings such as ``DDPQ_LEASE_S``).
 
     Yields:
         The base URL (``http://127.0.0.1:PORT``), once ``/api/v1/healthz`` answers.
@@ -266,6 +272,7 @@ def serve_api(
         DDPQ_HOME=str(workdir / ".ddpq"),
         DDPQ_AUTH="off",
     )
+    env.update(extra_env or {})
     ddpq = [sys.executable, "-c", "from service.cli.main import main; main()"]
     argv = [*ddpq, "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--workers", str(workers)]

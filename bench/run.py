@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# In the order of the task's priorities: #1, #4, #6, #3, #2, #5, then #7, #8, the sweeps', #9
-# and #10.
+# In the order of the task's priorities: #1, #4, #6, #3, #2, #5, then #7, #8, the sweeps', #9,
+# #10 and #11.
 BENCHMARKS = (
     "reporting",
     "claims",
@@ -31,6 +31,7 @@ BENCHMARKS = (
     "sweep_page",
     "workspace",
     "followed",
+    "worker_api",
 )
 DEFAULT_MLFLOW_SITE = "/tmp/mlflow-site"
 

@@ -5,10 +5,12 @@ token opens nothing else. Driven through the worker's own client (``ApiRecords``
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -28,6 +30,7 @@ from service.core.wire import attempt as attempt_wire
 from service.core.wire import worker as wire
 from service.store.auth import service as auth
 from service.store.db import Database
+from tests.live import serve_app
 from worker.api_client import ApiRecords
 
 API = API_PREFIX
@@ -156,6 +159,35 @@ def test_a_waiting_claim_is_answered_when_a_job_is_submitted(world: World) -> No
     assert time.monotonic() - start < 20
     # With nothing queued a claim waits its time and comes back empty.
     assert world.b.claim(0, wait_s=0.3) is None
+
+
+def test_a_claim_whose_worker_hung_up_takes_no_job(world: World, app_settings: Settings) -> None:
+    """A worker that hangs up during its long poll (killed, or its client gave up) gets no job
+    claimed in its name when the wait ends: it would never learn of it, and the job would sit
+    starting until its lease ran out. Over real HTTP: only a socket can hang up."""
+    with serve_app(create_app(app_settings)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"max_gpus_per_node": 0, "wait_s": 10}'
+        head = "".join(f"{k}: {v}\r\n" for k, v in _headers(world.token_a).items())
+        request = (
+            f"POST {API}{wire.CLAIM_PATH} HTTP/1.1\r\nHost: {host}\r\n{head}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request + body)
+            time.sleep(0.5)  # the claim waits now (or ends at once if it sees the hang-up)
+        time.sleep(0.2)  # the server reads the hang-up
+        r = httpx.post(f"{url}{API}/jobs", json=SPEC, headers=world.user_headers, timeout=30)
+        assert r.status_code == 201, r.text
+        job_id = int(r.json()["id"])
+        time.sleep(0.5)  # a woken claim of worker A would have taken the job by now
+        job = world.job(job_id)
+    assert job["state"] == "queued", (
+        f"job {job_id} is {job['state']} for {job['worker_id']}: the hung-up claim took it "
+        "(the claim route must check for a disconnect after its wait, before claiming)"
+    )
+    claimed = world.b.claim(0)
+    assert claimed is not None and claimed.job_id == job_id
 
 
 def test_a_worker_moves_only_the_jobs_it_holds(world: World) -> None:

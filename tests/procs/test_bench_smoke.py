@@ -129,3 +129,25 @@ def test_followed_tiny(tmp_path: Path) -> None:
     assert fig["checkpoints_per_run"]["plain"] == [0], fig
     assert 1 <= fig["checkpoints_per_run"]["followed"][0] <= fig["epochs"], fig
     assert fig["import_ddpq_loads_torch"] is False
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_worker_api_tiny(tmp_path: Path) -> None:
+    from bench import worker_api
+
+    res = worker_api.run("tiny", workdir=tmp_path)
+    _measured(res, "sqlite_long_poll_vs_poll_p50", "postgresql_long_poll_vs_poll_p50")
+    _measured(res, "api_db_connections_max_vs_pools")
+    # Correctness, not timing: every submitted job reached its waiting worker (run() raises
+    # otherwise), every queued job was claimed exactly once with no error answer, and the
+    # API never held more database connections than its two pools allow.
+    assert res.goals["fleet_no_duplicates"], res.figures["fleet"]
+    assert res.goals["fleet_no_errors"], res.figures["fleet"]
+    assert res.goals[f"api_db_connections<={worker_api.POOL_CONNECTIONS}"], res.figures["fleet"]
+    for label in worker_api.SERVERS:
+        assert len(res.figures["latency"][label]["long_poll"]["ms"]) == 3, res.figures["latency"]
+    # Each idle fleet took every job submitted to it, once (run() raises if one was not taken).
+    idle = res.figures["fleet"]["idle"]
+    assert sorted(idle) == ["w10", "w40"], idle
+    assert all(f["claimed"] == len(f["submit_to_claim_ms"]) == 2 for f in idle.values()), idle

@@ -150,7 +150,7 @@ async def claim(
     for its ranks. With nothing claimable, wait up to ``wait_s`` seconds for a job to become
     claimable (a submission here wakes the claim at once; one in another API process, a
     requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer with no job.
-    The wait holds no database connection."""
+    The wait holds no database connection; a worker that hung up during it claims nothing."""
     launcher = _registered(caller)
     db = _db(request)
     waits = claim_waits(request.app)
@@ -172,6 +172,10 @@ async def claim(
         if left <= 0 or await request.is_disconnected():
             return ClaimOut(jobs=[])
         await waits.wait((launcher, body.max_gpus_per_node), left)
+        # A worker that hung up meanwhile (killed, or its client gave up) would never see a
+        # job claimed now, which would sit starting in its name until the lease ran out.
+        if await request.is_disconnected():
+            return ClaimOut(jobs=[])
 
 
 @router.post(
