@@ -5,10 +5,10 @@ Two things wake a waiting claim: a submission through this API process (``notify
 once), and a probe that runs while claims wait: every ``PROBE_S`` seconds, one read per
 distinct (launcher, GPUs) among the waiting claims, the same claim predicate the claim
 itself and the queue explanation use (``has_claimable_job``). The probe finds what another
-API process queued, a requeue by the reaper, a sweep slot freed. A woken claim tries to claim
-again; several woken together race through ``FOR UPDATE SKIP LOCKED`` and the losers wait
-again. The database thus sees at most one probe per key per ``PROBE_S`` per process, however
-many workers wait.
+API process queued, a requeue by the reaper, a sweep slot freed. Each wakes one claim per
+key; a woken claim that got a job wakes the next (``pass_on``). The database thus sees at
+most one probe per key per ``PROBE_S`` per process, and one claim transaction per job
+queued, however many workers wait.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from collections import Counter
+from collections import deque
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -31,7 +30,13 @@ Key = tuple[str, int]
 
 
 class ClaimWaits:
-    """Waiting claims of one API process, woken by ``notify`` or by the probe.
+    """Waiting claims of one API process, first come first served per key, woken by
+    ``notify`` or by the probe.
+
+    A wake-up goes to one waiting claim per key, not to all: a submission is usually one job,
+    and every woken claim runs a claim transaction. A woken claim that got a job passes the
+    wake-up on (``pass_on``), so a burst of jobs fans out to as many waiting claims as it
+    needs, one transaction at a time per key; one that found nothing waits again.
 
     Args:
         probe: ``probe(launcher, max_gpus_per_node)`` → whether such a claim could find a job
@@ -42,32 +47,38 @@ class ClaimWaits:
     def __init__(self, probe: Callable[[str, int], bool], probe_s: float = PROBE_S) -> None:
         self._probe = probe
         self._probe_s = probe_s
-        self._events: dict[Key, asyncio.Event] = {}
-        self._waiting: Counter[Key] = Counter()
+        self._waiting: dict[Key, deque[asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
 
     async def wait(self, key: Key, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a wake-up meant for ``key``; whether one came."""
-        self._loop = asyncio.get_running_loop()
-        event = self._events.setdefault(key, asyncio.Event())
-        self._waiting[key] += 1
+        loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        queue = self._waiting.setdefault(key, deque())
+        queue.append(future)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._probe_while_waiting())
         try:
-            async with asyncio.timeout(timeout_s):
-                await event.wait()
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
             return True
         except TimeoutError:
-            return False
+            return future.done() and not future.cancelled()
         finally:
-            self._waiting[key] -= 1
-            if self._waiting[key] <= 0:
+            if not future.done():
+                future.cancel()
+            with contextlib.suppress(ValueError):
+                queue.remove(future)
+            if not queue and self._waiting.get(key) is queue:
                 del self._waiting[key]
 
+    def pass_on(self, key: Key) -> None:
+        """Wake the next claim waiting for ``key`` (a woken claim got a job: there may be
+        more). Call it on the event loop."""
+        self._wake(key)
+
     def notify(self) -> None:
-        """Wake every waiting claim (a job was queued here). Safe from any thread."""
+        """Wake one waiting claim per key (a job was queued here). Safe from any thread."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -76,18 +87,22 @@ class ClaimWaits:
         except RuntimeError:
             running = None
         if running is loop:
-            self._wake_all()
+            self._wake_each()
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._wake_all)
+                loop.call_soon_threadsafe(self._wake_each)
 
-    def _wake(self, key: Key) -> None:
-        event = self._events.pop(key, None)
-        if event is not None:
-            event.set()  # those waiting now wake; a later wait gets a fresh event
+    def _wake(self, key: Key) -> bool:
+        queue = self._waiting.get(key)
+        while queue:
+            future = queue.popleft()
+            if not future.done():
+                future.set_result(None)
+                return True
+        return False
 
-    def _wake_all(self) -> None:
-        for key in list(self._events):
+    def _wake_each(self) -> None:
+        for key in list(self._waiting):
             self._wake(key)
 
     async def _probe_while_waiting(self) -> None:

@@ -156,6 +156,8 @@ async def claim(
     waits = claim_waits(request.app)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + body.wait_s
+    key = (launcher, body.max_gpus_per_node)
+    woken = False
     while True:
         found = await run_in_threadpool(
             lambda: workers.claim_for_worker(
@@ -165,16 +167,21 @@ async def claim(
             )
         )  # fmt: skip
         if found is not None:
+            if woken:
+                waits.pass_on(key)  # there may be more: the next waiting claim looks
             return ClaimOut(
                 jobs=list(found.jobs), sweep_id=found.sweep_id, max_concurrent=found.max_concurrent
             )
         left = deadline - loop.time()
         if left <= 0 or await request.is_disconnected():
             return ClaimOut(jobs=[])
-        await waits.wait((launcher, body.max_gpus_per_node), left)
+        if not await waits.wait(key, left):
+            return ClaimOut(jobs=[])  # the wait ran out: the worker asks again anyway
+        woken = True
         # A worker that hung up meanwhile (killed, or its client gave up) would never see a
         # job claimed now, which would sit starting in its name until the lease ran out.
         if await request.is_disconnected():
+            waits.pass_on(key)
             return ClaimOut(jobs=[])
 
 

@@ -1,0 +1,71 @@
+"""The long poll's waiting room (service.api.claim_waits): a submission wakes one waiting claim
+per key, a woken claim that got a job wakes the next, the probe wakes one per key it finds
+work for, and a wait that nobody wakes ends empty. Driven on an asyncio loop with a fake
+probe (our own interface); no database, no server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.api.claim_waits import ClaimWaits
+
+LOCAL = ("local", 0)
+GPU = ("local", 2)
+
+
+async def _waiters(waits: ClaimWaits, key: tuple[str, int], n: int) -> list[asyncio.Task[bool]]:
+    tasks = [asyncio.create_task(waits.wait(key, 5.0)) for _ in range(n)]
+    await asyncio.sleep(0.01)  # all waiting now
+    return tasks
+
+
+def test_a_submission_wakes_one_claim_per_key_and_a_winner_passes_it_on() -> None:
+    async def scenario() -> None:
+        waits = ClaimWaits(lambda launcher, gpus: False, probe_s=60.0)
+        local = await _waiters(waits, LOCAL, 3)
+        gpu = await _waiters(waits, GPU, 1)
+        waits.notify()
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in local] == [True, False, False], "the oldest claim only"
+        assert gpu[0].done(), "one per key"
+        waits.pass_on(LOCAL)  # the woken claim got a job: the next one looks
+        await asyncio.sleep(0.01)
+        assert [t.done() for t in local] == [True, True, False]
+        assert all(t.result() for t in local[:2])
+        local[2].cancel()
+        await waits.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_probe_wakes_a_claim_only_for_keys_with_work() -> None:
+    async def scenario() -> None:
+        asked: list[tuple[str, int]] = []
+
+        def probe(launcher: str, gpus: int) -> bool:
+            asked.append((launcher, gpus))
+            return gpus == 2
+
+        waits = ClaimWaits(probe, probe_s=0.02)
+        local = await _waiters(waits, LOCAL, 2)
+        gpu = await _waiters(waits, GPU, 2)
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in local), "no work for CPU-only claims"
+        assert gpu[0].done() and gpu[0].result()
+        assert set(asked) == {LOCAL, GPU}
+        for t in [*local, *gpu]:
+            t.cancel()
+        await waits.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_nobody_wakes_ends_empty_and_leaves_no_waiter() -> None:
+    async def scenario() -> None:
+        waits = ClaimWaits(lambda launcher, gpus: False, probe_s=60.0)
+        assert await waits.wait(LOCAL, 0.05) is False
+        waits.notify()  # nobody waits: nothing to wake, nothing kept for later
+        assert await waits.wait(LOCAL, 0.05) is False
+        await waits.close()
+
+    asyncio.run(scenario())
