@@ -167,6 +167,21 @@ TINY_SPEC: dict[str, Any] = {
 }
 
 
+def worker_process_env(settings: Any, base: dict[str, str]) -> dict[str, str]:
+    """The environment of a ``python -m worker.main`` for ``settings``' deployment: ``base``
+    and the settings without the database URL, plus a worker token minted on that database
+    (a worker reaches only the API)."""
+    from service.store.auth.service import create_worker_token
+    from worker.up import worker_env
+
+    db = Database.from_url(settings.resolved_database_url)
+    try:
+        token = create_worker_token(db, name="bench").token
+    finally:
+        db.dispose()
+    return worker_env(settings, token, base)
+
+
 def queue_jobs(db: Database, count: int, *, owner: str = "bench") -> None:
     """Bulk-insert ``count`` queued jobs (same columns as ``submit_job``, no events: fast)."""
     spec = JobSpec.model_validate(TINY_SPEC)

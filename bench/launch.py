@@ -13,7 +13,15 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchResult, cli_main, median, migrated, pick, sqlite_url
+from bench.common import (
+    BenchResult,
+    cli_main,
+    median,
+    migrated,
+    pick,
+    sqlite_url,
+    worker_process_env,
+)
 from service.core.config import Settings
 from worker.up import settings_env
 
@@ -82,9 +90,10 @@ class Deployment:
              "--host", "127.0.0.1", "--port", str(self.settings.port), "--no-access-log"],
             [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"],
         ]  # fmt: skip
+        envs = [self.env, worker_process_env(self.settings, self.env)]  # the worker: no DB URL
         self.procs = [
-            subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-            for argv, log in zip(argvs, self.logs, strict=True)
+            subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            for argv, env, log in zip(argvs, envs, self.logs, strict=True)
         ]
         self.http = httpx.Client(base_url=self.url + "/api/v1", timeout=30)
         _wait(self._ready, 90, 0.2, "the API to answer /readyz")

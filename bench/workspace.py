@@ -45,6 +45,7 @@ from bench.common import (
     serve_api,
     serve_pids,
     sqlite_url,
+    worker_process_env,
 )
 
 GOAL_UPLOAD_VS_TAR = 3.0
@@ -212,7 +213,8 @@ class Deployment:
         self.http = httpx.Client(base_url=url + "/api/v1", timeout=30)
         self.log = open(tmp / "worker.log", "ab")  # noqa: SIM115
         argv = [sys.executable, "-m", "worker.main", "--slots", "1", "--gpus", "none"]
-        self.proc = subprocess.Popen(argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        env = worker_process_env(self.settings, self.env)  # a worker holds no database URL
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         wait_for(self._registered, 120, 0.1, "the worker to register")
 
     def _registered(self) -> bool:
