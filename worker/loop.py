@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
 MAX_BACKOFF_S = 30.0
+# What a shutdown cannot get past: the API out of reach, or its refusal of this worker's token.
+UNREACHABLE = (ControlPlaneUnavailableError, WorkerTokenRefusedError, WorkerTokenMismatchError)
 # The longest one claim waits for a job (a long poll), so a stop is seen this soon.
 MAX_CLAIM_WAIT_S = 1.0
 
@@ -121,6 +123,8 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
+        # The API's refusal of this worker's token while it ran (it then stops), if any.
+        self.refused: WorkerTokenRefusedError | WorkerTokenMismatchError | None = None
         self.fence = LeaseFence(
             launcher, clock, detached=self.detached, call_timeout_s=records.call_timeout_s
         )
@@ -188,9 +192,12 @@ class WorkerLoop:
                     if isinstance(exc, ControlPlaneUnavailableError):
                         log.warning("API unavailable (%s); retrying in %.1f s", exc, wait)
                     elif isinstance(exc, WorkerTokenRefusedError | WorkerTokenMismatchError):
-                        # Revoked while running: held jobs are stopped by the fence before
-                        # their leases lapse; nothing more is claimed.
-                        log.error("%s; retrying in %.1f s", exc.detail, wait)
+                        # Revoked while running: a refused token stays refused. Stop here:
+                        # the shutdown stops the held jobs' ranks (their leases lapse
+                        # unrenewed, and the API requeues them); nothing more is claimed.
+                        log.error("%s: stopping this worker", exc.detail)
+                        self.refused = exc
+                        return
                     else:
                         log.exception("worker tick failed; retrying in %.1f s", wait)
                 stop.wait(wait)
@@ -268,7 +275,7 @@ class WorkerLoop:
         if self.registered:
             try:
                 self.records.stop()
-            except ControlPlaneUnavailableError as exc:
+            except UNREACHABLE as exc:
                 log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
         log.info("worker %s stopped", self.worker_id)
 
@@ -290,7 +297,7 @@ class WorkerLoop:
                     log.exception("job_id=%d: poll failed", run.job_id)
             try:
                 self._apply(run, decide_on_shutdown(run, status))
-            except ControlPlaneUnavailableError as exc:
+            except UNREACHABLE as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
 
     def _leave_running(self) -> None:
@@ -306,7 +313,7 @@ class WorkerLoop:
                 continue
             try:  # never submitted: nothing to adopt, so requeue it now
                 self._apply(run, decide_on_shutdown(run, None))
-            except ControlPlaneUnavailableError as exc:
+            except UNREACHABLE as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
 
     # -- steps of a tick ---------------------------------------------------------------

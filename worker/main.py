@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlsplit
 
 from service.core.config import Settings
 from service.core.errors import (
@@ -27,6 +28,7 @@ from service.core.errors import (
     WorkerTokenRefusedError,
 )
 from service.core.launchers import launcher_names, uses_host_gpus
+from service.core.wire import API_PREFIX
 from service.core.wire.worker import WORKER_TOKEN_PREFIX
 from worker.api_client import ApiRecords
 from worker.errors import LaunchError, WorkerConfigError
@@ -105,12 +107,13 @@ def ensure_logging() -> None:
 
 
 def worker_credentials(settings: Settings) -> tuple[str, str]:
-    """The API URL and worker token a worker runs with: ``settings.resolved_api_url`` and
-    ``DDPQ_WORKER_TOKEN``.
+    """The API URL and worker token a worker runs with: ``settings.resolved_api_url`` (its
+    root: a trailing ``/api/v1`` is dropped) and ``DDPQ_WORKER_TOKEN``.
 
     Raises:
         WorkerConfigError: a database URL is set (a worker must not hold it; the message says
-            what to set instead), or no worker token is, or it is not a worker token.
+            what to set instead), no worker token is, it is not a worker token, or the API
+            URL is not an http(s) URL of a server's root.
     """
     if settings.database_url:
         raise WorkerConfigError(
@@ -126,13 +129,27 @@ def worker_credentials(settings: Settings) -> tuple[str, str]:
             "--worker [--name HOST]` (run where the database is reachable), and DDPQ_API_URL "
             "(or --api) to the API's URL"
         )
+    api_url = settings.resolved_api_url
+    parsed = urlsplit(api_url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise WorkerConfigError(
+            f"the API URL {api_url!r} is not an http(s) URL: pass --api (or DDPQ_API_URL) like "
+            "http://api-host:8000"
+        )
+    if parsed.path.rstrip("/") == API_PREFIX:  # the URL `ddpq up` prints for the API itself
+        api_url = api_url[: -len(parsed.path)]
+    elif parsed.path.strip("/"):
+        raise WorkerConfigError(
+            f"the API URL {api_url!r} has a path: pass the server's root, like "
+            f"http://api-host:8000 (not …{parsed.path})"
+        )
     if not token.startswith(WORKER_TOKEN_PREFIX):
         raise WorkerConfigError(
             f"DDPQ_WORKER_TOKEN is not a worker token (those start with {WORKER_TOKEN_PREFIX}): "
             "create one with `ddpq token create --worker`; a user's token does not open the "
             "worker API"
         )
-    return settings.resolved_api_url, token
+    return api_url, token
 
 
 def run_worker(
@@ -184,7 +201,8 @@ def run_worker(
         # or not, and every file; only another Unix user keeps them out.
         log.warning(
             "this worker runs as root without DDPQ_RANK_USER: its ranks (users' code) run as "
-            "root and can read the worker's environment and the database file; set "
+            "root and can read the worker's environment (its worker token) and every job's "
+            "files; set "
             "DDPQ_RANK_USER to an unprivileged user (README, Security model)"
         )
     stop = stop or threading.Event()
@@ -208,6 +226,11 @@ def run_worker(
             loop.run(stop)
     finally:
         records.close()
+    if loop.refused is not None:
+        raise WorkerConfigError(
+            f"{loop.refused.detail}. This worker stopped: its jobs' ranks were stopped and the "
+            "API requeues them when their leases lapse."
+        )
 
 
 def _first_registration(loop: WorkerLoop) -> None:

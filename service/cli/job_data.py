@@ -45,13 +45,14 @@ def checkpoints_table(job_id: int, checkpoints: list[dict[str, Any]]) -> Table:
 
 
 def workers_table(workers: list[dict[str, Any]]) -> Table:
-    """Workers: id, host, pid, launcher, heartbeat age, the jobs they run, and whether they
-    stopped (a stopped worker holds no jobs)."""
-    table = Table("id", "host", "pid", "launcher", "heartbeat", "jobs", "stopped")
+    """Workers: id, host, pid, launcher, status (live; lost: the API no longer hears from
+    it; stopped), heartbeat age, the jobs they run, and when they stopped (a stopped worker
+    holds no jobs)."""
+    table = Table("id", "host", "pid", "launcher", "status", "heartbeat", "jobs", "stopped")
     for w in workers:
         table.add_row(
             cell(w["id"]), cell(w["host"]), cell(w["pid"]), cell(w["launcher"]),
-            cell(f"{format_seconds(w['heartbeat_age_s'])} ago"),
+            cell(w.get("status", "")), cell(f"{format_seconds(w['heartbeat_age_s'])} ago"),
             cell(", ".join(map(str, w["running_jobs"]))),
             cell(short_time(w["stopped_at"]) if w["stopped_at"] else ""),
         )  # fmt: skip

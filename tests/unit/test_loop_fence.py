@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from service.core.config import Settings
-from service.core.errors import DatabaseUnavailableError
+from service.core.errors import DatabaseUnavailableError, WorkerTokenRefusedError
 from service.core.events import EventKind
 from service.core.holds import AdoptedJob, ClaimedJob, ClaimedJobs, HeldJob, Transition
 from service.core.spec.model import JobSpec
@@ -81,6 +81,7 @@ class FakeRecords:
     call_timeout_s: float = 0.0  # calls fail at once here
     outage: tuple[float, float] = (math.inf, math.inf)
     heartbeat_takes_s: float = 0.0
+    refused_from: float = math.inf  # from then on every call: the token was revoked
     queue: list[tuple[float, ClaimedJob]] = field(default_factory=list)  # (claimable at, job)
     held: dict[int, HeldJob] = field(default_factory=dict)
     applied: list[tuple[float, Transition]] = field(default_factory=list)
@@ -88,6 +89,8 @@ class FakeRecords:
 
     def _call(self, name: str) -> None:
         self.calls.append((self.clock(), name))
+        if self.clock() >= self.refused_from:
+            raise WorkerTokenRefusedError("the API refused this worker's token (revoked)")
         start, end = self.outage
         if start <= self.clock() < end:
             raise DatabaseUnavailableError("control plane unreachable (test outage)")
@@ -470,3 +473,20 @@ def test_an_unknown_grace_counts_as_the_local_launchers(tmp_path: Path) -> None:
     settings = _settings(tmp_path, lease_s=60.0, heartbeat_interval_s=1.0)
     loop = WorkerLoop(settings, FakeRecords(FakeClock()), NoGrace(), host="h", pid=1)  # type: ignore[arg-type]
     assert loop.stop_budget_s == DEFAULT_CANCEL_GRACE_S + 1.0 + 2.0
+
+
+def test_a_token_revoked_while_running_stops_the_worker_and_its_ranks(tmp_path: Path) -> None:
+    """A refused token stays refused: the worker stops at once (its shutdown stops the ranks
+    long before the lease could lapse, and cannot requeue them: the API does at the lease),
+    instead of retrying forever; nothing more is claimed."""
+    clock = FakeClock()
+    records = FakeRecords(clock, refused_from=T0 + 3.0)
+    records.submit(1)
+    records.submit(2, at=T0 + 10.0)
+    launcher = FakeLauncher(clock)
+    loop = _loop(_settings(tmp_path, lease_s=45.0, heartbeat_interval_s=1.0), records, launcher)
+    loop.run(ClockedStop(clock, until=T0 + 120))
+    assert isinstance(loop.refused, WorkerTokenRefusedError)
+    assert _cancel_times(launcher, "1.1") and _cancel_times(launcher, "1.1")[0] < T0 + 5.0
+    assert [h for _, h in launcher.started] == ["1.1"], "nothing claimed after the refusal"
+    assert clock() < T0 + 10.0, "the worker stopped at once, not at the end of the run"

@@ -45,7 +45,7 @@
     return d.el(
       "td",
       { title: w.heartbeat_at },
-      d.el("span", { class: "badge " + (stale ? "stale" : "ok") }, stale ? "lost" : "alive"),
+      d.el("span", { class: "badge " + (stale ? "stale" : "ok") }, stale ? "lost" : "live"),
       " " + d.fmtDuration(age) + " ago",
     );
   }
