@@ -269,3 +269,60 @@ def test_an_api_app_serves_the_worker_routes_in_its_docs(settings: Settings, db:
     with TestClient(create_app(settings)) as api:
         paths = api.get("/openapi.json").json()["paths"]
     assert {API + wire.CLAIM_PATH, API + wire.REGISTER_PATH} <= set(paths)
+
+
+# -- long polls ---------------------------------------------------------------------------------
+
+
+def test_a_claim_waiting_when_its_token_is_revoked_claims_nothing(world: World) -> None:
+    got: list[Any] = []
+
+    def claim() -> None:
+        try:
+            got.append(world.a.claim(0, wait_s=20.0))
+        except Exception as exc:  # what the claim answered, checked below
+            got.append(exc)
+
+    waiting = threading.Thread(target=claim)
+    waiting.start()
+    time.sleep(0.5)  # the claim waits now; its request's token check is behind it
+    token_id = next(t.id for t in auth.list_tokens(world.db) if t.name == "gpu-a")
+    auth.revoke_token(world.db, token_id)
+    job_id = world.submit()  # wakes the waiting claim
+    waiting.join(30)
+    assert got and isinstance(got[0], WorkerTokenRefusedError), got
+    assert world.job(job_id)["state"] == "queued"
+    claimed = world.b.claim(0)
+    assert claimed is not None and claimed.job_id == job_id
+
+
+def test_a_claim_whose_worker_went_away_claims_nothing(
+    db: Database, app_settings: Settings
+) -> None:
+    """Over a real server (a TestClient cannot hang up): a worker that gave up on its long
+    poll (its timeout, a crash) gets no job claimed for it afterwards."""
+    import httpx
+
+    from tests.live import serve_app
+
+    token = auth.create_worker_token(db, name="gpu-a").token
+    user = auth.create_token(db, owner="alice").token
+    with serve_app(create_app(app_settings)) as url:
+        gone = ApiRecords(url, token, "w-gone", "local")
+        gone.register(host="h", pid=1, capacity=CAPACITY)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + API + wire.CLAIM_PATH,
+                json={"max_gpus_per_node": 0, "wait_s": 20},
+                headers=_headers(token, "w-gone"),
+                timeout=httpx.Timeout(1.0),
+            )
+        time.sleep(0.3)  # the server has seen the hang-up
+        r = httpx.post(f"{url}{API}/jobs", json=SPEC, headers={"Authorization": f"Bearer {user}"})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        time.sleep(1.0)  # the waiting claim woke and, its client gone, answered nothing
+        job = httpx.get(f"{url}{API}/jobs/{job_id}", headers={"Authorization": f"Bearer {user}"})
+        assert job.json()["state"] == "queued", job.text
+        assert gone.heartbeat() == []
+        gone.close()

@@ -150,18 +150,21 @@ async def claim(
     for its ranks. With nothing claimable, wait up to ``wait_s`` seconds for a job to become
     claimable (a submission here wakes the claim at once; one in another API process, a
     requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer with no job.
-    The wait holds no database connection."""
+    The wait holds no database connection. A client that went away meanwhile claims nothing,
+    and a worker token revoked meanwhile is 401 (each try checks it in its transaction)."""
     launcher = _registered(caller)
     db = _db(request)
     waits = claim_waits(request.app)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + body.wait_s
     while True:
+        # Each try re-checks the token in the claim's transaction: one revoked while this
+        # request waited claims nothing (401).
         found = await run_in_threadpool(
             lambda: workers.claim_for_worker(
                 db, worker_id=caller.worker_id, launcher=launcher,
                 max_gpus_per_node=body.max_gpus_per_node, lease_s=settings.lease_s,
-                batch_limit=body.limit if body.batch else None,
+                batch_limit=body.limit if body.batch else None, token_id=caller.token_id,
             )
         )  # fmt: skip
         if found is not None:
@@ -172,6 +175,10 @@ async def claim(
         if left <= 0 or await request.is_disconnected():
             return ClaimOut(jobs=[])
         await waits.wait((launcher, body.max_gpus_per_node), left)
+        if await request.is_disconnected():
+            # The worker gave up on this request (its timeout, a crash): a job claimed now
+            # would sit `starting` for it until its lease lapsed or it was requeued.
+            return ClaimOut(jobs=[])
 
 
 @router.post(

@@ -14,7 +14,7 @@ from dataclasses import replace
 from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotHeldError
+from service.core.errors import NotHeldError, WorkerTokenRefusedError
 from service.core.holds import ClaimedJob, SchedulerHandle
 from service.core.states import ACTIVE_STATES
 from service.core.tokens import hash_token
@@ -51,6 +51,24 @@ def find_worker_caller(session: Session, token: str, worker_id: str) -> WorkerCa
         registered_token_id=row.token_id,
         launcher=row.launcher,
     )
+
+
+def check_token_live(session: Session, token_id: int) -> None:
+    """The fence of a claim on the worker token: still live. The row is read ``FOR SHARE``
+    on PostgreSQL, so a revocation commits either before the claim (which then claims
+    nothing) or after it: a long poll that began before the revocation claims nothing once
+    ``ddpq token revoke`` has returned.
+
+    Raises:
+        WorkerTokenRefusedError: the token was revoked (or deleted) meanwhile (401).
+    """
+    live = session.scalar(
+        select(ApiToken.id)
+        .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        .with_for_update(read=True)
+    )
+    if live is None:
+        raise WorkerTokenRefusedError("unknown or revoked worker token")
 
 
 def check_held(session: Session, job_id: int, attempt: int, worker_id: str) -> None:
