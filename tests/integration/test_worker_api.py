@@ -271,6 +271,68 @@ def test_an_api_app_serves_the_worker_routes_in_its_docs(settings: Settings, db:
     assert {API + wire.CLAIM_PATH, API + wire.REGISTER_PATH} <= set(paths)
 
 
+# -- hostile bodies: 422, nothing written ------------------------------------------------------
+
+# Event data its kind's wording could not word (a text where it multiplies a number, a number
+# where it lists steps, a list where the reason column takes a text, a field it lacks, one it
+# does not name): each was a 500 (or a misleading 503) while the event row was written.
+BAD_NOTES: list[tuple[str, dict[str, Any]]] = [
+    ("more_ranks_than_cores", {"nproc_per_node": 10_000, "cpus": 1, "batch_size": "x" * 1000}),
+    ("more_ranks_than_cores", {"nproc_per_node": "x", "cpus": 1, "batch_size": "y"}),
+    ("fresh_start", {"attempt": 1, "damaged_steps": 5}),
+    ("fresh_start", {"attempt": 1}),
+    ("note", {"text": {"a": 1}}),
+    ("note", {"text": [1, 2]}),
+    ("note", {"text": "t", "extra": "x" * 100_000}),
+    ("checkpoint_damaged", {"step": "abc"}),
+    ("more_ranks_than_cores", {"nproc_per_node": 2**70, "cpus": 1}),
+]
+BAD_TRANSITION_EVENTS: list[tuple[str, dict[str, Any]]] = [
+    ("retried", {}),
+    ("more_ranks_than_cores", {"nproc_per_node": "x", "cpus": 1, "batch_size": "y"}),
+    ("failed", {"error": ["not", "a", "text"]}),
+]
+
+
+def _event_kinds(world: World, job_id: int) -> list[str]:
+    r = world.api.get(f"{API}/jobs/{job_id}/events", headers=world.user_headers)
+    assert r.status_code == 200, r.text
+    return [e["kind"] for e in r.json()["events"]]
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"), BAD_NOTES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(BAD_NOTES)]
+)
+def test_a_note_its_kind_cannot_word_is_422_and_writes_nothing(
+    world: World, kind: str, data: dict[str, Any]
+) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    before = _event_kinds(world, job_id)
+    body = {"job_id": job_id, "attempt": 1, "kind": kind, "data": data}
+    r = world.api.post(API + wire.NOTES_PATH, json=body, headers=_headers(world.token_a))
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert _event_kinds(world, job_id) == before
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    BAD_TRANSITION_EVENTS,
+    ids=[f"{k}-{i}" for i, (k, _) in enumerate(BAD_TRANSITION_EVENTS)],
+)
+def test_a_transition_whose_event_cannot_be_worded_is_422_and_moves_nothing(
+    world: World, kind: str, data: dict[str, Any]
+) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    body = {"transition": {"job_id": job_id, "expected": "starting", "target": "running",
+                           "kind": kind, "data": data}}  # fmt: skip
+    r = world.api.post(API + wire.TRANSITIONS_PATH, json=body, headers=_headers(world.token_a))
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert world.job(job_id)["state"] == "starting"
+    assert _event_kinds(world, job_id) == ["submitted", "claimed"]
+
+
 # -- long polls ---------------------------------------------------------------------------------
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.core.events import NOTE_KINDS, EventKind
+from service.core.events import NOTE_KINDS, EventKind, check_data
 from service.core.holds import AdoptedJob, ClaimedJob, HeldJob, SchedulerHandle, Transition
 from service.core.states import JobState
 
@@ -117,6 +117,15 @@ class TransitionIn(_In):
         default_factory=dict
     )
 
+    @model_validator(mode="after")
+    def _a_writable_transition(self) -> TransitionIn:
+        # The event's data is checked against its kind's wording here, so a bad one is 422
+        # before anything is written (not a failure while the event row is rendered).
+        t = self.transition
+        if t.kind is not None:
+            check_data(t.kind, t.data)
+        return self
+
 
 class TransitionOut(BaseModel):
     """The state the transition produced (a requeue of a job flagged for cancel ends
@@ -147,6 +156,11 @@ class NoteIn(_In):
         if kind not in NOTE_KINDS:
             raise ValueError(f"{kind.value} is not a note (a state change is a transition)")
         return kind
+
+    @model_validator(mode="after")
+    def _worded_data(self) -> NoteIn:
+        check_data(self.kind, self.data)
+        return self
 
 
 class PendingIn(_In):
