@@ -333,6 +333,40 @@ def test_a_transition_whose_event_cannot_be_worded_is_422_and_moves_nothing(
     assert _event_kinds(world, job_id) == ["submitted", "claimed"]
 
 
+def test_ids_and_handles_the_database_cannot_hold_are_422(world: World) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    huge = 2**70
+    bodies = [
+        (wire.TRANSITIONS_PATH,
+         {"transition": {"job_id": huge, "expected": "starting", "target": "running"}}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": huge, "attempt": 1, "scheduler_job_id": "1"}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 2**40, "scheduler_job_id": "1"}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 1, "scheduler_job_id": "9" * 65}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 1, "scheduler_job_id": ""}]}),
+    ]  # fmt: skip
+    for path, body in bodies:
+        r = world.api.post(API + path, json=body, headers=_headers(world.token_a))
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", (path, r.text)
+    job = world.job(job_id)
+    assert job["state"] == "starting" and job["scheduler_job_id"] is None
+
+
+def test_a_handle_of_a_job_that_ended_is_dropped(world: World) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    failed = Transition.of(
+        job_id, JobState.STARTING, JobState.FAILED, EventKind.FAILED, {"error": "boom"}
+    )
+    assert world.a.apply(failed) == JobState.FAILED
+    world.a.record_handles([SchedulerHandle(job_id, 1, "4242")])
+    assert world.job(job_id)["scheduler_job_id"] is None
+
+
 # -- long polls ---------------------------------------------------------------------------------
 
 

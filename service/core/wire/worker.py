@@ -51,6 +51,19 @@ MAX_BATCH = 1000
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@+-]+$")]
 JobId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 Attempt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+MAX_JOB_ID = 2**63 - 1
+MAX_ATTEMPT = 2**31 - 1
+# The longest scheduler job id the jobs table holds (``jobs.scheduler_job_id``).
+MAX_SCHEDULER_JOB_ID_CHARS = 64
+
+
+def _check_job_ref(job_id: int, attempt: int | None = None) -> None:
+    """A job id and attempt as the database holds them (the holds' dataclasses do not bound
+    them: a larger one would fail in the driver, not as 422)."""
+    if not 1 <= job_id <= MAX_JOB_ID:
+        raise ValueError(f"job_id {job_id} out of range (1 to {MAX_JOB_ID})")
+    if attempt is not None and not 1 <= attempt <= MAX_ATTEMPT:
+        raise ValueError(f"attempt {attempt} out of range (1 to {MAX_ATTEMPT})")
 
 
 class _In(BaseModel):
@@ -122,6 +135,7 @@ class TransitionIn(_In):
         # The event's data is checked against its kind's wording here, so a bad one is 422
         # before anything is written (not a failure while the event row is rendered).
         t = self.transition
+        _check_job_ref(t.job_id)
         if t.kind is not None:
             check_data(t.kind, t.data)
         return self
@@ -139,6 +153,14 @@ class HandlesIn(_In):
     ``scheduler_job_id`` (each fenced on its attempt)."""
 
     handles: list[SchedulerHandle] = Field(max_length=MAX_BATCH)
+
+    @model_validator(mode="after")
+    def _storable(self) -> HandlesIn:
+        for h in self.handles:
+            _check_job_ref(h.job_id, h.attempt)
+            if not 1 <= len(h.scheduler_job_id) <= MAX_SCHEDULER_JOB_ID_CHARS:
+                raise ValueError(f"scheduler_job_id: 1 to {MAX_SCHEDULER_JOB_ID_CHARS} characters")
+        return self
 
 
 class NoteIn(_In):

@@ -102,12 +102,20 @@ def record_held_handles(
     session: Session, handles: Sequence[SchedulerHandle], worker_id: str
 ) -> int:
     """Store each handle as its job's ``scheduler_job_id`` where ``worker_id`` holds the job
-    at that attempt; how many were stored (a handle of a job moved on is dropped)."""
+    at that attempt and it is active; how many were stored (a handle of a job moved on, or
+    ended, is dropped)."""
     stored = 0
     for h in handles:
         result = session.execute(
             update(Job)
-            .where(and_(Job.id == h.job_id, Job.attempt == h.attempt, Job.worker_id == worker_id))
+            .where(
+                and_(
+                    Job.id == h.job_id,
+                    Job.attempt == h.attempt,
+                    Job.worker_id == worker_id,
+                    Job.state.in_(_ACTIVE),
+                )
+            )
             .values(scheduler_job_id=h.scheduler_job_id, updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )
