@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from service.core.config import Settings
+from service.core.errors import WorkerTokenMismatchError, WorkerTokenRefusedError
 from service.core.launchers import launcher_names, uses_host_gpus
 from service.core.wire.worker import WORKER_TOKEN_PREFIX
 from worker.api_client import ApiRecords
@@ -159,6 +160,8 @@ def run_worker(
 
     Raises:
         WorkerConfigError: a database URL is set, or no worker token (``worker_credentials``).
+        WorkerTokenRefusedError / WorkerTokenMismatchError: the API refused the token (e.g.
+            revoked); the ranks of the worker's jobs were stopped first.
         LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
             such user; users' code allowed with auth on but no ``DDPQ_RANK_USER``.
     """
@@ -221,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = settings.model_copy(update={"api_url": args.api})
     try:
         run_worker(settings, launcher=args.launcher, gpus=gpus, slots=args.slots)
-    except WorkerConfigError as exc:
+    except (WorkerConfigError, WorkerTokenRefusedError, WorkerTokenMismatchError) as exc:
         parser.exit(2, f"worker: {exc.detail}\n")
 
 

@@ -422,3 +422,56 @@ def test_a_claim_whose_worker_went_away_claims_nothing(
         assert job.json()["state"] == "queued", job.text
         assert gone.heartbeat() == []
         gone.close()
+
+
+# -- a refused token ends the worker ------------------------------------------------------------
+
+
+def test_a_worker_whose_token_is_revoked_stops_its_ranks_at_once_and_ends(
+    world: World, app_settings: Settings
+) -> None:
+    """A revoked token never works again: the worker's loop stops its ranks at once (not
+    when the lease fence would, ~25 s later) and ends with the error, instead of logging a
+    traceback per retry forever while a supervisor (`ddpq up`, systemd) sees it alive."""
+    from tests.integration.test_loop_worker import ScriptedLauncher
+    from worker.loop import WorkerLoop
+
+    launcher = ScriptedLauncher()
+    loop = WorkerLoop(app_settings, world.a, launcher, host="host-a", pid=11, cpus=2)
+    job_id = world.submit()
+    loop.tick()
+    assert world.job(job_id)["state"] == "running" and set(loop.runs) == {job_id}
+    token_id = next(t.id for t in auth.list_tokens(world.db) if t.name == "gpu-a")
+    auth.revoke_token(world.db, token_id)
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run(threading.Event())
+        except BaseException as exc:  # what ended the loop, checked below
+            ended.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the loop goes on with a revoked token"
+    assert ended and isinstance(ended[0], WorkerTokenRefusedError), ended
+    assert launcher.cancelled == [f"{job_id}.1"] and loop.runs == {}
+    # Its lease (60 s) has not lapsed: the API's reaper requeues the job then.
+    assert world.job(job_id)["state"] == "running"
+
+
+def test_python_m_worker_main_says_why_a_refused_token_ends_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import worker.main
+
+    def refused(*_: Any, **__: Any) -> None:
+        raise WorkerTokenRefusedError("the API refused this worker's token (revoked)")
+
+    monkeypatch.setattr(worker.main, "run_worker", refused)
+    with pytest.raises(SystemExit) as exited:
+        worker.main.main(["--gpus", "none"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "refused this worker's token" in err and "Traceback" not in err

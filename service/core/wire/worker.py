@@ -7,9 +7,9 @@ create --worker``) and the calling worker's id in the ``Ddpq-Worker-Id`` header.
 registers its id once with its token; from then on only that token acts for that id, and
 only on the jobs that worker holds (``jobs.worker_id``). A worker token opens no other
 route: user routes and the attempt routes answer 401 to it, and a user or attempt token gets
-401 here. A revoked token is refused from its next call: its worker claims nothing more and
-its leases lapse, so its jobs are requeued (the worker stops their ranks first, see
-``worker.loop``).
+401 here. A revoked token is refused from its next call (a waiting claim included): its
+worker claims nothing more, stops its ranks at once and ends (``worker.loop``), and its
+leases lapse, so its jobs are requeued.
 
 Shapes are ``service.core.holds``'s values (stdlib dataclasses, which pydantic validates and
 serialises field by field): the same ``Transition``, ``ClaimedJob``, ``HeldJob``,
