@@ -28,6 +28,8 @@ from service.core.wire import attempt as attempt_wire
 from service.core.wire import worker as wire
 from service.store.auth import service as auth
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.workers import registry as workers_registry
 from worker.api_client import ApiRecords
 
 API = API_PREFIX
@@ -475,3 +477,30 @@ def test_python_m_worker_main_says_why_a_refused_token_ends_it(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "refused this worker's token" in err and "Traceback" not in err
+
+
+def test_a_worker_row_from_before_worker_tokens_is_not_taken_over(world: World) -> None:
+    """A row registered without a token (a worker on the database, before worker tokens)
+    keeps the jobs it holds: a worker token that names its id (the adopters route tells any
+    worker who holds a job) gets 403 and can neither renew nor move them."""
+    job_id = world.submit()
+    with world.db.session() as s:
+        workers_registry.register_worker(
+            s, worker_id="old-host-1-abc123", host="old", pid=1, launcher="local", capacity={}
+        )
+    with world.db.session() as s:
+        claimed = claims.claim_next_job(
+            s, worker_id="old-host-1-abc123", launcher="local", max_gpus_per_node=0, lease_s=60
+        )
+        assert claimed is not None and claimed.id == job_id
+    thief = ApiRecords("", world.token_b, "old-host-1-abc123", "local", client=world.api)
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.register(host="x", pid=1, capacity=CAPACITY)
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.heartbeat()
+    failed = Transition.of(
+        job_id, JobState.STARTING, JobState.FAILED, EventKind.FAILED, {"error": "sabotage"}
+    )
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.apply(failed)
+    assert world.job(job_id)["state"] == "starting"
