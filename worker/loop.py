@@ -123,8 +123,9 @@ class WorkerLoop:
         )
         self.registered = False
         self.stopping = False
-        # The API's refusal of this worker's token while it ran (it then stops), if any.
-        self.refused: WorkerTokenRefusedError | WorkerTokenMismatchError | None = None
+        # The API refused this worker's token (revoked, unknown, or the id is another
+        # token's): no call can succeed, so the loop ends and shutdown calls nothing.
+        self.refused = False
         self.fence = LeaseFence(
             launcher, clock, detached=self.detached, call_timeout_s=records.call_timeout_s
         )
@@ -162,7 +163,9 @@ class WorkerLoop:
     def run(self, stop: threading.Event) -> None:
         """Tick until ``stop`` is set, then shut down cleanly.
 
-        A failing tick (database outage, or any error: logged with its traceback) never ends
+        A refused worker token (revoked, unknown, or the id registered by another token) ends
+        the worker: its attached jobs' ranks are stopped at once and the error is raised. Any
+        other failing tick (an API outage, or any error: logged with its traceback) never ends
         the worker: it is retried with exponential backoff up to ``max_backoff_s`` seconds,
         running jobs left alone while their leases surely hold. Before every tick, jobs whose
         lease was not renewed in time are fenced (``fence_lapsing_runs``); no wait lasts past
@@ -184,6 +187,12 @@ class WorkerLoop:
                     backoff, failing_since = self.tick_s, None
                     self._pause(stop, self._until_fence_s(self.tick_s))
                     continue
+                except (WorkerTokenRefusedError, WorkerTokenMismatchError) as exc:
+                    # No retry can succeed: a revoked token stays refused, and a worker id
+                    # stays with the token that registered it.
+                    log.error("%s; this worker stops (its jobs' ranks now)", exc.detail)
+                    self.refused = True
+                    raise
                 except Exception as exc:
                     if failing_since is None:
                         failing_since = self.clock()
@@ -191,13 +200,6 @@ class WorkerLoop:
                     backoff = min(backoff * 2, self.max_backoff_s)
                     if isinstance(exc, ControlPlaneUnavailableError):
                         log.warning("API unavailable (%s); retrying in %.1f s", exc, wait)
-                    elif isinstance(exc, WorkerTokenRefusedError | WorkerTokenMismatchError):
-                        # Revoked while running: a refused token stays refused. Stop here:
-                        # the shutdown stops the held jobs' ranks (their leases lapse
-                        # unrenewed, and the API requeues them); nothing more is claimed.
-                        log.error("%s: stopping this worker", exc.detail)
-                        self.refused = exc
-                        return
                     else:
                         log.exception("worker tick failed; retrying in %.1f s", wait)
                 stop.wait(wait)
@@ -268,6 +270,10 @@ class WorkerLoop:
         the next Slurm worker to adopt (at once, since this worker is marked stopped).
         """
         self.stopping = True
+        if self.refused:
+            self._stop_refused()
+            log.info("worker %s stopped", self.worker_id)
+            return
         if self.detached:
             self._leave_running()
         else:
@@ -299,6 +305,20 @@ class WorkerLoop:
                 self._apply(run, decide_on_shutdown(run, status))
             except UNREACHABLE as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
+
+    def _stop_refused(self) -> None:
+        """Shutdown after the API refused this worker's token: stop the attached launcher's
+        ranks at once, with no call to the API (each would be refused); the API requeues the
+        jobs when their leases lapse. A detached launcher's jobs keep running for a worker
+        of that launcher to adopt."""
+        for run in list(self.runs.values()):
+            if run.handle is not None and not self.detached:
+                _jlog(logging.WARNING, run, "stopping its ranks (this worker's token is refused)")
+                try:
+                    self.launcher.cancel(run.handle)
+                except Exception:
+                    log.exception("job_id=%d: cancel failed", run.job_id)
+            self._forget(run)
 
     def _leave_running(self) -> None:
         """Shutdown with a detached launcher: one last watch, then leave submitted jobs be."""

@@ -181,6 +181,8 @@ def run_worker(
 
     Raises:
         WorkerConfigError: a database URL is set, or no worker token (``worker_credentials``).
+        WorkerTokenRefusedError / WorkerTokenMismatchError: the API refused the token (e.g.
+            revoked); the ranks of the worker's jobs were stopped first.
         LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
             such user; users' code allowed with auth on but no ``DDPQ_RANK_USER``.
     """
@@ -226,16 +228,11 @@ def run_worker(
             loop.run(stop)
     finally:
         records.close()
-    if loop.refused is not None:
-        raise WorkerConfigError(
-            f"{loop.refused.detail}. This worker stopped: its jobs' ranks were stopped and the "
-            "API requeues them when their leases lapse."
-        )
 
 
 def _first_registration(loop: WorkerLoop) -> None:
     """Register once before the loop starts, so that a token the API refuses stops the worker
-    at start with a clear message (later, a revoked token only stops it claiming). An API
+    at start with a clear message (a token revoked later stops it as it runs). An API
     that does not answer yet is left to the loop, which retries.
 
     Raises:
@@ -266,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = settings.model_copy(update={"api_url": args.api})
     try:
         run_worker(settings, launcher=args.launcher, gpus=gpus, slots=args.slots)
-    except WorkerConfigError as exc:
+    except (WorkerConfigError, WorkerTokenRefusedError, WorkerTokenMismatchError) as exc:
         parser.exit(2, f"worker: {exc.detail}\n")
 
 

@@ -4,7 +4,8 @@ A ddpq error answers with its own status (decided here only), its class's stable
 (clients branch on it, never on the wording) and a ``Retry-After`` header when it says when to
 retry (a rate limit's 429); request validation errors keep only loc/msg/type (code
 ``invalid_request``); Starlette's own errors (an unknown route, a refused token, 405, 416)
-get a code from ``HTTP_STATUS_CODES``; 405 lists every allowed method."""
+get a code from ``HTTP_STATUS_CODES``; 405 lists every allowed method; any other exception
+(a bug) is 500 ``internal_error``, its details in the log only."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ HTTP_STATUS_CODES: dict[int, str] = {
     429: "rate_limited",
 }
 VALIDATION_CODE = "invalid_request"
+INTERNAL_CODE = "internal_error"
 
 
 def error_body(detail: Any, code: str) -> dict[str, Any]:
@@ -79,6 +81,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """An exception no handler above knows (a bug): 500 with the same body as every other
+    error, the details only in the server's log (Starlette logs the traceback as it
+    re-raises), never in the answer."""
+    return JSONResponse(error_body("internal server error", INTERNAL_CODE), status_code=500)
+
+
 async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     """405 whose ``Allow`` lists every method of the path (RFC 9110 §15.5.6): Starlette names
     only the first route that matched it (GET and POST /jobs are two routes)."""
@@ -103,3 +112,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(405, _method_not_allowed)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -234,11 +234,14 @@ def up(
     """The embedded default in one command: migrate, serve the API and run one local worker
     (which reaches the API over loopback with a worker token minted for it)."""
     settings = server_settings(host, port)
-    from worker.up import run_up
+    from worker.up import check_port_free, run_up
 
     out.print(auth_note(settings))
 
     with friendly_errors():
+        # Before the token: minting it revokes the one a running `ddpq up` (on this port,
+        # say) gave its worker, which would then be refused while this one fails to bind.
+        check_port_free(settings.host, settings.port)
         token = _prepare_up(settings)
         run_up(settings, worker_token=token)
 

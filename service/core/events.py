@@ -250,6 +250,77 @@ def json_safe(data: Mapping[str, Any] | None) -> dict[str, Any]:
     return {str(k): safe(v) for k, v in (data or {}).items()}
 
 
+# The type of every field a wording names, for event data that comes from outside the API
+# process (the worker API's notes and transitions): ``check_data`` refuses any other. The
+# wordings format and multiply these values, so a text where a number belongs would fail
+# (or, multiplied, grow without bound) when the event is written.
+_INT = (int,)
+_NUMBER = (int, float)
+_TEXT = (str,)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(
+        ("sweep_id", "position", "failed_job_id", "continuing_from_step", "restart",
+         "max_restarts", "failed", "max_failed", "rung", "step", "n", "reduction_factor",
+         "nproc_per_node", "cpus", "batch_size", "keep", "attempt", "total_steps"),
+        _INT,
+    ),
+    **dict.fromkeys(("value", "cut"), _NUMBER),
+    **dict.fromkeys(
+        ("error", "detail", "instead_of", "requeue_kind", "by", "reason", "metric", "code",
+         "words", "text"),
+        _TEXT,
+    ),
+    "cancel_requested": (bool,),
+    "damaged_steps": (list,),  # of ints
+}  # fmt: skip
+MAX_DATA_INT = 2**63 - 1
+MAX_DATA_LIST = 1000
+
+
+def _check_value(name: str, value: Any) -> None:
+    types = FIELD_TYPES[name]
+    if isinstance(value, bool) and bool not in types:
+        raise ValueError(f"{name}: {types[0].__name__} expected, not a boolean")
+    if not isinstance(value, types):
+        raise ValueError(f"{name}: {types[0].__name__} expected, got {type(value).__name__}")
+    items = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and len(value) > MAX_DATA_LIST:
+        raise ValueError(f"{name}: at most {MAX_DATA_LIST} items")
+    for item in items:
+        if isinstance(value, list) and (isinstance(item, bool) or not isinstance(item, int)):
+            raise ValueError(f"{name}: a list of integers expected")
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_DATA_INT:
+            raise ValueError(f"{name}: out of range")
+
+
+def check_data(kind: EventKind, data: Mapping[str, Any]) -> None:
+    """Check ``data`` for an event of ``kind`` that a caller outside the API sends (a
+    worker's note or transition): only the fields its wording names, the required ones
+    present, each of its type (``FIELD_TYPES``; an optional one may be null). Then it
+    renders.
+
+    Raises:
+        ValueError: the first problem found, in words (the wire answers 422 with it).
+    """
+    fields = WORDING[kind].fields
+    names = {f.rstrip("?") for f in fields}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        allowed = ", ".join(fields) if fields else "no data"
+        raise ValueError(f"{kind.value} takes {allowed}; not {', '.join(unknown)}")
+    for field_name in fields:
+        name = field_name.rstrip("?")
+        if name not in data:
+            if not field_name.endswith("?"):
+                raise ValueError(f"{kind.value} needs {name}")
+            continue
+        value = data[name]
+        if value is None and field_name.endswith("?"):
+            continue
+        _check_value(name, value)
+    render(kind, json_safe(data))
+
+
 def describe_kinds() -> str:
     """Every kind with the fields of its data (``?``: optional), one per line: the OpenAPI
     description of an event's ``kind`` and ``data``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,25 @@ def test_a_worker_token_opens_only_the_worker_api(settings: Settings, db: Databa
         revoked = runner.invoke(app, ["token", "revoke", "1"], env=env)
         assert revoked.exit_code == 0 and "worker gpu-07" in revoked.stdout, revoked.output
         assert api.post(API + wire.HEARTBEAT_PATH, headers=headers).status_code == 401
+
+
+def test_up_on_a_busy_port_leaves_the_running_ups_worker_token_alone(
+    settings: Settings, db: Database
+) -> None:
+    """A second `ddpq up` that cannot bind (the first still serves there) fails before it
+    mints its worker token: minting revokes the first one's, whose worker would then be
+    refused while this one exits."""
+    from service.cli.main import UP_WORKER_TOKEN_NAME
+    from service.store.auth import service as auth
+
+    running = auth.create_worker_token(db, name=UP_WORKER_TOKEN_NAME)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = runner.invoke(app, ["up", "--port", str(port)], env=env_for(settings))
+    assert result.exit_code != 0 and "cannot serve on" in result.output, result.output
+    assert [(t.id, t.revoked_at) for t in auth.list_tokens(db)] == [(running.info.id, None)]
 
 
 @pytest.mark.parametrize("owner", ["", "has space", "x" * 101, "../etc", "-flag"])

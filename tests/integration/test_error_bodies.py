@@ -60,3 +60,21 @@ def test_a_refused_token_has_a_code(settings: Settings, db: Database) -> None:
         r = api.get(f"{API_PREFIX}/jobs")
     assert r.status_code == 401 and r.json()["code"] == "unauthorized"
     assert r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_an_unexpected_exception_is_500_with_a_code_and_no_traceback(
+    settings: Settings, db: Database
+) -> None:
+    """A bug in a route (what a worker's unchecked event data once hit) answers like every
+    other error, not Starlette's plain-text "Internal Server Error"."""
+    app = create_app(settings)
+
+    def broken() -> None:
+        raise TypeError("can't multiply sequence by non-int of type 'str'")
+
+    app.add_api_route(f"{API_PREFIX}/broken-for-test", broken, methods=["GET"])
+    with TestClient(app, raise_server_exceptions=False) as api:
+        r = api.get(f"{API_PREFIX}/broken-for-test")
+    assert r.status_code == 500, r.text
+    assert r.json() == {"detail": "internal server error", "code": "internal_error"}
+    assert "multiply" not in r.text

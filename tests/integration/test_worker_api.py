@@ -30,6 +30,8 @@ from service.core.wire import attempt as attempt_wire
 from service.core.wire import worker as wire
 from service.store.auth import service as auth
 from service.store.db import Database
+from service.store.jobs import claims
+from service.store.workers import registry as workers_registry
 from tests.live import serve_app
 from worker.api_client import ApiRecords
 
@@ -320,3 +322,236 @@ def test_a_worker_with_a_refused_token_stops_at_start_saying_why(
                 run_worker(bad, gpus=[], stop=threading.Event())
         listed = TestClient(create_app(settings)).get(f"{API}/workers").json()["workers"]
     assert listed == [], "nothing registered with a refused token"
+
+
+# -- hostile bodies: 422, nothing written ------------------------------------------------------
+
+# Event data its kind's wording could not word (a text where it multiplies a number, a number
+# where it lists steps, a list where the reason column takes a text, a field it lacks, one it
+# does not name): each was a 500 (or a misleading 503) while the event row was written.
+BAD_NOTES: list[tuple[str, dict[str, Any]]] = [
+    ("more_ranks_than_cores", {"nproc_per_node": 10_000, "cpus": 1, "batch_size": "x" * 1000}),
+    ("more_ranks_than_cores", {"nproc_per_node": "x", "cpus": 1, "batch_size": "y"}),
+    ("fresh_start", {"attempt": 1, "damaged_steps": 5}),
+    ("fresh_start", {"attempt": 1}),
+    ("note", {"text": {"a": 1}}),
+    ("note", {"text": [1, 2]}),
+    ("note", {"text": "t", "extra": "x" * 100_000}),
+    ("checkpoint_damaged", {"step": "abc"}),
+    ("more_ranks_than_cores", {"nproc_per_node": 2**70, "cpus": 1}),
+]
+BAD_TRANSITION_EVENTS: list[tuple[str, dict[str, Any]]] = [
+    ("retried", {}),
+    ("more_ranks_than_cores", {"nproc_per_node": "x", "cpus": 1, "batch_size": "y"}),
+    ("failed", {"error": ["not", "a", "text"]}),
+]
+
+
+def _event_kinds(world: World, job_id: int) -> list[str]:
+    r = world.api.get(f"{API}/jobs/{job_id}/events", headers=world.user_headers)
+    assert r.status_code == 200, r.text
+    return [e["kind"] for e in r.json()["events"]]
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"), BAD_NOTES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(BAD_NOTES)]
+)
+def test_a_note_its_kind_cannot_word_is_422_and_writes_nothing(
+    world: World, kind: str, data: dict[str, Any]
+) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    before = _event_kinds(world, job_id)
+    body = {"job_id": job_id, "attempt": 1, "kind": kind, "data": data}
+    r = world.api.post(API + wire.NOTES_PATH, json=body, headers=_headers(world.token_a))
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert _event_kinds(world, job_id) == before
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    BAD_TRANSITION_EVENTS,
+    ids=[f"{k}-{i}" for i, (k, _) in enumerate(BAD_TRANSITION_EVENTS)],
+)
+def test_a_transition_whose_event_cannot_be_worded_is_422_and_moves_nothing(
+    world: World, kind: str, data: dict[str, Any]
+) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    body = {"transition": {"job_id": job_id, "expected": "starting", "target": "running",
+                           "kind": kind, "data": data}}  # fmt: skip
+    r = world.api.post(API + wire.TRANSITIONS_PATH, json=body, headers=_headers(world.token_a))
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert world.job(job_id)["state"] == "starting"
+    assert _event_kinds(world, job_id) == ["submitted", "claimed"]
+
+
+def test_ids_and_handles_the_database_cannot_hold_are_422(world: World) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    huge = 2**70
+    bodies = [
+        (wire.TRANSITIONS_PATH,
+         {"transition": {"job_id": huge, "expected": "starting", "target": "running"}}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": huge, "attempt": 1, "scheduler_job_id": "1"}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 2**40, "scheduler_job_id": "1"}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 1, "scheduler_job_id": "9" * 65}]}),
+        (wire.HANDLES_PATH,
+         {"handles": [{"job_id": job_id, "attempt": 1, "scheduler_job_id": ""}]}),
+    ]  # fmt: skip
+    for path, body in bodies:
+        r = world.api.post(API + path, json=body, headers=_headers(world.token_a))
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", (path, r.text)
+    job = world.job(job_id)
+    assert job["state"] == "starting" and job["scheduler_job_id"] is None
+
+
+def test_a_handle_of_a_job_that_ended_is_dropped(world: World) -> None:
+    job_id = world.submit()
+    assert world.a.claim(0) is not None
+    failed = Transition.of(
+        job_id, JobState.STARTING, JobState.FAILED, EventKind.FAILED, {"error": "boom"}
+    )
+    assert world.a.apply(failed) == JobState.FAILED
+    world.a.record_handles([SchedulerHandle(job_id, 1, "4242")])
+    assert world.job(job_id)["scheduler_job_id"] is None
+
+
+# -- long polls ---------------------------------------------------------------------------------
+
+
+def test_a_claim_waiting_when_its_token_is_revoked_claims_nothing(world: World) -> None:
+    got: list[Any] = []
+
+    def claim() -> None:
+        try:
+            got.append(world.a.claim(0, wait_s=20.0))
+        except Exception as exc:  # what the claim answered, checked below
+            got.append(exc)
+
+    waiting = threading.Thread(target=claim)
+    waiting.start()
+    time.sleep(0.5)  # the claim waits now; its request's token check is behind it
+    token_id = next(t.id for t in auth.list_tokens(world.db) if t.name == "gpu-a")
+    auth.revoke_token(world.db, token_id)
+    job_id = world.submit()  # wakes the waiting claim
+    waiting.join(30)
+    assert got and isinstance(got[0], WorkerTokenRefusedError), got
+    assert world.job(job_id)["state"] == "queued"
+    claimed = world.b.claim(0)
+    assert claimed is not None and claimed.job_id == job_id
+
+
+def test_a_claim_whose_worker_went_away_claims_nothing(
+    db: Database, app_settings: Settings
+) -> None:
+    """Over a real server (a TestClient cannot hang up): a worker that gave up on its long
+    poll (its timeout, a crash) gets no job claimed for it afterwards."""
+    import httpx
+
+    from tests.live import serve_app
+
+    token = auth.create_worker_token(db, name="gpu-a").token
+    user = auth.create_token(db, owner="alice").token
+    with serve_app(create_app(app_settings)) as url:
+        gone = ApiRecords(url, token, "w-gone", "local")
+        gone.register(host="h", pid=1, capacity=CAPACITY)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + API + wire.CLAIM_PATH,
+                json={"max_gpus_per_node": 0, "wait_s": 20},
+                headers=_headers(token, "w-gone"),
+                timeout=httpx.Timeout(1.0),
+            )
+        time.sleep(0.3)  # the server has seen the hang-up
+        r = httpx.post(f"{url}{API}/jobs", json=SPEC, headers={"Authorization": f"Bearer {user}"})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        time.sleep(1.0)  # the waiting claim woke and, its client gone, answered nothing
+        job = httpx.get(f"{url}{API}/jobs/{job_id}", headers={"Authorization": f"Bearer {user}"})
+        assert job.json()["state"] == "queued", job.text
+        assert gone.heartbeat() == []
+        gone.close()
+
+
+# -- a refused token ends the worker ------------------------------------------------------------
+
+
+def test_a_worker_whose_token_is_revoked_stops_its_ranks_at_once_and_ends(
+    world: World, app_settings: Settings
+) -> None:
+    """A revoked token never works again: the worker's loop stops its ranks at once (not
+    when the lease fence would, ~25 s later) and ends with the error, instead of logging a
+    traceback per retry forever while a supervisor (`ddpq up`, systemd) sees it alive."""
+    from tests.integration.test_loop_worker import ScriptedLauncher
+    from worker.loop import WorkerLoop
+
+    launcher = ScriptedLauncher()
+    loop = WorkerLoop(app_settings, world.a, launcher, host="host-a", pid=11, cpus=2)
+    job_id = world.submit()
+    loop.tick()
+    assert world.job(job_id)["state"] == "running" and set(loop.runs) == {job_id}
+    token_id = next(t.id for t in auth.list_tokens(world.db) if t.name == "gpu-a")
+    auth.revoke_token(world.db, token_id)
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run(threading.Event())
+        except BaseException as exc:  # what ended the loop, checked below
+            ended.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the loop goes on with a revoked token"
+    assert ended and isinstance(ended[0], WorkerTokenRefusedError), ended
+    assert launcher.cancelled == [f"{job_id}.1"] and loop.runs == {}
+    # Its lease (60 s) has not lapsed: the API's reaper requeues the job then.
+    assert world.job(job_id)["state"] == "running"
+
+
+def test_python_m_worker_main_says_why_a_refused_token_ends_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import worker.main
+
+    def refused(*_: Any, **__: Any) -> None:
+        raise WorkerTokenRefusedError("the API refused this worker's token (revoked)")
+
+    monkeypatch.setattr(worker.main, "run_worker", refused)
+    with pytest.raises(SystemExit) as exited:
+        worker.main.main(["--gpus", "none"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "refused this worker's token" in err and "Traceback" not in err
+
+
+def test_a_worker_row_from_before_worker_tokens_is_not_taken_over(world: World) -> None:
+    """A row registered without a token (a worker on the database, before worker tokens)
+    keeps the jobs it holds: a worker token that names its id (the adopters route tells any
+    worker who holds a job) gets 403 and can neither renew nor move them."""
+    job_id = world.submit()
+    with world.db.session() as s:
+        workers_registry.register_worker(
+            s, worker_id="old-host-1-abc123", host="old", pid=1, launcher="local", capacity={}
+        )
+    with world.db.session() as s:
+        claimed = claims.claim_next_job(
+            s, worker_id="old-host-1-abc123", launcher="local", max_gpus_per_node=0, lease_s=60
+        )
+        assert claimed is not None and claimed.id == job_id
+    thief = ApiRecords("", world.token_b, "old-host-1-abc123", "local", client=world.api)
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.register(host="x", pid=1, capacity=CAPACITY)
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.heartbeat()
+    failed = Transition.of(
+        job_id, JobState.STARTING, JobState.FAILED, EventKind.FAILED, {"error": "sabotage"}
+    )
+    with pytest.raises(WorkerTokenMismatchError):
+        thief.apply(failed)
+    assert world.job(job_id)["state"] == "starting"

@@ -162,6 +162,7 @@ def test_worker_and_up_call_the_worker_lazily(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(cli_main, "_prepare_up", lambda settings: "ddpqw_minted")
     fake_main.run_worker = run_worker  # type: ignore[attr-defined]
     fake_up.run_up = run_up  # type: ignore[attr-defined]
+    fake_up.check_port_free = lambda host, port: None  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "worker.main", fake_main)
     monkeypatch.setitem(sys.modules, "worker.up", fake_up)
     assert invoke(["worker", "--gpus", "0,1", "--slots", "2"]).exit_code == 0

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from service.core.events import (
+    FIELD_TYPES,
     MAX_REASON_CHARS,
     NOTE_KINDS,
     WORDING,
     EventKind,
+    check_data,
     describe_kinds,
     json_safe,
     render,
@@ -214,3 +216,34 @@ def test_one_writer_and_no_reader_of_event_texts() -> None:
     assert not found, "write events with service.store.events and read kind/data:\n" + "\n".join(
         found
     )
+
+
+def test_every_field_a_wording_names_has_a_type_and_every_sample_passes_the_check() -> None:
+    """``check_data`` (what a worker's notes and transitions pass) accepts what the code
+    writes, and knows the type of every field a wording names."""
+    named = {f.rstrip("?") for w in WORDING.values() for f in w.fields}
+    assert named == set(FIELD_TYPES)
+    for kind, (_, _, data, _) in SAMPLES.items():
+        check_data(kind, data)
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "words"),
+    [
+        (EventKind.RETRIED, {"restart": 1, "max_restarts": 2}, "needs error"),
+        (EventKind.NOTE, {"text": "t", "more": 1}, "not more"),
+        (
+            EventKind.MORE_RANKS_THAN_CORES,
+            {"nproc_per_node": 3, "cpus": 1, "batch_size": "ab"},
+            "batch_size: int expected",
+        ),
+        (EventKind.MORE_RANKS_THAN_CORES, {"nproc_per_node": True, "cpus": 1}, "not a boolean"),
+        (EventKind.FRESH_START, {"attempt": 2, "damaged_steps": [1, "2"]}, "list of integers"),
+        (EventKind.CHECKPOINT_DELETED, {"step": 2**64, "keep": 1}, "out of range"),
+    ],
+)
+def test_data_a_wording_cannot_word_is_refused_in_words(
+    kind: EventKind, data: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ValueError, match=words):
+        check_data(kind, data)

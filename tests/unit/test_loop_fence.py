@@ -485,8 +485,9 @@ def test_a_token_revoked_while_running_stops_the_worker_and_its_ranks(tmp_path: 
     records.submit(2, at=T0 + 10.0)
     launcher = FakeLauncher(clock)
     loop = _loop(_settings(tmp_path, lease_s=45.0, heartbeat_interval_s=1.0), records, launcher)
-    loop.run(ClockedStop(clock, until=T0 + 120))
-    assert isinstance(loop.refused, WorkerTokenRefusedError)
+    with pytest.raises(WorkerTokenRefusedError):
+        loop.run(ClockedStop(clock, until=T0 + 120))
+    assert loop.refused
     assert _cancel_times(launcher, "1.1") and _cancel_times(launcher, "1.1")[0] < T0 + 5.0
     assert [h for _, h in launcher.started] == ["1.1"], "nothing claimed after the refusal"
     assert clock() < T0 + 10.0, "the worker stopped at once, not at the end of the run"

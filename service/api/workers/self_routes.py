@@ -150,7 +150,8 @@ async def claim(
     for its ranks. With nothing claimable, wait up to ``wait_s`` seconds for a job to become
     claimable (a submission here wakes the claim at once; one in another API process, a
     requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer with no job.
-    The wait holds no database connection; a worker that hung up during it claims nothing."""
+    The wait holds no database connection. A client that went away meanwhile claims nothing,
+    and a worker token revoked meanwhile is 401 (each try checks it in its transaction)."""
     launcher = _registered(caller)
     db = _db(request)
     waits = claim_waits(request.app)
@@ -159,11 +160,13 @@ async def claim(
     key = (launcher, body.max_gpus_per_node)
     woken = False
     while True:
+        # Each try re-checks the token in the claim's transaction: one revoked while this
+        # request waited claims nothing (401).
         found = await run_in_threadpool(
             lambda: workers.claim_for_worker(
                 db, worker_id=caller.worker_id, launcher=launcher,
                 max_gpus_per_node=body.max_gpus_per_node, lease_s=settings.lease_s,
-                batch_limit=body.limit if body.batch else None,
+                batch_limit=body.limit if body.batch else None, token_id=caller.token_id,
             )
         )  # fmt: skip
         if found is not None:

@@ -7,9 +7,9 @@ create --worker``) and the calling worker's id in the ``Ddpq-Worker-Id`` header.
 registers its id once with its token; from then on only that token acts for that id, and
 only on the jobs that worker holds (``jobs.worker_id``). A worker token opens no other
 route: user routes and the attempt routes answer 401 to it, and a user or attempt token gets
-401 here. A revoked token is refused from its next call: its worker claims nothing more and
-its leases lapse, so its jobs are requeued (the worker stops their ranks first, see
-``worker.loop``).
+401 here. A revoked token is refused from its next call (a waiting claim included): its
+worker claims nothing more, stops its ranks at once and ends (``worker.loop``), and its
+leases lapse, so its jobs are requeued.
 
 Shapes are ``service.core.holds``'s values (stdlib dataclasses, which pydantic validates and
 serialises field by field): the same ``Transition``, ``ClaimedJob``, ``HeldJob``,
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.core.events import NOTE_KINDS, EventKind
+from service.core.events import NOTE_KINDS, EventKind, check_data
 from service.core.holds import AdoptedJob, ClaimedJob, HeldJob, SchedulerHandle, Transition
 from service.core.states import JobState
 
@@ -51,6 +51,19 @@ MAX_BATCH = 1000
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@+-]+$")]
 JobId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 Attempt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+MAX_JOB_ID = 2**63 - 1
+MAX_ATTEMPT = 2**31 - 1
+# The longest scheduler job id the jobs table holds (``jobs.scheduler_job_id``).
+MAX_SCHEDULER_JOB_ID_CHARS = 64
+
+
+def _check_job_ref(job_id: int, attempt: int | None = None) -> None:
+    """A job id and attempt as the database holds them (the holds' dataclasses do not bound
+    them: a larger one would fail in the driver, not as 422)."""
+    if not 1 <= job_id <= MAX_JOB_ID:
+        raise ValueError(f"job_id {job_id} out of range (1 to {MAX_JOB_ID})")
+    if attempt is not None and not 1 <= attempt <= MAX_ATTEMPT:
+        raise ValueError(f"attempt {attempt} out of range (1 to {MAX_ATTEMPT})")
 
 
 class _In(BaseModel):
@@ -117,6 +130,16 @@ class TransitionIn(_In):
         default_factory=dict
     )
 
+    @model_validator(mode="after")
+    def _a_writable_transition(self) -> TransitionIn:
+        # The event's data is checked against its kind's wording here, so a bad one is 422
+        # before anything is written (not a failure while the event row is rendered).
+        t = self.transition
+        _check_job_ref(t.job_id)
+        if t.kind is not None:
+            check_data(t.kind, t.data)
+        return self
+
 
 class TransitionOut(BaseModel):
     """The state the transition produced (a requeue of a job flagged for cancel ends
@@ -130,6 +153,14 @@ class HandlesIn(_In):
     ``scheduler_job_id`` (each fenced on its attempt)."""
 
     handles: list[SchedulerHandle] = Field(max_length=MAX_BATCH)
+
+    @model_validator(mode="after")
+    def _storable(self) -> HandlesIn:
+        for h in self.handles:
+            _check_job_ref(h.job_id, h.attempt)
+            if not 1 <= len(h.scheduler_job_id) <= MAX_SCHEDULER_JOB_ID_CHARS:
+                raise ValueError(f"scheduler_job_id: 1 to {MAX_SCHEDULER_JOB_ID_CHARS} characters")
+        return self
 
 
 class NoteIn(_In):
@@ -147,6 +178,11 @@ class NoteIn(_In):
         if kind not in NOTE_KINDS:
             raise ValueError(f"{kind.value} is not a note (a state change is a transition)")
         return kind
+
+    @model_validator(mode="after")
+    def _worded_data(self) -> NoteIn:
+        check_data(self.kind, self.data)
+        return self
 
 
 class PendingIn(_In):

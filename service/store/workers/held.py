@@ -14,7 +14,7 @@ from dataclasses import replace
 from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session
 
-from service.core.errors import NotHeldError
+from service.core.errors import NotHeldError, WorkerTokenRefusedError
 from service.core.holds import ClaimedJob, SchedulerHandle
 from service.core.states import ACTIVE_STATES
 from service.core.tokens import hash_token
@@ -53,6 +53,24 @@ def find_worker_caller(session: Session, token: str, worker_id: str) -> WorkerCa
     )
 
 
+def check_token_live(session: Session, token_id: int) -> None:
+    """The fence of a claim on the worker token: still live. The row is read ``FOR SHARE``
+    on PostgreSQL, so a revocation commits either before the claim (which then claims
+    nothing) or after it: a long poll that began before the revocation claims nothing once
+    ``ddpq token revoke`` has returned.
+
+    Raises:
+        WorkerTokenRefusedError: the token was revoked (or deleted) meanwhile (401).
+    """
+    live = session.scalar(
+        select(ApiToken.id)
+        .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        .with_for_update(read=True)
+    )
+    if live is None:
+        raise WorkerTokenRefusedError("unknown or revoked worker token")
+
+
 def check_held(session: Session, job_id: int, attempt: int, worker_id: str) -> None:
     """The fence of a worker's write on a job: ``worker_id`` holds it, ``attempt`` is its
     current attempt and it is active (starting/running).
@@ -84,12 +102,20 @@ def record_held_handles(
     session: Session, handles: Sequence[SchedulerHandle], worker_id: str
 ) -> int:
     """Store each handle as its job's ``scheduler_job_id`` where ``worker_id`` holds the job
-    at that attempt; how many were stored (a handle of a job moved on is dropped)."""
+    at that attempt and it is active; how many were stored (a handle of a job moved on, or
+    ended, is dropped)."""
     stored = 0
     for h in handles:
         result = session.execute(
             update(Job)
-            .where(and_(Job.id == h.job_id, Job.attempt == h.attempt, Job.worker_id == worker_id))
+            .where(
+                and_(
+                    Job.id == h.job_id,
+                    Job.attempt == h.attempt,
+                    Job.worker_id == worker_id,
+                    Job.state.in_(_ACTIVE),
+                )
+            )
             .values(scheduler_job_id=h.scheduler_job_id, updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )

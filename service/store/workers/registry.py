@@ -42,17 +42,18 @@ def register_worker(
     in tests).
 
     Raises:
-        WorkerTokenMismatchError: the id is registered with another worker token.
+        WorkerTokenMismatchError: the id is registered with another worker token, or (for a
+            worker token) with none: a row from before worker tokens keeps the jobs it held,
+            and no token may take them over by naming its id.
     """
     now = utcnow()
     worker = session.get(Worker, worker_id, with_for_update=True)
     if worker is None:
         worker = Worker(id=worker_id, token_id=token_id)
         session.add(worker)
-    elif worker.token_id is not None and worker.token_id != token_id:
-        raise WorkerTokenMismatchError(
-            f"worker id {worker_id} is registered with another worker token"
-        )
+    elif worker.token_id != token_id:
+        whose = "another worker token" if worker.token_id is not None else "no worker token"
+        raise WorkerTokenMismatchError(f"worker id {worker_id} is registered with {whose}")
     worker.token_id = token_id
     worker.host, worker.pid, worker.launcher, worker.capacity = host, pid, launcher, capacity
     worker.started_at = worker.heartbeat_at = now

@@ -64,11 +64,20 @@ def claim_for_worker(
     max_gpus_per_node: int,
     lease_s: float,
     batch_limit: int | None = None,
+    token_id: int | None = None,
 ) -> ClaimedJobs | None:
     """Claim the next job (``batch_limit`` None) or up to ``batch_limit`` trials of one sweep
     for ``worker_id`` (leased ``lease_s`` seconds, now ``starting``), each with a new attempt
-    token for its ranks, all in one transaction; None when nothing is claimable."""
+    token for its ranks, all in one transaction; None when nothing is claimable. With
+    ``token_id``, the calling worker token must still be live in that transaction (a long
+    poll outlasts the check of its request).
+
+    Raises:
+        WorkerTokenRefusedError: ``token_id`` was revoked (401); nothing claimed.
+    """
     with db.session() as session:
+        if token_id is not None:
+            held.check_token_live(session, token_id)
         if batch_limit is None:
             job = claims.claim_next_job(
                 session, worker_id=worker_id, launcher=launcher,
