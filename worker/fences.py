@@ -94,6 +94,19 @@ class LeaseFence:
         self._cancel_at_once(due)
         return due
 
+    def stop_all(self, runs: Mapping[int, HeldRun], *, why: str) -> list[HeldRun]:
+        """Stop the processes of every run at once, within the grace and with no call to the
+        control plane (``why``: logged per job), and return the runs for the loop to forget.
+        A detached launcher's jobs are left running (returned all the same)."""
+        held = list(runs.values())
+        if not self.detached:
+            for run in held:
+                if run.handle is not None:
+                    log.warning("job_id=%d attempt=%d stopping its ranks (%s)",
+                                run.job_id, run.attempt, why)  # fmt: skip
+            self._cancel_at_once(held)
+        return held
+
     def _cancel_at_once(self, runs: list[HeldRun]) -> None:
         """Cancel the processes of ``runs`` side by side and wait for all: each cancel
         blocks up to the launcher's grace (SIGTERM, a stop checkpoint, SIGKILL), and every

@@ -271,7 +271,10 @@ class WorkerLoop:
         """
         self.stopping = True
         if self.refused:
-            self._stop_refused()
+            # No call to the API (each would be refused): the API requeues the jobs when
+            # their leases lapse; a detached launcher's jobs run on for another to adopt.
+            for run in self.fence.stop_all(self.runs, why="this worker's token is refused"):
+                self._forget(run)
             log.info("worker %s stopped", self.worker_id)
             return
         if self.detached:
@@ -305,20 +308,6 @@ class WorkerLoop:
                 self._apply(run, decide_on_shutdown(run, status))
             except UNREACHABLE as exc:
                 _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
-
-    def _stop_refused(self) -> None:
-        """Shutdown after the API refused this worker's token: stop the attached launcher's
-        ranks at once, with no call to the API (each would be refused); the API requeues the
-        jobs when their leases lapse. A detached launcher's jobs keep running for a worker
-        of that launcher to adopt."""
-        for run in list(self.runs.values()):
-            if run.handle is not None and not self.detached:
-                _jlog(logging.WARNING, run, "stopping its ranks (this worker's token is refused)")
-                try:
-                    self.launcher.cancel(run.handle)
-                except Exception:
-                    log.exception("job_id=%d: cancel failed", run.job_id)
-            self._forget(run)
 
     def _leave_running(self) -> None:
         """Shutdown with a detached launcher: one last watch, then leave submitted jobs be."""
