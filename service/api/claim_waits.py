@@ -5,10 +5,11 @@ Two things wake a waiting claim: a submission through this API process (``notify
 once), and a probe that runs while claims wait: every ``PROBE_S`` seconds, one read per
 distinct (launcher, GPUs) among the waiting claims, the same claim predicate the claim
 itself and the queue explanation use (``has_claimable_job``). The probe finds what another
-API process queued, a requeue by the reaper, a sweep slot freed. Each wakes one claim per
-key; a woken claim that got a job wakes the next (``pass_on``). The database thus sees at
-most one probe per key per ``PROBE_S`` per process, and one claim transaction per job
-queued, however many workers wait.
+API process queued, a requeue by the reaper, a sweep slot freed. A submission wakes one
+claim per key, and a woken claim that got a job wakes the next (``pass_on``): one claim
+transaction per job queued here, however many workers wait. A job the probe still finds
+claimable (a wake-up gone astray, a job queued by another process) wakes every claim waiting
+for its key. The database sees at most one probe per key per ``PROBE_S`` per process.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ class ClaimWaits:
     """Waiting claims of one API process, first come first served per key, woken by
     ``notify`` or by the probe.
 
-    A wake-up goes to one waiting claim per key, not to all: a submission is usually one job,
-    and every woken claim runs a claim transaction. A woken claim that got a job passes the
-    wake-up on (``pass_on``), so a burst of jobs fans out to as many waiting claims as it
-    needs, one transaction at a time per key; one that found nothing waits again.
+    A submission's wake-up goes to one waiting claim per key, not to all: a submission is
+    usually one job, and every woken claim runs a claim transaction. A woken claim that got a
+    job passes the wake-up on (``pass_on``), so a burst of jobs fans out to as many waiting
+    claims as it needs; one that found nothing waits again. The probe, which sees what is
+    still claimable ``probe_s`` later, wakes every claim waiting for that key.
 
     Args:
         probe: ``probe(launcher, max_gpus_per_node)`` → whether such a claim could find a job
@@ -115,7 +117,11 @@ class ClaimWaits:
                     log.debug("claim probe failed: %s", exc)
                     found = False
                 if found:
-                    self._wake(key)
+                    # Still claimable a probe later: a wake-up went astray (its claim's
+                    # client left, it lost a race) or the job came from another process.
+                    # Every claim waiting for the key looks now.
+                    while self._wake(key):
+                        pass
 
     async def close(self) -> None:
         """Stop the probe (at the app's shutdown)."""

@@ -1,6 +1,6 @@
 """The long poll's waiting room (service.api.claim_waits): a submission wakes one waiting claim
-per key, a woken claim that got a job wakes the next, the probe wakes one per key it finds
-work for, and a wait that nobody wakes ends empty. Driven on an asyncio loop with a fake
+per key, a woken claim that got a job wakes the next, the probe wakes every claim of a key
+it finds work for, and a wait that nobody wakes ends empty. Driven on an asyncio loop with a fake
 probe (our own interface); no database, no server."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_the_probe_wakes_a_claim_only_for_keys_with_work() -> None:
         gpu = await _waiters(waits, GPU, 2)
         await asyncio.sleep(0.05)
         assert not any(t.done() for t in local), "no work for CPU-only claims"
-        assert gpu[0].done() and gpu[0].result()
+        assert all(t.done() and t.result() for t in gpu), "still claimable: all of them look"
         assert set(asked) == {LOCAL, GPU}
         for t in [*local, *gpu]:
             t.cancel()
