@@ -369,7 +369,11 @@ class WorkerLoop:
         """Follow the detached jobs of lost or stopped workers (by their scheduler_job_id)."""
         sent = self.clock()
         for job in self.records.adopt():
-            self.runs[job.job_id] = HeldRun.adopted(job, renewed_mono=sent)
+            self.runs[job.job_id] = run = HeldRun.adopted(job, renewed_mono=sent)
+            # The API logs it too, but an operator reads the worker's own log.
+            title = launcher_traits(self.launcher.name).title or self.launcher.name
+            _jlog(logging.INFO, run, "adopted %s job %s from worker %s", title,
+                  job.scheduler_job_id, job.previous_worker_id)  # fmt: skip
 
     def _watch_all(self) -> None:
         """Watch every held job; pending cancels first, then one batched poll where the

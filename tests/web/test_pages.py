@@ -369,4 +369,4 @@ def test_workers_page_shows_capacity_jobs_and_heartbeat(
     expect(row.locator(f'a[href="/jobs/{seeded["running"]}"]')).to_have_text(
         f"#{seeded['running']}"
     )
-    expect(row.locator(".badge")).to_have_text(re.compile("alive|stale"))
+    expect(row.locator(".badge")).to_have_text(re.compile("live|lost"))
