@@ -1,4 +1,4 @@
-"""``DatabaseRecords``: the worker's records (``worker.records.WorkerRecords``, our own
+"""``DatabaseRecords``: the worker's records (``worker.control.records.WorkerRecords``, our own
 interface) straight on the database, for tests that drive a ``WorkerLoop`` in this process.
 Production workers use ``worker.api_client.ApiRecords`` over the worker API."""
 

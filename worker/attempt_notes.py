@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from service.core.pending_reasons import describe_slurm_reason
 from service.core.spec.model import JobSpec
+from worker.control.records import WorkerRecords
 from worker.decisions import HeldRun
 from worker.launchers.base import Launcher, PendingExplainer, RunPhase, RunStatus
-from worker.records import WorkerRecords
 
 # Seconds between two pending-reason queries (one squeue for all pending attempts).
 PENDING_REASON_POLL_S = 5.0

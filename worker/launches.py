@@ -19,9 +19,9 @@ from service.core.events import EventKind, render
 from service.core.holds import SchedulerHandle
 from service.core.spec.model import JobSpec
 from worker.attempt_notes import oversubscription_note
+from worker.control.records import WorkerRecords
 from worker.decisions import GpuPool, HeldRun
 from worker.launchers.base import ArrayStarter, Launcher, LaunchPlan, with_attempt_token
-from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
 

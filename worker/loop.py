@@ -1,11 +1,12 @@
 """The worker loop: heartbeat → reconcile → watch (poll, cancel) → finish → claim → launch.
 
 Plan, then act: every state change is first a ``Decision`` made by a pure function of what
-the worker observed (``decide_on_status`` and friends, in ``worker.decisions``); ``WorkerLoop``
-applies it through its ``worker.records.WorkerRecords`` (one API call each). The loop knows a
-launcher only through the ``worker.launchers.base.Launcher`` interface and the launcher's row in
-``service.core.launchers.LAUNCHER_TRAITS``: ``host_gpus`` (hand out this host's GPUs, bound
-to a plan by ``Launcher.bind_gpus``), ``detached`` and ``adopts``.
+the worker observed (``decide_on_status`` and friends, in ``worker.decisions``);
+``WorkerLoop`` applies it through its ``worker.control.records.WorkerRecords`` (one API call
+each). The loop knows a launcher only through the ``worker.launchers.base.Launcher``
+interface and the launcher's row in ``service.core.launchers.LAUNCHER_TRAITS``:
+``host_gpus`` (hand out this host's GPUs, bound to a plan by ``Launcher.bind_gpus``),
+``detached`` and ``adopts``.
 
 A detached launcher (Slurm) runs jobs that outlive the worker: the loop records each start's
 handle as the job's ``scheduler_job_id``, and on a clean shutdown leaves its jobs running for
@@ -14,10 +15,11 @@ such jobs from lost or stopped workers on every tick (the worker API's adoptions
 them by their ``scheduler_job_id``. A launcher that starts arrays (``ArrayStarter``: Slurm)
 gets a sweep's trials in batches, one claim and one array per batch (``worker.launches``).
 
-The lease fence (``worker.fences``): a worker that cannot reach the control plane stops a
-job's ranks before a lease it could not renew can lapse, so the job never runs here while the
-API requeues it elsewhere. The first heartbeat that gets through requeues such a job if the
-API still lists it as held here (an orphan of ``reconcile``).
+The lease fence (``worker.control.fences``): a worker that cannot reach the control plane
+stops a job's ranks before a lease it could not renew can lapse, so the job never runs here
+while the API requeues it elsewhere. The first heartbeat that gets through requeues such a
+job if the API still lists it as held here (an orphan of ``reconcile``). A clean shutdown is
+``worker.control.shutdown``'s.
 """
 
 from __future__ import annotations
@@ -38,16 +40,17 @@ from service.core.errors import (
 )
 from service.core.launchers import launcher_traits
 from worker.attempt_notes import PendingReasons, usable_cpus
+from worker.control.fences import LeaseFence
+from worker.control.records import WorkerRecords
+from worker.control.shutdown import shut_down
 from worker.decisions import (
     Decision,
     GpuPool,
     HeldRun,
     decide_on_launch_error,
-    decide_on_shutdown,
     decide_on_status,
     reconcile,
 )
-from worker.fences import LeaseFence
 from worker.launchers.base import (
     ArrayStarter,
     BatchPoller,
@@ -55,14 +58,11 @@ from worker.launchers.base import (
     RunStatus,
 )
 from worker.launches import Launches
-from worker.records import WorkerRecords
 
 log = logging.getLogger(__name__)
 
 MAX_TICK_S = 1.0
 MAX_BACKOFF_S = 30.0
-# What a shutdown cannot get past: the API out of reach, or its refusal of this worker's token.
-UNREACHABLE = (ControlPlaneUnavailableError, WorkerTokenRefusedError, WorkerTokenMismatchError)
 # The longest one claim waits for a job (a long poll), so a stop is seen this soon.
 MAX_CLAIM_WAIT_S = 1.0
 
@@ -216,7 +216,7 @@ class WorkerLoop:
         control plane). Returns the fenced job ids."""
         runs = self.fence.stop_lapsing(self.runs, lease_s=self.lease_s, tick_s=self.tick_s)
         for run in runs:
-            self._forget(run)
+            self.forget(run)
         return [run.job_id for run in runs]
 
     def _pause(self, stop: threading.Event, wait_s: float) -> None:
@@ -254,76 +254,14 @@ class WorkerLoop:
         self._heartbeat()
         if self.adopts:
             self._adopt()
-        self._watch_all()
+        self.watch_all()
         if not self.stopping:
             self._claim_and_launch()
 
     def shutdown(self) -> None:
-        """Stop claiming, stop every held job's processes, requeue them, mark us stopped.
-
-        A job that finished meanwhile ends as it ended; one with a pending cancel ends
-        cancelled. If the database is down the jobs' leases expire and another worker
-        requeues them.
-
-        With a detached launcher (Slurm) the jobs are neither stopped nor requeued: outcomes
-        already known are recorded, pending cancels are sent, and the rest keep running for
-        the next Slurm worker to adopt (at once, since this worker is marked stopped).
-        """
-        self.stopping = True
-        if self.refused:
-            # No call to the API (each would be refused): the API requeues the jobs when
-            # their leases lapse; a detached launcher's jobs run on for another to adopt.
-            for run in self.fence.stop_all(self.runs, why="this worker's token is refused"):
-                self._forget(run)
-            log.info("worker %s stopped", self.worker_id)
-            return
-        if self.detached:
-            self._leave_running()
-        else:
-            self._stop_runs()
-        if self.registered:
-            try:
-                self.records.stop()
-            except UNREACHABLE as exc:
-                log.warning("could not mark worker %s stopped: %s", self.worker_id, exc)
-        log.info("worker %s stopped", self.worker_id)
-
-    def _stop_runs(self) -> None:
-        """Shutdown with an attached launcher: stop every held job and requeue it."""
-        for run in list(self.runs.values()):
-            if run.handle is not None:
-                _jlog(logging.INFO, run, "stopping (worker shutdown)")
-                try:
-                    self.launcher.cancel(run.handle)
-                except Exception:
-                    log.exception("job_id=%d: cancel failed", run.job_id)
-        for run in list(self.runs.values()):
-            status = None
-            if run.handle is not None:
-                try:
-                    status = self.launcher.poll(run.handle)
-                except Exception:
-                    log.exception("job_id=%d: poll failed", run.job_id)
-            try:
-                self._apply(run, decide_on_shutdown(run, status))
-            except UNREACHABLE as exc:
-                _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
-
-    def _leave_running(self) -> None:
-        """Shutdown with a detached launcher: one last watch, then leave submitted jobs be."""
-        try:
-            self._watch_all()
-        except Exception:  # the jobs still run; the next worker adopts and watches them
-            log.exception("last watch before shutdown failed")
-        for run in list(self.runs.values()):
-            if run.handle is not None:
-                _jlog(logging.INFO, run, "left running as %s job %s for the next worker",
-                      self.launcher.name, run.handle)  # fmt: skip
-                continue
-            try:  # never submitted: nothing to adopt, so requeue it now
-                self._apply(run, decide_on_shutdown(run, None))
-            except UNREACHABLE as exc:
-                _jlog(logging.WARNING, run, "not requeued (%s); its lease will expire", exc)
+        """Stop claiming and end the held jobs as the launcher calls for
+        (``worker.control.shutdown.shut_down``)."""
+        shut_down(self)
 
     # -- steps of a tick ---------------------------------------------------------------
 
@@ -347,7 +285,7 @@ class WorkerLoop:
                 _jlog(logging.WARNING, run, "no longer held by this worker; stopping it")
                 if run.handle is not None:
                     self.launcher.cancel(run.handle)
-            self._forget(run)
+            self.forget(run)
         for run in self.runs.values():  # every run left is held there: its lease renewed
             run.renewed_mono = sent
         for job_id, state in plan.states.items():
@@ -356,7 +294,7 @@ class WorkerLoop:
             self.runs[job_id].cancel_requested = True
         for decision in plan.orphans:
             log.warning("job_id=%d held but not running here; requeueing", decision.job_id)
-            self._apply(None, decision)
+            self.apply(None, decision)
 
     def _adopter(self, run: HeldRun) -> str | None:
         """The worker that adopted ``run``'s attempt (still active there), if any: its
@@ -375,7 +313,7 @@ class WorkerLoop:
             _jlog(logging.INFO, run, "adopted %s job %s from worker %s", title,
                   job.scheduler_job_id, job.previous_worker_id)  # fmt: skip
 
-    def _watch_all(self) -> None:
+    def watch_all(self) -> None:
         """Watch every held job; pending cancels first, then one batched poll where the
         launcher supports it (Slurm: one sacct per tick for all of them)."""
         runs = list(self.runs.values())
@@ -400,14 +338,14 @@ class WorkerLoop:
         """Act on one held job: fail a launch error, send a pending cancel, apply what its
         ``status`` (polled here when not given) calls for."""
         if run.handle is None:
-            self._apply(run, decide_on_launch_error(run, run.launch_error or "not started"))
+            self.apply(run, decide_on_launch_error(run, run.launch_error or "not started"))
             return
         if run.cancel_requested and not run.cancel_sent:
             self._send_cancel(run)
             status = None  # observe the job after the cancel
         decision = decide_on_status(run, status or self.launcher.poll(run.handle))
         if decision is not None:
-            self._apply(run, decision)
+            self.apply(run, decision)
 
     def _claim_and_launch(self, wait_s: float = 0.0) -> None:
         """Claim and start jobs while slots are free: a launcher that starts arrays takes a
@@ -444,7 +382,7 @@ class WorkerLoop:
         self.runs[run.job_id] = run
         _jlog(logging.INFO, run, "claimed")
 
-    def _apply(self, run: HeldRun | None, decision: Decision) -> bool:
+    def apply(self, run: HeldRun | None, decision: Decision) -> bool:
         """Apply ``decision``; False when the job had moved on (logged, not fatal)."""
         t = decision.transition
         try:
@@ -457,10 +395,10 @@ class WorkerLoop:
         if run is not None:
             run.state = applied
             if decision.releases:
-                self._forget(run)
+                self.forget(run)
         return True
 
-    def _forget(self, run: HeldRun) -> None:
+    def forget(self, run: HeldRun) -> None:
         self.pool.give(run.gpus)
         run.gpus = ()
         self.runs.pop(run.job_id, None)

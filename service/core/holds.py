@@ -2,7 +2,7 @@
 planned state change, a claimed job, a heartbeat's view of a held job, an adopted detached
 job, a launcher handle to record.
 
-These are the worker interface's wire shapes (``worker.records.WorkerRecords``): no ORM row,
+These are the worker interface's wire shapes (``worker.control.records.WorkerRecords``): no ORM row,
 no session, nothing a JSON body could not carry. ``worker.decisions`` plans with them and
 ``service.store`` applies them.
 """

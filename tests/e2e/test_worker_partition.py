@@ -46,8 +46,8 @@ import yaml
 from tests.e2e.hosts import Cluster, Host, RootHub, wait_for
 from tests.e2e.jobs_http import Proc
 from worker.api_client import CONNECT_TIMEOUT_S, READ_TIMEOUT_S
+from worker.control.fences import DEFAULT_CANCEL_GRACE_S
 from worker.decisions import stop_budget_for
-from worker.fences import DEFAULT_CANCEL_GRACE_S
 from worker.processes import find_tagged_processes
 
 REPO = Path(__file__).resolve().parents[2]

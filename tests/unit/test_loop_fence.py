@@ -3,8 +3,8 @@ the API may requeue the job, so that a partition never runs one job twice.
 
 ``WorkerLoop.run`` is driven to the end on a fake clock: the stop event's waits advance the
 clock instead of sleeping, so every time asserted here is the fake clock's, never wall time.
-The records and the launcher are fakes of our own interfaces (``worker.records.WorkerRecords``
-and ``worker.launchers.base.Launcher``).
+The records and the launcher are fakes of our own interfaces
+(``worker.control.records.WorkerRecords`` and ``worker.launchers.base.Launcher``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from service.core.events import EventKind
 from service.core.holds import AdoptedJob, ClaimedJob, ClaimedJobs, HeldJob, Transition
 from service.core.spec.model import JobSpec
 from service.core.states import TERMINAL_STATES, JobState
+from worker.control.fences import DEFAULT_CANCEL_GRACE_S
 from worker.decisions import (
     Fence,
     HeldRun,
@@ -32,7 +33,6 @@ from worker.decisions import (
     reconcile,
     stop_budget_for,
 )
-from worker.fences import DEFAULT_CANCEL_GRACE_S
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.loop import WorkerLoop
 

@@ -1,6 +1,6 @@
 """The job resource's use cases: one function per operation, each opening its own session (a
 Core read scope on the hot path) and returning values (``service.store.jobs.values``), never
-ORM rows. The API's routes, the dashboard and the worker interface (``worker.records``) call
+ORM rows. The API's routes, the dashboard and the worker interface (``worker.control.records``) call
 these; the session-taking functions of ``crud``, ``claims``, ``queue``, ``view`` and ``notes``
 are their building blocks.
 
@@ -287,7 +287,7 @@ def read_job_log(
     return read_rank_log(artifact_dir, job, rank=rank, attempt=attempt, offset=offset)
 
 
-# -- the worker's (``worker.records.DatabaseRecords``) ------------------------------------
+# -- the worker's (``worker.control.records.DatabaseRecords``) ------------------------------------
 
 
 def has_claimable_job(db: Database, *, launcher: str, max_gpus_per_node: int) -> bool:
