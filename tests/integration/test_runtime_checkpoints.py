@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,15 +21,19 @@ from service.core import artifacts
 from service.core.config import Settings
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire.attempt import MetricBatch, MetricBatchAck
 from service.store.checkpoints.crud import list_checkpoints
 from service.store.db import Database
 from service.store.jobs.crud import Transition, apply_transition, list_events
+from service.store.metrics.points import query_points
 from service.store.models import Checkpoint
 from tests.rank_api import LiveApi, attempt_client, live_api, mint_token, rank_environ, running_job
 from worker.runtime.attempt_client import AttemptClient
 from worker.runtime.checkpoints.fetch import find_resume_checkpoint
 from worker.runtime.checkpoints.files import CheckpointWriteError, file_sha256, load_checkpoint_file
 from worker.runtime.checkpoints.saver import Checkpointer, NullCheckpointer, make_checkpointer
+from worker.runtime.metrics.buffer import Progress
+from worker.runtime.metrics.sink import ApiSink
 from worker.runtime.topology import RankEnv
 
 
@@ -165,6 +171,45 @@ def test_corrupt_or_missing_newest_is_skipped_on_resume(
 
     assert find_resume_checkpoint(client_for(db, api, job), artifact_dir, job_id) == 10
     assert [c.step for c in live(db, job_id)] == [10], "bad ones must be marked deleted"
+
+
+def test_a_checkpoint_counts_only_once_the_points_before_it_are_stored(
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    """The next attempt resumes after the newest checkpoint's step, so the points reported up
+    to it must be stored before it is recorded: else a rank killed right after the save
+    leaves those steps without a point for good."""
+    job_id, attempt = job
+    gate = threading.Event()
+    sink_client = client_for(db, api, job)
+    send = sink_client.send_metrics
+
+    def held_send(batch: MetricBatch) -> MetricBatchAck:  # the API slow to take the points
+        gate.wait(30)
+        return send(batch)
+
+    sink_client.send_metrics = held_send  # type: ignore[method-assign]
+    sink = ApiSink(None, sink_client)
+    ckpt = Checkpointer(
+        client_for(db, api, job), artifact_dir, job_id, attempt, keep=2, points=sink
+    )
+    try:
+        for step in range(1, 6):
+            sink.report(step, 0, torch.tensor(float(step)))
+        sink.flush(Progress(5, 10, 0, None, None))
+        ckpt.save(5, 0, lambda: state_of(tiny_model(), 5))
+        time.sleep(1.0)  # ample time to write and record a tiny checkpoint
+        assert live(db, job_id) == [], "recorded before the points it covers were stored"
+        gate.set()
+        ckpt.wait()
+        assert [c.step for c in live(db, job_id)] == [5]
+        with db.session(write=False) as s:
+            points, _ = query_points(s, job_id, "loss", limit=100)
+        assert [p.step for p in points] == [1, 2, 3, 4, 5]
+    finally:
+        gate.set()
+        ckpt.close()
+        sink.close()
 
 
 def test_nothing_to_resume_from(

@@ -302,6 +302,7 @@ def _train(
     checkpointer = make_checkpointer(
         env, artifact_dir, keep=spec.training.keep_checkpoints,
         transport=settings.checkpoint_transport, attempt_self=me, stopping=stop.is_set,
+        points=sink,
     )  # fmt: skip
     on_stall = functools.partial(
         exit_on_stall,

@@ -66,6 +66,11 @@ from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
 
+# The longest a checkpoint waits for the metric points reported before it (seconds): the
+# writer stores them within a flush normally; longer means the API is out of reach, and the
+# checkpoint's own recording would wait as long.
+POINTS_WAIT_S = 30.0
+
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
@@ -76,6 +81,14 @@ class SavedCheckpoint:
     path: Path
     size_bytes: int
     sha256: str
+
+
+class PointsWatermark(Protocol):
+    """The metric sink as a checkpointer sees it (``worker.runtime.metrics.buffer.Sink``)."""
+
+    def handed(self) -> int: ...
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool: ...
 
 
 class CheckpointSaver(Protocol):
@@ -155,6 +168,10 @@ class Checkpointer(NullCheckpointer):
         stop_upload_s: when ``stopping()`` is true at ``close`` (a signal), the longest wait
             for the stop checkpoint's upload (seconds), so the rank exits before its
             launcher's SIGKILL; otherwise the upload's own deadline bounds the wait.
+        points: the rank's metric sink: a checkpoint is recorded (or uploaded) only once the
+            points handed to it before the save are stored, at most ``POINTS_WAIT_S`` later
+            (the next attempt resumes after the checkpoint's step: points still queued when
+            the rank dies would never be written).
     """
 
     def __init__(
@@ -169,8 +186,10 @@ class Checkpointer(NullCheckpointer):
         attempt_self: AttemptSelf | None = None,
         stopping: Callable[[], bool] = lambda: False,
         stop_upload_s: float = STOP_UPLOAD_S,
+        points: PointsWatermark | None = None,
     ) -> None:
         self._client, self._artifact_dir = client, artifact_dir
+        self._points = points
         self.job_id, self.attempt, self.keep = job_id, attempt, keep
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt")
         self._future: Future[None] | None = None
@@ -197,7 +216,8 @@ class Checkpointer(NullCheckpointer):
         self.wait()  # the writer must be done with the buffers before they are refilled
         snapshot = self._pool.snapshot(build_state())
         self.last_step = step
-        self._future = self._executor.submit(self._write, step, epoch, snapshot)
+        mark = self._points.handed() if self._points is not None else 0
+        self._future = self._executor.submit(self._write, step, epoch, snapshot, mark)
 
     def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
         """Checkpoint a followed file: copy ``source`` now, on the caller's thread (the script
@@ -269,7 +289,7 @@ class Checkpointer(NullCheckpointer):
             self._future.result()
             self._future = None
 
-    def _write(self, step: int, epoch: int, snapshot: Snapshot) -> None:
+    def _write(self, step: int, epoch: int, snapshot: Snapshot, mark: int) -> None:
         path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
         snapshot.wait()
         try:
@@ -277,6 +297,9 @@ class Checkpointer(NullCheckpointer):
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
             return
+        if self._points is not None and not self._points.wait_written(mark, POINTS_WAIT_S):
+            log.warning("metric points before step %d not all stored after %.0f s; "
+                        "checkpointing anyway", step, POINTS_WAIT_S)  # fmt: skip
         self._keep(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
 
     def _keep(self, written: UploadItem, tmp: Path) -> None:
@@ -375,14 +398,15 @@ def make_checkpointer(
     transport: str = "auto",
     attempt_self: AttemptSelf | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    points: PointsWatermark | None = None,
 ) -> CheckpointSaver:
     """The one place that decides who writes checkpoints: a Checkpointer on rank 0 (with its
     own ``AttemptClient`` for ``env``), else the null object NullCheckpointer. ``transport``,
-    ``attempt_self`` and ``stopping``: see ``Checkpointer``."""
+    ``attempt_self``, ``stopping`` and ``points``: see ``Checkpointer``."""
     if env.rank == 0:
         client = AttemptClient(env.api_url, env.attempt_token)
         return Checkpointer(
             client, artifact_dir, env.job_id, env.attempt, keep=keep, transport=transport,
-            attempt_self=attempt_self, stopping=stopping,
+            attempt_self=attempt_self, stopping=stopping, points=points,
         )  # fmt: skip
     return NullCheckpointer()

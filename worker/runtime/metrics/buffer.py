@@ -108,6 +108,15 @@ class Sink(Protocol):
         when it is (at once on a rank that writes nothing), False on timeout."""
         ...
 
+    def handed(self) -> int:
+        """Points handed over to the writer so far: a watermark for ``wait_written``."""
+        ...
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until the first ``mark`` points handed over are
+        written (or dropped for good); True when they are, False on timeout."""
+        ...
+
     def close(self) -> None:
         """Write what was handed over and stop writing (after a final flush)."""
 
@@ -235,6 +244,14 @@ class MetricsSink:
         return False
 
     def drain(self, timeout_s: float) -> bool:
+        """Nothing to wait for on a rank that writes nothing: True."""
+        return True
+
+    def handed(self) -> int:
+        """Nothing is handed over on a rank that writes nothing: 0."""
+        return 0
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
         """Nothing to wait for on a rank that writes nothing: True."""
         return True
 

@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -124,6 +125,10 @@ class ApiSink(MetricsSink):
         self._retry_after_s: float | None = None  # the server's hint for the next try
         self.written = 0
         self.discarded = 0
+        # Points handed to the backlog, and those of them settled (written or dropped for
+        # good): the backlog is sent oldest first, so settled ≥ n means the first n are done.
+        self._handed = 0
+        self._settled = 0
         self.refused = 0  # points the API refused (logged; a bad row never fails a batch)
         self._thread = threading.Thread(target=self._run, name="ddpq-metrics", daemon=True)
         self._thread.start()
@@ -171,6 +176,7 @@ class ApiSink(MetricsSink):
         if self._stale.is_set():
             return
         self._backlog.append(points)
+        self._handed += len(points)
         if progress is not None:
             with self._progress_lock:
                 self._progress = progress
@@ -204,16 +210,37 @@ class ApiSink(MetricsSink):
         Returns:
             True when nothing is left to write, False when ``timeout_s`` passed first.
         """
+        def idle() -> bool:
+            with self._progress_lock:
+                return self._progress is None and self._timeline is None and not self._backlog
+
+        return self._wait_until(idle, timeout_s)
+
+    def handed(self) -> int:
+        return self._handed
+
+    def wait_written(self, mark: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until the first ``mark`` points handed over are
+        written or dropped for good (refused, fenced off): a checkpoint at step S is recorded
+        only once the points up to S are stored, since the next attempt resumes after S.
+
+        Returns:
+            True when they are (or the attempt was fenced off), False when ``timeout_s``
+            passed first or the writer died.
+        """
+        return self._wait_until(lambda: self._settled >= mark, timeout_s)
+
+    def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wake the writer and poll ``done`` until it holds, the attempt is fenced off
+        (nothing more will be written), or ``timeout_s`` seconds pass or the writer died
+        (False)."""
         deadline_s = time.monotonic() + timeout_s
         self._wake.set()
-        while True:
-            with self._progress_lock:
-                idle = self._progress is None and self._timeline is None
-            if self._stale.is_set() or (idle and not len(self._backlog)):
-                return True
+        while not (self._stale.is_set() or done()):
             if time.monotonic() >= deadline_s or not self._thread.is_alive():
                 return False
             time.sleep(DRAIN_POLL_S)
+        return True
 
     def close(self) -> None:
         """Write everything handed over so far, then stop the writer and close the client.
@@ -298,6 +325,7 @@ class ApiSink(MetricsSink):
                 self.written += ack.accepted
             self._retry_after_s = None
             self._backlog.drop_oldest(len(batch))
+            self._settled += len(batch)
             with self._progress_lock:
                 if self._progress is progress:
                     self._progress = None

@@ -177,7 +177,7 @@ def script_session() -> ScriptSession:
     sink = make_sink(env, dist, artifact_dir=artifact_dir, writer=SCRIPT_WRITER)
     checkpointer = make_checkpointer(
         env, artifact_dir, keep=spec.training.keep_checkpoints,
-        transport=settings.checkpoint_transport, stopping=stop.is_set,
+        transport=settings.checkpoint_transport, stopping=stop.is_set, points=sink,
     )  # fmt: skip
     session = ScriptSession(
         spec=spec, dist=dist, sink=sink, checkpointer=checkpointer, stop=stop,

@@ -261,6 +261,7 @@ class RankSession:
         """
         step, checked_epoch = checked_report(step, epoch, ())
         epoch = checked_epoch if checked_epoch is not None else 0
+        self.flush()  # the points reported so far are stored before the checkpoint counts
         with self.watchdog.pause(), self.facts.checkpoint_stall():  # a slow disk: no stall
             self.checkpointer.save(step, epoch, lambda: state)
         self.last_step = max(self.last_step, step)

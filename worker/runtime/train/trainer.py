@@ -151,6 +151,7 @@ class Trainer:
                 if self.step % t.log_every_steps == 0:
                     self.sink.report(self.step, self.epoch, loss)
                 if t.checkpoint_every_steps and self.step % t.checkpoint_every_steps == 0:
+                    self._flush()  # hand its points over first: it waits for them
                     self._checkpoint()
                 decision = vote.collect()  # voted one step ago: the same on every rank
                 if decision.flush or self.sink.flush_due():
