@@ -5,6 +5,8 @@ the root.
 Layout::
 
     <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log
+    <artifact_dir>/jobs/<job_id>/attempt-<n>/rank-<r>.log.pipe   (local: the FIFO a rank writes
+                                       its output into; the worker caps it into rank-<r>.log)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/error-rank-<r>.json   (a rank that raised)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/finished-rank-<r>     (its training code returned)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/result.json, spec.json
@@ -207,6 +209,14 @@ def workspace_cache_dir(artifact_dir: Path) -> Path:
 def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
     """Log file of one rank of one attempt: ``…/attempt-<n>/rank-<r>.log``."""
     return attempt_dir(artifact_dir, job_id, attempt) / rank_log_name(rank)
+
+
+def rank_log_pipe_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
+    """The FIFO a local rank points its fds 1/2 at: ``…/attempt-<n>/rank-<r>.log.pipe``
+    (the local worker reads it and writes ``rank_log_path``, capped)."""
+    return rank_log_path(artifact_dir, job_id, attempt, rank).with_name(
+        f"{rank_log_name(rank)}.pipe"
+    )
 
 
 def checkpoint_dir(artifact_dir: Path, job_id: int) -> Path:

@@ -65,6 +65,39 @@ class Settings(BaseSettings):
         "(torchrun runs as that user; the attempt directory is theirs, the database file "
         "and the worker's own settings are not readable to them). Unset: the worker's user.",
     )
+    rank_log_max_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Local worker: bytes each rank's log (and torchrun's launcher.log) may "
+        "hold per attempt. Beyond it the log keeps its first half and its newest bytes with a "
+        "'… N MB cut …' line between them; the ranks' writes are never stalled.",
+    )
+    rank_nproc_max: int | None = Field(
+        default=4096,
+        ge=16,
+        description="Local worker: RLIMIT_NPROC of torchrun and every rank (processes and "
+        "threads of the ranks' Unix user on this host, all its jobs together; root is not "
+        "bound by it). Unset: inherited from the worker.",
+    )
+    rank_nofile_max: int | None = Field(
+        default=4096,
+        ge=64,
+        description="Local worker: RLIMIT_NOFILE (open files per process) of torchrun and "
+        "every rank. Unset: inherited from the worker.",
+    )
+    job_pids_max: int | None = Field(
+        default=4096,
+        ge=16,
+        description="Local worker on a cgroup v2 host: pids.max of each attempt's cgroup "
+        "(processes and threads of the job). Unset, like DDPQ_JOB_MEMORY_MAX_BYTES unset: no "
+        "pids cap.",
+    )
+    job_memory_max_bytes: int | None = Field(
+        default=None,
+        ge=64 * 1024 * 1024,
+        description="Local worker on a cgroup v2 host: memory.max of each attempt's cgroup, "
+        "bytes (the kernel's OOM killer ends the job, not the host). Unset: no memory cap.",
+    )
     slurm_enabled: bool = Field(
         default=False, description="Whether this deployment accepts launcher 'slurm' jobs."
     )

@@ -27,7 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from ddpq import _state as ddpq_session
-from service.core.artifacts import rank_log_path, spec_path
+from service.core.artifacts import rank_log_path, rank_log_pipe_path, spec_path
 from service.core.config import Settings
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.metrics.points import json_safe
@@ -149,8 +149,9 @@ def run_rank(environ: Mapping[str, str] | None = None) -> int:
     artifact_dir = settings.resolved_artifact_dir
     stop = StopFlag()
     log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
+    pipe_path = rank_log_pipe_path(artifact_dir, env.job_id, env.attempt, env.rank)
     with (
-        redirect_output(log_path),
+        redirect_output(log_path, pipe_path),
         rank_logging(env.job_id, env.attempt, env.rank),
         stop_signal_handlers(stop),
     ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,16 +36,34 @@ def _flush_std() -> None:
             stream.flush()
 
 
-@contextlib.contextmanager
-def redirect_output(log_path: Path) -> Iterator[None]:
-    """Point file descriptors 1 and 2 at ``log_path`` (appending; directories created) and
-    ``sys.stdout``/``sys.stderr`` at them, line-buffered; restore all of it on exit.
+def open_log_pipe(pipe_path: Path) -> int | None:
+    """A blocking write descriptor on the FIFO ``pipe_path`` that the local worker reads (it
+    caps what it reads into the rank's log, ``worker.launchers.local.attempt_logs``); None
+    when there is no such FIFO or no reader (Slurm, an in-process caller)."""
+    try:
+        if not stat.S_ISFIFO(os.stat(pipe_path, follow_symlinks=False).st_mode):
+            return None
+        fd = os.open(pipe_path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # absent, or ENXIO: nobody reads it
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
-    Everything the rank prints, including C++ warnings of torch/gloo, lands in the file.
+
+@contextlib.contextmanager
+def redirect_output(log_path: Path, pipe_path: Path | None = None) -> Iterator[None]:
+    """Point file descriptors 1 and 2 at the worker's FIFO ``pipe_path`` when it has one,
+    else at ``log_path`` (appending; directories created), and ``sys.stdout``/``sys.stderr``
+    at them, line-buffered; restore all of it on exit.
+
+    Everything the rank prints, including C++ warnings of torch/gloo and whatever its user
+    code or a child writes to fds 1/2, lands in the log (capped by the worker when piped).
     """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     _flush_std()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_log_pipe(pipe_path) if pipe_path is not None else None
+    if fd is None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     saved = (os.dup(1), os.dup(2))
     saved_streams = (sys.stdout, sys.stderr)
     try:

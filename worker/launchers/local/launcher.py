@@ -20,6 +20,11 @@ The ranks hold no secret of the worker's: their environment is ``inherited_env``
 worker's (an allow-list) plus the plan's entries (the API URL and the attempt token; no
 database URL). With ``DDPQ_RANK_USER`` a root-run worker starts torchrun as that user
 (``worker.launchers.local.rank_user``).
+
+What an attempt may consume: its output reaches the log files through the worker, capped
+(``worker.launchers.local.attempt_logs``); torchrun and its ranks get ``RLIMIT_NPROC`` and
+``RLIMIT_NOFILE`` (``worker.launchers.local.process_limits``) and, on a cgroup v2 host, a cgroup
+of their own for memory and pids (``worker.launchers.local.cgroups``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ from worker.attempt import (
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.local.attempt_dir import prepare_attempt_dir
+from worker.launchers.local.attempt_logs import AttemptLogs
+from worker.launchers.local.cgroups import JobCgroup, job_cgroup_support
+from worker.launchers.local.process_limits import RankLimits, launch_preexec
 from worker.launchers.local.rank_user import (
     RankUser,
     popen_identity,
@@ -66,7 +74,6 @@ from worker.launchers.local.run import (
     terminate,
 )
 from worker.launchers.preflight import entrypoint_setup_failure
-from worker.processes import parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +151,11 @@ class LocalLauncher:
         self.python = python
         self.agent = AGENT_MODULE if settings.warm_ranks else TORCHRUN_MODULE
         self.entrypoint_allowed = settings.entrypoint_allowed
+        self.log_cap_bytes = settings.rank_log_max_bytes
+        self.limits = RankLimits.from_settings(settings)
+        self.pids_max = settings.job_pids_max
+        self.memory_max_bytes = settings.job_memory_max_bytes
+        self.cgroups = job_cgroup_support(self.pids_max, self.memory_max_bytes)
         self._runs: dict[str, LocalRun] = {}
         self._refused: dict[str, RunStatus] = {}  # attempts whose entrypoint did not resolve
 
@@ -253,27 +265,41 @@ class LocalLauncher:
         refused = self._refuse_unresolvable(plan, log_file)
         if refused is not None:
             return refused
+        log_file.close()  # from here on the worker writes it, capped
+        logs, cgroup = self._attempt_parts(plan)
+        try:
+            output_fd = logs.open()
+        except OSError as exc:
+            self._discard(logs, cgroup)
+            raise LaunchError(f"could not make the log pipes in {plan.log_dir}: {exc}") from exc
         try:
             popen = subprocess.Popen(
                 plan.argv,
                 cwd=plan.cwd,
                 env=process_env(plan.env, self.rank_user),
                 stdin=subprocess.DEVNULL,
-                stdout=log_file,
+                stdout=output_fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=parent_death_preexec(signal.SIGTERM),
+                preexec_fn=launch_preexec(
+                    self.limits, cgroup.procs_fd if cgroup else None, signal.SIGTERM
+                ),
                 **popen_identity(self.rank_user),
             )
-        except OSError as exc:
-            log_file.close()
+        except (OSError, subprocess.SubprocessError) as exc:
+            self._discard(logs, cgroup)
             raise LaunchError(f"could not start {plan.argv[0]}: {exc}") from exc
+        finally:
+            os.close(output_fd)
+        if cgroup is not None:
+            cgroup.release_procs_fd()
         request = plan.request if plan.request is not None else LocalRequest()
         handle = str(popen.pid)
         self._runs[handle] = LocalRun(
             plan=plan,
             popen=popen,
-            log_file=log_file,
+            logs=logs,
+            cgroup=cgroup,
             tags=attempt_tags(plan.job_id, plan.attempt, plan.env[ARTIFACT_DIR]),
             started_mono=time.monotonic(),
             timeout_s=request.timeout_s,
@@ -281,6 +307,38 @@ class LocalLauncher:
         )
         self._prune()
         return handle
+
+    def _attempt_parts(
+        self, plan: LaunchPlan[LocalRequest]
+    ) -> tuple[AttemptLogs, JobCgroup | None]:
+        """The attempt's capped logs (not yet open) and its cgroup (where the host has them).
+
+        Raises:
+            LaunchError: the cgroup could not be made.
+        """
+        # The ranks on this host: what torchrun is told (one node), else one.
+        flag = "--nproc_per_node"
+        nproc = int(plan.argv[plan.argv.index(flag) + 1]) if flag in plan.argv else 1
+        logs = AttemptLogs(
+            self.artifact_dir, plan.job_id, plan.attempt, nproc, self.log_cap_bytes,
+            owner=self.rank_user.owner if self.rank_user is not None else None,
+        )  # fmt: skip
+        if self.cgroups.parent is None:
+            return logs, None
+        try:
+            cgroup = JobCgroup.create(
+                self.cgroups.parent, plan.job_id, plan.attempt,
+                pids_max=self.pids_max, memory_max_bytes=self.memory_max_bytes,
+            )  # fmt: skip
+        except OSError as exc:
+            raise LaunchError(f"could not make the attempt's cgroup: {exc}") from exc
+        return logs, cgroup
+
+    @staticmethod
+    def _discard(logs: AttemptLogs, cgroup: JobCgroup | None) -> None:
+        logs.close()
+        if cgroup is not None:
+            cgroup.remove()
 
     def poll(self, handle: str) -> RunStatus:
         """Observe the attempt: running, or how it ended (stable once ended).

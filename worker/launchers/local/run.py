@@ -11,13 +11,15 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from service.core import artifacts
 from worker.attempt import STOP_UPLOAD_S, FailureReason, read_rank_errors, stop_upload_marker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import attempt_failure, is_peer_lost
+from worker.launchers.local.attempt_logs import AttemptLogs
+from worker.launchers.local.cgroups import JobCgroup
 from worker.launchers.local.process_groups import kill_attempt, term_and_wait
+from worker.launchers.local.process_limits import limit_hint
 from worker.processes import find_tagged_processes
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,8 @@ class LocalRun:
 
     plan: LaunchPlan
     popen: subprocess.Popen[bytes]
-    log_file: IO[bytes]
+    logs: AttemptLogs
+    cgroup: JobCgroup | None
     tags: frozenset[bytes]
     started_mono: float
     timeout_s: float | None
@@ -44,6 +47,7 @@ class LocalRun:
     result_seen_mono: float | None = None
     error_seen_mono: float | None = None
     final: RunStatus | None = None
+    limit_hit: str | None = None  # the cgroup's limit the attempt hit, as a sentence
 
 
 def has_result(run: LocalRun, artifact_dir: Path) -> bool:
@@ -90,9 +94,13 @@ def terminate(
 
 
 def kill_leftovers(run: LocalRun) -> None:
-    """SIGKILL whatever is left of the attempt and reap torchrun."""
+    """SIGKILL whatever is left of the attempt and reap torchrun, write the rest of its
+    output into its logs, and remove its cgroup (after noting a limit it hit)."""
     survivors = kill_attempt(run.popen, run.tags)
-    run.log_file.close()
+    run.logs.close()
+    if run.cgroup is not None:
+        run.limit_hit = run.limit_hit or run.cgroup.limit_hit()
+        run.cgroup.remove()
     for pid in survivors:
         log.error("job_id=%d attempt=%d: process %d survived SIGKILL",
                   run.plan.job_id, run.plan.attempt, pid)  # fmt: skip
@@ -124,6 +132,8 @@ def finish(run: LocalRun, artifact_dir: Path) -> RunStatus:
             lambda rank: artifacts.rank_log_path(artifact_dir, job_id, attempt, rank),
             rc,
         )
-        status = RunStatus(RunPhase.FAILED, failure.text, rc, failure=failure.reason)
+        hint = run.limit_hit or limit_hint(failure.text)
+        text = failure.text if hint is None else f"{failure.text} ({hint})"
+        status = RunStatus(RunPhase.FAILED, text, rc, failure=failure.reason)
     run.final = status
     return status

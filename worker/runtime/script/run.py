@@ -22,6 +22,7 @@ The rank stays as the script's supervisor:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -30,11 +31,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.core.artifacts import checkpoint_dir, rank_log_path
+from service.core.artifacts import checkpoint_dir
 from service.core.errors import DdpqError
 from service.core.spec.model import JobSpec
 from worker.attempt import (
@@ -54,6 +56,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1
 # Most bytes of the script's log tail read back to find its traceback.
 TAIL_BYTES = 256_000
+# Seconds the rank waits, once the script exited, for the rest of its stderr (a child of the
+# script may keep the pipe open; then its tail so far is what counts).
+RELAY_WAIT_S = 2.0
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 # Lines of the script's output kept as the "traceback" of an exit without one.
 LAST_LINES = 20
@@ -141,24 +146,27 @@ def run_command(
             follower = follow.ScriptFollower(spec, env, artifact_dir, root, stop, restored)
     # DDPQ_CHECKPOINT_DIR: the job's directory on this host, kept across its attempts here.
     checkpoint_dir(artifact_dir, env.job_id).mkdir(parents=True, exist_ok=True)
-    log_path = rank_log_path(artifact_dir, env.job_id, env.attempt, env.rank)
     sys.stdout.flush()
     sys.stderr.flush()
-    start = log_path.stat().st_size if log_path.exists() else 0
     log.info("running python %s in %s", " ".join(spec.command), root)
     code: int | None = None
+    relay: StderrRelay | None = None
     try:
         if follower is not None:
             follower.start()
-        child = subprocess.Popen(  # output: the rank's own stdout/stderr, i.e. its log
-            [sys.executable, *spec.command], cwd=root, env=child_env, stdin=subprocess.DEVNULL
-        )
+        child = subprocess.Popen(  # stdout: the rank's own, i.e. its log; stderr: relayed
+            [sys.executable, *spec.command], cwd=root, env=child_env,
+            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert child.stderr is not None
+        relay = StderrRelay(child.stderr.fileno())
         if follower is not None:
             follower.watch(child)
         code = _wait(child, stop)
     finally:
         if follower is not None:
             follower.close(code)
+        tail = relay.finish() if relay is not None else ""
     if stop.is_set() and stop.signum is not None:
         log.warning("stopped (%s); the script exited with %s", stop.reason, code)
         return 128 + stop.signum
@@ -169,7 +177,7 @@ def run_command(
                 artifact_dir, env.job_id, env.attempt, step=0, final_metrics={}, checkpoint=None
             )
         return ExitCode.OK
-    raise _failure(code, _tail(log_path, start))
+    raise _failure(code, tail)
 
 
 def _wait(child: subprocess.Popen[bytes], stop: StopFlag) -> int:
@@ -198,15 +206,48 @@ def _wait(child: subprocess.Popen[bytes], stop: StopFlag) -> int:
                 pass_on_at = math.inf
 
 
-def _tail(path: Path, start: int) -> str:
-    """What the script wrote to the rank's log (its last ``TAIL_BYTES``)."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(start, size - TAIL_BYTES))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+class StderrRelay:
+    """Copies the script's stderr into the rank's own (its log) as it comes, keeping the last
+    ``TAIL_BYTES`` to find the script's traceback in.
+
+    The rank's log is written by the local worker from a pipe, a moment after the bytes
+    leave, and capped: the rank cannot read its traceback back from the file, so it keeps
+    its own copy of the newest bytes.
+    """
+
+    def __init__(self, fd: int, out_fd: int = 2) -> None:
+        self._fd, self._out_fd = fd, out_fd
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="script-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        while True:
+            try:
+                data = os.read(self._fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with contextlib.suppress(OSError):  # a closed log never stops the script
+                _write_all(self._out_fd, data)
+            with self._lock:
+                self._tail += data
+                del self._tail[:-TAIL_BYTES]
+
+    def finish(self, timeout_s: float = RELAY_WAIT_S) -> str:
+        """The last ``TAIL_BYTES`` of the script's stderr, once it reached its end (every
+        holder closed it) or after ``timeout_s`` seconds (a child of the script keeps it)."""
+        self._thread.join(timeout_s)
+        with self._lock:
+            return bytes(self._tail).decode("utf-8", errors="replace")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _failure(code: int, output: str) -> ScriptFailedError:
