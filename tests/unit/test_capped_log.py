@@ -57,3 +57,16 @@ def test_a_log_that_cannot_be_written_drops_its_bytes_without_raising(tmp_path: 
     log.write(b"lost too\n")
     log.close()
     assert log.cut_bytes == len(b"lost too\n")
+
+
+def test_a_name_the_rank_put_there_first_is_never_written_through(tmp_path: Path) -> None:
+    """The worker writes the log in a directory the rank user owns: a link planted at the
+    log's name must not make it overwrite the link's target."""
+    target = tmp_path / "worker-secret"
+    target.write_bytes(b"keep me")
+    (tmp_path / "rank-0.log").symlink_to(target)
+    log = CappedLog(tmp_path / "rank-0.log", CAP)
+    log.write(b"hostile bytes\n" * 10)
+    log.close()
+    assert target.read_bytes() == b"keep me"
+    assert log.cut_bytes == 14 * 10, "the refused log's bytes are counted as dropped"

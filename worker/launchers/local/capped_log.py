@@ -43,8 +43,9 @@ def cut_marker(cut_bytes: int, cap_bytes: int) -> bytes:
 
 class CappedLog:
     """One log file written through ``write``, never holding more than about ``cap_bytes``
-    (see the module docstring). Created (truncated, mode 0644) at the first write, so a rank
-    that writes nothing leaves no file.
+    (see the module docstring). Created (mode 0644) at the first write, so a rank that writes
+    nothing leaves no file. A file already at ``path`` (even a link) is never opened: the log
+    is then dropped, as on a full disk.
 
     Errors writing the file (a full disk) are logged once; the bytes are then dropped, the
     caller is never blocked nor raised at: its producer must keep running.
@@ -78,6 +79,7 @@ class CappedLog:
             self._write(data)
         except OSError as exc:
             self._broken = True
+            self.cut_bytes += len(data)  # at most this much; a partial write is rare
             log.error("%s: cannot write the log (%s); its further output is dropped",
                       self.path, exc)  # fmt: skip
 
@@ -89,7 +91,11 @@ class CappedLog:
 
     def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            # O_EXCL: never through a name the rank user put there first (a link to a file of
+            # the worker's would be truncated and overwritten with the rank's bytes); such a
+            # log is refused (OSError: logged once, its bytes dropped).
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, 0o644)
         return self._fd
 
     def _write(self, data: bytes) -> None:
