@@ -232,6 +232,47 @@ class Settings(BaseSettings):
         "that an unfinished job references is never deleted).",
     )
 
+    # Quotas (service.store.quotas): what one job or owner may store or send, checked where
+    # the bytes arrive; each hit is a ``quota_exceeded`` job event naming its setting.
+    checkpoint_job_max_bytes: int = Field(
+        default=50 * 2**30,
+        ge=1,
+        description="Most checkpoint bytes one job may hold in the API's store (default 50 "
+        "GiB): its live checkpoints plus uploads under way or abandoned and not yet reaped. "
+        "A save that would pass it is refused at its start (HTTP 413, a failed save); "
+        "retention's deletions free room, nothing else is deleted to make it.",
+    )
+    checkpoint_owner_max_bytes: int = Field(
+        default=500 * 2**30,
+        ge=1,
+        description="Most checkpoint bytes all of one owner's jobs may hold together (default "
+        "500 GiB), counted as for DDPQ_CHECKPOINT_JOB_MAX_BYTES.",
+    )
+    workspace_owner_max_bytes: int = Field(
+        default=10 * 2**30,
+        ge=1,
+        description="Most workspace file bytes one owner may store (default 10 GiB): kept "
+        "files plus uploads under way or abandoned and not yet reaped (HTTP 413 beyond).",
+    )
+    metric_names_per_job: int = Field(
+        default=10_000,
+        ge=1,
+        description="Most distinct metric names one job may report (default 10,000): a batch "
+        "that brings more is refused whole (HTTP 422).",
+    )
+    metric_points_per_minute: int = Field(
+        default=600_000,
+        ge=1,
+        description="Most metric points one job may store in a minute (default 600,000, "
+        "10,000/s): beyond, a batch is refused whole with HTTP 429 and Retry-After.",
+    )
+    uploads_in_flight_per_owner: int = Field(
+        default=64,
+        ge=1,
+        description="Most checkpoint and workspace file uploads one owner may have begun and "
+        "not finished (default 64): beyond, HTTP 429 with Retry-After.",
+    )
+
     @property
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to the embedded SQLite file under ``home``."""

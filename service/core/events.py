@@ -55,6 +55,7 @@ class EventKind(StrEnum):
     FRESH_START = "fresh_start"  # an attempt starts from step 0 although checkpoints existed
     UPLOAD_FALLBACK = "upload_fallback"  # told to share a filesystem, rank 0 uploads instead
     NOTHING_TO_TRAIN = "nothing_to_train"  # init_from restored a step ≥ the job's steps
+    QUOTA_EXCEEDED = "quota_exceeded"  # a write refused: it would pass one of the quotas
     NOTE = "note"  # a free-text note (rows written before events had kinds)
 
 
@@ -71,6 +72,7 @@ NOTE_KINDS: frozenset[EventKind] = frozenset(
         EventKind.FRESH_START,
         EventKind.UPLOAD_FALLBACK,
         EventKind.NOTHING_TO_TRAIN,
+        EventKind.QUOTA_EXCEEDED,
         EventKind.NOTE,
     }
 )
@@ -130,6 +132,14 @@ def _fresh_start(d: Mapping[str, Any]) -> str:
     damaged = list(d["damaged_steps"])
     detail = ", ".join(f"step {s}" for s in damaged[:20]) + " damaged" if damaged else "none usable"
     return f"attempt {d['attempt']} starts from step 0: no intact checkpoint ({detail})"
+
+
+def _quota_exceeded(d: Mapping[str, Any]) -> str:
+    unit = "" if d.get("unit") in (None, "") else f" {d['unit']}"
+    return (
+        f"{d['quota']} quota reached: {d['asked']}{unit} asked, the limit is "
+        f"{d['limit']}{unit} (raise {d['setting']})"
+    )
 
 
 def _early_stopped(d: Mapping[str, Any]) -> str:
@@ -216,6 +226,9 @@ WORDING: dict[EventKind, Wording] = {
             "to train (raise training.max_steps or epochs, or use init_from.mode weights_only)"
         ),
     ),
+    EventKind.QUOTA_EXCEEDED: Wording(
+        ("quota", "limit", "asked", "setting", "unit?"), _quota_exceeded
+    ),
     EventKind.NOTE: Wording(("text?",), lambda d: d.get("text")),
 }
 
@@ -261,13 +274,14 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(
         ("sweep_id", "position", "failed_job_id", "continuing_from_step", "restart",
          "max_restarts", "failed", "max_failed", "rung", "step", "n", "reduction_factor",
-         "nproc_per_node", "cpus", "batch_size", "keep", "attempt", "total_steps"),
+         "nproc_per_node", "cpus", "batch_size", "keep", "attempt", "total_steps", "limit",
+         "asked"),
         _INT,
     ),
     **dict.fromkeys(("value", "cut"), _NUMBER),
     **dict.fromkeys(
         ("error", "detail", "instead_of", "requeue_kind", "by", "reason", "metric", "code",
-         "words", "text"),
+         "words", "text", "quota", "setting", "unit"),
         _TEXT,
     ),
     "cancel_requested": (bool,),

@@ -117,6 +117,10 @@ class Job(Base):
     # that this job starts from, pinned against the source's retention while this job runs.
     init_from_job_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     init_from_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The metric points rate (DDPQ_METRIC_POINTS_PER_MINUTE): when the job's current
+    # one-minute window began and the points it stored in it (service.store.metrics.points).
+    metric_window_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    metric_window_points: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key"),

@@ -115,8 +115,18 @@ SAMPLES: dict[EventKind, tuple[str | None, str, dict[str, Any], str | None]] = {
         "init_from step 50 ≥ this job's 40 steps: nothing to train (raise training.max_steps "
         "or epochs, or use init_from.mode weights_only)",
     ),
+    EventKind.QUOTA_EXCEEDED: (
+        "running", "running",
+        {"quota": "metric names per job", "limit": 5, "asked": 6,
+         "setting": "DDPQ_METRIC_NAMES_PER_JOB", "unit": "names"},
+        "metric names per job quota reached: 6 names asked, the limit is 5 names "
+        "(raise DDPQ_METRIC_NAMES_PER_JOB)",
+    ),
     EventKind.NOTE: ("running", "running", {"text": "something noted"}, "something noted"),
 }  # fmt: skip
+# Kinds first written after the migration that gave events their kinds (0007): no row holds
+# an old text of theirs to read back.
+BORN_WITH_KINDS = frozenset({EventKind.QUOTA_EXCEEDED})
 
 
 def _migration() -> ModuleType:
@@ -173,7 +183,7 @@ def test_data_is_stored_json_safe_and_texts_are_cut() -> None:
     assert len(str(render(EventKind.CHECKPOINT_FAILED, long))) == MAX_REASON_CHARS
 
 
-@pytest.mark.parametrize("kind", list(EventKind))
+@pytest.mark.parametrize("kind", [k for k in EventKind if k not in BORN_WITH_KINDS])
 def test_the_backfill_reads_each_old_text_back_as_its_kind(kind: EventKind) -> None:
     """The migration's reader of texts written before events had kinds gives every sample
     its kind and data back (the one place in ddpq that parses an event's text)."""

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request, Response
 from service.api.attempts.routes import ERRORS, _body_doc, _db, _json_body
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
+from service.core.quotas import QuotaLimits
 from service.core.wire import attempt as wire
 from service.store.checkpoints import service as checkpoints
 from service.store.checkpoints.values import CheckpointInfo
@@ -73,7 +74,8 @@ def record_checkpoint_route(
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
     superseded`` when the attempt is not current (nothing recorded), 422 for a file the
-    server cannot verify or a path elsewhere.
+    server cannot verify or a path elsewhere, 413 when the job's or owner's checkpoint
+    quota has no room for it (a failed save and a ``quota_exceeded`` event).
     """
     settings = request.app.state.settings
     info = checkpoints.record_shared(
@@ -89,6 +91,7 @@ def record_checkpoint_route(
         artifact_root=settings.resolved_artifact_dir,
         store_kind=settings.checkpoint_store,
         file_name=record.file_name,
+        limits=QuotaLimits.from_settings(settings),
     )
     return checkpoint_entry(info)
 

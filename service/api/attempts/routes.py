@@ -31,6 +31,7 @@ from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
 from service.core.errors import DdpqError
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
+from service.core.quotas import MetricQuotas
 from service.core.wire import attempt as wire
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef, TimelineUpdate
@@ -81,6 +82,12 @@ class IngestLimiter:
     def leave(self) -> None:
         """Give a slot back."""
         self.busy = max(0, self.busy - 1)
+
+
+def metric_quotas(app: FastAPI) -> MetricQuotas:
+    """The app's metric quotas (``DDPQ_METRIC_NAMES_PER_JOB``,
+    ``DDPQ_METRIC_POINTS_PER_MINUTE``)."""
+    return MetricQuotas.from_settings(app.state.settings)
 
 
 def ingest_limiter(app: FastAPI) -> IngestLimiter:
@@ -197,9 +204,14 @@ async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
     response_model=wire.MetricBatchAck,
     summary="Append metric points and progress",
     responses={
+        422: {
+            "description": "A malformed body, or a batch that would bring the job past "
+            "DDPQ_METRIC_NAMES_PER_JOB names (nothing of it stored)"
+        },
         429: {
-            "description": "Too many batches in flight: send it again after `Retry-After` seconds"
-        }
+            "description": "Too many batches in flight, or the job's points this minute are at "
+            "DDPQ_METRIC_POINTS_PER_MINUTE: send it again after `Retry-After` seconds"
+        },
     },
     openapi_extra=_body_doc(wire.MetricBatch),
 )
@@ -210,8 +222,11 @@ async def metrics_route(request: Request, ref: AttemptDep) -> Response:
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
     superseded`` when the attempt is no longer current (nothing stored), 422 for a body that
-    is not a ``MetricBatch``, 429 with ``Retry-After`` (seconds) when this process already
-    writes ``attempt_ingest_concurrency`` batches.
+    is not a ``MetricBatch`` or that would bring the job past ``metric_names_per_job``
+    names, 429 with ``Retry-After`` (seconds) when this process already writes
+    ``attempt_ingest_concurrency`` batches or the job stored ``metric_points_per_minute``
+    points in its current minute. A refused batch stores nothing; a quota's refusal is a
+    ``quota_exceeded`` event on the job.
     """
     body = await request.body()
     limiter = ingest_limiter(request.app)
@@ -222,26 +237,33 @@ async def metrics_route(request: Request, ref: AttemptDep) -> Response:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     try:
-        ack: wire.MetricBatchAck = await _in_thread(_write_batch, _db(request), ref, body)
+        ack: wire.MetricBatchAck = await _in_thread(
+            _write_batch, _db(request), ref, body, metric_quotas(request.app)
+        )
     finally:
         limiter.leave()
     # Serialised here: a returned model would be validated once more by FastAPI.
     return Response(ack.model_dump_json(), media_type="application/json")
 
 
-def _write_batch(db: Database, ref: AttemptRef, body: bytes) -> wire.MetricBatchAck:
+def _write_batch(
+    db: Database, ref: AttemptRef, body: bytes, quotas: MetricQuotas
+) -> wire.MetricBatchAck:
     """Parse, check and write one batch (in a worker thread: all of it is CPU or I/O).
 
     Raises:
         RequestValidationError: not a ``MetricBatch`` (422).
         StaleAttemptError: the attempt is superseded (409).
+        QuotaExceededError: over a metric quota (422 names, 429 rate; nothing stored).
     """
     try:
         batch = wire.MetricBatch.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     points, refused = _checked_rows(batch.points)
-    inserted = metrics.record_batch(db, ref, points, progress=_progress(batch.progress))
+    inserted = metrics.record_batch(
+        db, ref, points, progress=_progress(batch.progress), quotas=quotas
+    )
     return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
 
 

@@ -30,6 +30,7 @@ from service.api.attempts.routes import (
 from service.api.chunks import receive_chunk, upload_lock
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
+from service.core.quotas import QuotaLimits
 from service.core.wire import attempt as wire
 from service.store.checkpoints import service as checkpoints
 from service.store.checkpoints import upload_service as uploads
@@ -85,7 +86,15 @@ def _corrupt_if_asked(app: FastAPI, piece: bytes, first: bool) -> bytes:
     summary="Begin (or resume) a checkpoint upload",
     responses={
         200: {"model": wire.UploadStatus, "description": "Begun before: resume from it"},
-        413: {"description": "Bigger than the store accepts (DDPQ_CHECKPOINT_DB_MAX_BYTES)"},
+        413: {
+            "description": "Bigger than the store accepts (DDPQ_CHECKPOINT_DB_MAX_BYTES), or "
+            "than the job's or owner's checkpoint quota leaves (DDPQ_CHECKPOINT_JOB_MAX_BYTES, "
+            "DDPQ_CHECKPOINT_OWNER_MAX_BYTES): a failed save"
+        },
+        429: {
+            "description": "The owner has DDPQ_UPLOADS_IN_FLIGHT_PER_OWNER uploads under way: "
+            "begin again after `Retry-After` seconds"
+        },
     },
     openapi_extra=_body_doc(wire.UploadStart),
 )
@@ -100,7 +109,9 @@ async def begin_upload_route(
     followed checkpoint's workspace file) goes to the checkpoint's row at the commit.
 
     Caller: a rank holding the attempt token (nobody else); 409 ``attempt superseded`` when
-    the attempt is not current; 413 when the store caps files below ``size_bytes``.
+    the attempt is not current; 413 when the store caps files below ``size_bytes`` or the
+    job's or owner's checkpoint quota has no room for them (a ``quota_exceeded`` event);
+    429 with ``Retry-After`` when the owner has too many uploads under way.
     """
     settings = request.app.state.settings
     begun = await _in_thread(
@@ -115,6 +126,7 @@ async def begin_upload_route(
             store_name=settings.checkpoint_store,
             chunk_bytes=settings.checkpoint_chunk_bytes,
             file_name=start.file_name,
+            limits=QuotaLimits.from_settings(settings),
         )
     )
     return _status_json(begun.status, 201 if begun.created else 200)

@@ -20,6 +20,7 @@ from service.api.chunks import in_thread, receive_chunk, upload_lock
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.files import workspace_stores
 from service.api.http import MAX_INT64, json_response
+from service.core.quotas import QuotaLimits
 from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER, MAX_SIZE_BYTES
@@ -113,7 +114,14 @@ def missing_files_route(
     summary="Begin (or resume) a workspace file upload",
     responses={
         200: {"model": wire.FileUploadStatus, "description": "Begun before, or you have it"},
-        413: {"description": "The file alone is over DDPQ_WORKSPACE_MAX_BYTES, or the store's cap"},
+        413: {
+            "description": "The file alone is over DDPQ_WORKSPACE_MAX_BYTES, or the store's "
+            "cap, or your stored files leave no room for it (DDPQ_WORKSPACE_OWNER_MAX_BYTES)"
+        },
+        429: {
+            "description": "You have DDPQ_UPLOADS_IN_FLIGHT_PER_OWNER uploads under way: "
+            "begin again after `Retry-After` seconds"
+        },
     },
     openapi_extra=body_doc(wire.FileUploadStart),
 )
@@ -140,6 +148,7 @@ def begin_file_route(
         store_name=settings.checkpoint_store,
         chunk_bytes=settings.checkpoint_chunk_bytes,
         max_bytes=settings.workspace_max_bytes,
+        limits=QuotaLimits.from_settings(settings),
     )
     return _status(begun.status, 201 if begun.created else 200)
 
@@ -189,6 +198,7 @@ async def file_batch_route(request: Request, ctx: ContextDep) -> batch.BatchAnsw
         kept = uploads.store_file_batch(
             db, stores, owner, batch.split_batch(body, settings.checkpoint_chunk_bytes),
             store_name=settings.checkpoint_store, max_bytes=settings.workspace_max_bytes,
+            limits=QuotaLimits.from_settings(settings),
         )  # fmt: skip
         refused = [batch.BatchRefusal(sha256=s, reason=r) for s, r in kept.refused]
         return batch.BatchAnswer(stored=kept.stored, refused=refused)

@@ -21,6 +21,8 @@ from sqlalchemy.orm import Session
 
 from service.core.artifacts import artifact_relative_path
 from service.core.errors import NotFoundError
+from service.core.quotas import QuotaExceededError, QuotaLimits
+from service.store import quotas
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.tokens import current_state
 from service.store.attempts.values import AttemptRef
@@ -153,6 +155,7 @@ def record_shared(
     artifact_root: Path,
     store_kind: str,
     file_name: str | None = None,
+    limits: QuotaLimits | None = None,
 ) -> CheckpointInfo:
     """Record a checkpoint file rank 0 wrote into the API's own artifact directory (a rank
     sharing this filesystem), once the server verified it; then apply retention and delete
@@ -166,7 +169,11 @@ def record_shared(
         store_kind: ``Settings.checkpoint_store``; only ``filesystem`` accepts a record.
         file_name: the workspace file a followed checkpoint is a version of (checked by the
             wire model); None for ddpq's own.
+        limits: the job's and owner's checkpoint quotas the file must fit (it replaces
+            the checkpoint at ``step``, if any).
     Raises:
+        QuotaExceededError: no room in a checkpoint quota (413; a failed save, with a
+            ``checkpoint_failed`` and a ``quota_exceeded`` event).
         CheckpointInputError: the file cannot be verified (422; the job got a "checkpoint at
             step N not written: …" event first), or ``path`` lies outside the job's
             artifact directory (422).
@@ -193,6 +200,14 @@ def record_shared(
     location = artifact_relative_path(artifact_root, path) or path
 
     def write(session: Session) -> tuple[Checkpoint, list[DoomedFile]]:
+        if limits is not None:
+            job = check_attempt(session, ref.job_id, ref.attempt)
+            replaced = [c.size_bytes for c in crud.list_checkpoints(session, ref.job_id)
+                        if c.step == step]  # fmt: skip
+            quotas.check_checkpoint_room(
+                session, ref.job_id, job.owner, adding=size_bytes, freed=sum(replaced),
+                limits=limits, begins_upload=False,
+            )  # fmt: skip
         return retention.record_and_retain(
             session,
             ref.job_id,
@@ -207,7 +222,15 @@ def record_shared(
             file_name=file_name,
         )
 
-    return _record(db, stores, write)
+    try:
+        return _record(db, stores, write)
+    except QuotaExceededError as exc:
+        with superseded_on_fence(), db.session() as session:
+            check_attempt(session, ref.job_id, ref.attempt)
+            crud.record_checkpoint_failure(session, ref.job_id, ref.attempt, step=step,
+                                           reason=exc.hit.words())  # fmt: skip
+            quotas.record_quota_hit(session, ref.job_id, ref.attempt, exc.hit)
+        raise
 
 
 def delete_rank_checkpoints(

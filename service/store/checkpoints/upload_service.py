@@ -8,6 +8,7 @@ checkpoint's row, is ``service.commit_upload``.
 
 from __future__ import annotations
 
+from service.core.quotas import QuotaExceededError, QuotaLimits
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.tokens import current_state
 from service.store.attempts.values import AttemptRef
@@ -15,10 +16,13 @@ from service.store.checkpoints import uploads
 from service.store.checkpoints.backends.base import CheckpointStoreError, CheckpointTooLargeError
 from service.store.checkpoints.chunks import ChunkReceiver as ChunkReceiver  # for the routes
 from service.store.checkpoints.chunks import UploadHashes as UploadHashes  # for the routes
+from service.store.checkpoints.crud import record_checkpoint_failure
 from service.store.checkpoints.stores import CheckpointStores, discard_partials
 from service.store.checkpoints.values import UploadBegun, UploadStatus
 from service.store.db import Database
 from service.store.models import CheckpointUpload
+from service.store.quotas import record_quota_hit
+from service.store.workers.leases import check_attempt
 
 
 def _status(upload: CheckpointUpload, chunk_bytes: int) -> UploadStatus:
@@ -37,14 +41,19 @@ def begin_upload(
     store_name: str,
     chunk_bytes: int,
     file_name: str | None = None,
+    limits: QuotaLimits | None = None,
 ) -> UploadBegun:
     """Begin the upload of a checkpoint file into store ``store_name``, or find the one this
     attempt began for ``(step, sha256, file_name)`` (resume it). Older pending uploads of the
     job are abandoned and their bytes dropped. ``file_name``: the workspace file a followed
     checkpoint is a version of (its row gets it at the commit); None for ddpq's own.
+    ``limits``: the quotas a new upload must fit (``quotas.check_checkpoint_room``).
 
     Raises:
         CheckpointTooLargeError: the store caps files below ``size_bytes`` (413).
+        QuotaExceededError: over the job's or owner's checkpoint bytes (413: a failed save,
+            with a ``checkpoint_failed`` and a ``quota_exceeded`` event), or the owner's
+            uploads in flight (429 with Retry-After, a ``quota_exceeded`` event).
         StaleAttemptError: the attempt is superseded (409).
     """
     store = stores[store_name]
@@ -55,20 +64,36 @@ def begin_upload(
             f"of {cap} bytes (DDPQ_CHECKPOINT_DB_MAX_BYTES): raise it, or use "
             "DDPQ_CHECKPOINT_STORE=filesystem"
         )
-    with superseded_on_fence(), db.session() as session:
-        upload, created, discards = uploads.begin_upload(
-            session, ref.job_id, ref.attempt, step=step, epoch=epoch, size_bytes=size_bytes,
-            sha256=sha256, store=store.name, file_name=file_name,
-        )  # fmt: skip
-        key = uploads.upload_key(upload)
-        if not created:
-            held = stores[upload.store].received_size(key)
-            uploads.reconcile_received(session, upload, held)
-        status = _status(upload, chunk_bytes)
+    try:
+        with superseded_on_fence(), db.session() as session:
+            upload, created, discards = uploads.begin_upload(
+                session, ref.job_id, ref.attempt, step=step, epoch=epoch,
+                size_bytes=size_bytes, sha256=sha256, store=store.name, file_name=file_name,
+                limits=limits,
+            )  # fmt: skip
+            key = uploads.upload_key(upload)
+            if not created:
+                held = stores[upload.store].received_size(key)
+                uploads.reconcile_received(session, upload, held)
+            status = _status(upload, chunk_bytes)
+    except QuotaExceededError as exc:
+        _note_refusal(db, ref, step, exc)
+        raise
     discard_partials(stores, discards)
     if created:
         store.begin(key)
     return UploadBegun(status, created)
+
+
+def _note_refusal(db: Database, ref: AttemptRef, step: int, exc: QuotaExceededError) -> None:
+    """The job's events for a begin refused by a quota: a failed save (a bytes quota; a
+    429 is retried by the rank, not a failure yet) and the quota's note."""
+    with superseded_on_fence(), db.session() as session:
+        check_attempt(session, ref.job_id, ref.attempt)  # row-locked: one note per attempt
+        if exc.status_code != 429:
+            record_checkpoint_failure(session, ref.job_id, ref.attempt, step=step,
+                                      reason=exc.hit.words())  # fmt: skip
+        record_quota_hit(session, ref.job_id, ref.attempt, exc.hit)
 
 
 def read_upload_status(

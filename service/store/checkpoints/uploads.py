@@ -18,12 +18,14 @@ from sqlalchemy.orm import Session
 
 from service.core.artifacts import relative_checkpoint_path
 from service.core.errors import ConflictError, DdpqError
+from service.core.quotas import QuotaLimits
 from service.core.states import ACTIVE_STATES
 from service.store.checkpoints.backends.base import UploadKey
 from service.store.checkpoints.crud import record_checkpoint_failure
 from service.store.checkpoints.retention import record_and_retain
 from service.store.checkpoints.values import DoomedFile, PendingDiscard
 from service.store.models import Checkpoint, CheckpointUpload, Job, utcnow
+from service.store.quotas import check_checkpoint_room
 from service.store.workers.leases import check_attempt
 
 RECEIVING, COMMITTED, ABANDONED = "receiving", "committed", "abandoned"
@@ -72,6 +74,7 @@ def begin_upload(
     sha256: str,
     store: str,
     file_name: str | None = None,
+    limits: QuotaLimits | None = None,
 ) -> tuple[CheckpointUpload, bool, list[PendingDiscard]]:
     """Begin (or find again) the upload of one checkpoint file of the current attempt
     (``file_name``: the workspace file a followed checkpoint is a version of, kept for the
@@ -83,12 +86,17 @@ def begin_upload(
     step with other bytes, or of an earlier attempt) are abandoned: only the newest
     checkpoint needs to go.
 
+    With ``limits``, a new upload is begun only when its ``size_bytes`` fit the job's and
+    its owner's checkpoint quotas and the owner's uploads in flight
+    (``quotas.check_checkpoint_room``); a resumed one was counted when it began.
+
     Returns:
         ``(upload, created, discards)``: drop the ``discards``' bytes after commit.
     Raises:
         StaleAttemptError / NotFoundError: the attempt is fenced off.
+        QuotaExceededError: over a quota (nothing written; roll back).
     """
-    check_attempt(session, job_id, attempt)
+    job = check_attempt(session, job_id, attempt)
     existing = session.scalars(
         select(CheckpointUpload)
         .where(
@@ -116,6 +124,12 @@ def begin_upload(
     now = utcnow()
     for old in superseded:
         old.state, old.updated_at = ABANDONED, now
+    if limits is not None:
+        session.flush()
+        check_checkpoint_room(
+            session, job_id, job.owner, adding=size_bytes, limits=limits,
+            freed=sum(old.received_bytes for old in superseded),
+        )  # fmt: skip
     upload = CheckpointUpload(
         job_id=job_id,
         attempt=attempt,

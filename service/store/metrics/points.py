@@ -8,14 +8,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Row, and_, func, select, text, update
+from sqlalchemy import CursorResult, and_, func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from service.core.limits import METRIC_PAGE_POINTS
 from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
+from service.core.quotas import MetricQuotas
 from service.core.states import ACTIVE_STATES
+from service.store.metrics.quotas import quota_refusal, window_start
 from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
 from service.store.workers.leases import fence_attempt, lock_attempt
@@ -34,9 +36,21 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 # merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
 # step keeps its first value, as the metrics table does).
 _PG_RECORD = text(
-    "WITH job AS (SELECT attempt, state, latest_metrics FROM jobs WHERE id = :job_id FOR UPDATE), "
-    "ok AS (SELECT FROM job WHERE job.attempt = :attempt "
-    "AND job.state = ANY(CAST(:active AS varchar[]))), "
+    "WITH job AS (SELECT attempt, state, latest_metrics, metric_window_at, metric_window_points "
+    "FROM jobs WHERE id = :job_id FOR UPDATE), "
+    # The quotas, read from the locked row: names stored (latest_metrics holds one entry per
+    # name with a current point) and new in this batch, and the points of the current window.
+    "lm AS (SELECT CASE WHEN json_typeof(job.latest_metrics) = 'object' "
+    "THEN job.latest_metrics::jsonb ELSE '{}'::jsonb END AS m, "
+    "CASE WHEN job.metric_window_at > :window_start "
+    "THEN COALESCE(job.metric_window_points, 0) ELSE 0 END AS window_points FROM job), "
+    "room AS (SELECT (SELECT count(*) FROM jsonb_object_keys(lm.m)) AS stored_names, "
+    "(SELECT count(*) FROM json_array_elements_text(CAST(:names AS json)) AS n(name) "
+    "WHERE NOT jsonb_exists(lm.m, n.name)) AS new_names, lm.window_points FROM lm), "
+    "ok AS (SELECT FROM job, room WHERE job.attempt = :attempt "
+    "AND job.state = ANY(CAST(:active AS varchar[])) "
+    "AND (room.new_names = 0 OR room.stored_names + room.new_names <= :max_names) "
+    "AND (:n = 0 OR room.window_points + :n <= :per_minute)), "
     "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time, ranks) "
     "SELECT :job_id, u.name, u.step, :attempt, u.epoch, u.value, u.time, u.ranks "
     "FROM json_to_recordset(CAST(:points AS json)) AS u(name varchar, step bigint, "
@@ -45,6 +59,9 @@ _PG_RECORD = text(
     "ON CONFLICT DO NOTHING RETURNING 1), "
     "upd AS (UPDATE jobs SET updated_at = :now, "
     "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
+    "metric_window_at = CASE WHEN jobs.metric_window_at > :window_start "
+    "THEN jobs.metric_window_at ELSE :now END, "
+    "metric_window_points = (SELECT window_points FROM room) + (SELECT count(*) FROM ins), "
     "latest_metrics = COALESCE((SELECT json_object_agg(COALESCE(n.key, o.key), CASE "
     "WHEN n.key IS NULL THEN o.value WHEN o.key IS NULL THEN n.value "
     "WHEN COALESCE((o.value->>'step')::bigint, -1) < (n.value->>'step')::bigint THEN n.value "
@@ -53,7 +70,9 @@ _PG_RECORD = text(
     "THEN jobs.latest_metrics::jsonb ELSE '{}'::jsonb END) AS o "
     "FULL JOIN jsonb_each(CAST(:newest AS jsonb)) AS n ON o.key = n.key), '{}'::json) "
     "WHERE jobs.id = :job_id AND EXISTS (SELECT FROM ok)) "
-    "SELECT job.attempt, job.state, (SELECT count(*) FROM ins) AS inserted FROM job"
+    "SELECT job.attempt, job.state, (SELECT count(*) FROM ins) AS inserted, "
+    "EXISTS (SELECT FROM ok) AS taken, room.stored_names, room.new_names, room.window_points, "
+    "job.metric_window_at FROM job, room"
 )
 # SQLite: one cached INSERT OR IGNORE run as executemany (sqlite3 sums rowcount over rows).
 _SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
@@ -95,25 +114,21 @@ def _points_json(points: Sequence[CheckedPoint]) -> str:
 
 def _insert_points_sqlite(
     session: Session, job_id: int, attempt: int, points: Sequence[CheckedPoint]
-) -> tuple[Row[Any], int]:
-    """Fence the attempt, then insert ``points`` (duplicates ignored) as one executemany.
+) -> int:
+    """Insert ``points`` of the fenced attempt (duplicates ignored) as one executemany; the
+    number of rows inserted. The caller fenced the attempt (``leases.lock_attempt``).
 
-    Returns:
-        ``(job, inserted)``: the job's fence columns (see ``leases.lock_attempt``) and the
-        number of rows inserted.
     Raises:
-        NotFoundError / StaleAttemptError: see ``leases.check_attempt`` (nothing is inserted).
         ValueError: a naive point ``time``.
     """
     cols = _points_params(points)
-    job = lock_attempt(session, job_id, attempt)
     rows = [
         {"job_id": job_id, "attempt": attempt, "name": n, "step": s, "epoch": e}
         | {"value": v, "time": t, "ranks": r}
         for n, s, e, v, t, r in zip(*cols.values(), strict=True)
     ]
     result = session.connection().execute(_SQLITE_INSERT_POINTS, rows)
-    return job, int(cast(CursorResult[Any], result).rowcount)
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 def _newest(points: Sequence[CheckedPoint]) -> dict[str, dict[str, Any]]:
@@ -149,6 +164,7 @@ def record_metrics(
     points: Sequence[CheckedPoint],
     *,
     progress: dict[str, Any] | None = None,
+    quotas: MetricQuotas | None = None,
 ) -> int:
     """Insert ``points`` for the current attempt; duplicates of (job, name, step) are ignored.
 
@@ -159,39 +175,74 @@ def record_metrics(
     passes through as it is.
     Also merges each name's newest value into ``jobs.latest_metrics`` and, when given,
     replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``). The
-    fence, the insert and the job update run in the caller's transaction: one statement on
-    PostgreSQL (so ``Database.session(one_statement=True)`` may run it), three on SQLite.
+    fence, the quotas, the insert and the job update run in the caller's transaction: one
+    statement on PostgreSQL (so ``Database.session(one_statement=True)`` may run it), three
+    or four on SQLite.
+
+    ``quotas``: a batch that would bring the job past ``max_names`` names, or its window
+    past ``per_minute`` points, is refused whole (nothing stored, progress included): a
+    batch is stored entirely or not at all, so the rank's resend keeps each point once.
+    The window counts the points stored (a resent duplicate counts nothing).
 
     Returns:
         The number of rows actually inserted.
     Raises:
         StaleAttemptError / NotFoundError: see ``leases.check_attempt``.
+        QuotaExceededError: over a quota (422 names, 429 rate with ``retry_after_s``).
         ValueError: a point neither database could store alike (see ``checked_point``).
     """
     points = [checked_point(p) for p in points]  # a CheckedPoint: returned as it is
     newest = _newest(points)
+    limits = quotas or MetricQuotas(max_names=2**62, per_minute=2**62)
+    now = utcnow()
     if session.get_bind().dialect.name == "postgresql":
         params = {
             "job_id": job_id,
             "attempt": attempt,
             "active": sorted(_ACTIVE),
             "points": _points_json(points),
-            "now": utcnow(),
+            "now": now,
             "set_progress": progress is not None,
             "progress": json.dumps(_json_progress(progress)) if progress is not None else None,
             "newest": json.dumps(newest),
+            "names": json.dumps(list(newest)),
+            "n": len(points),
+            "max_names": limits.max_names,
+            "per_minute": limits.per_minute,
+            "window_start": window_start(now),
         }
         row = fence_attempt(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
+        if not row.taken:
+            refusal = quota_refusal(
+                limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
+                window_points=int(row.window_points), window_at=row.metric_window_at,
+                n=len(points), now=now,
+            )  # fmt: skip
+            assert refusal is not None  # the fence passed: only a quota refuses
+            raise refusal
         return int(row.inserted)
-    if points:
-        job, inserted = _insert_points_sqlite(session, job_id, attempt, points)
-    else:
-        job, inserted = lock_attempt(session, job_id, attempt), 0
-    values: dict[str, Any] = {"updated_at": utcnow()}
+    job = lock_attempt(session, job_id, attempt)
+    window_at, window_points = session.execute(
+        select(Job.metric_window_at, Job.metric_window_points).where(Job.id == job_id)
+    ).one()
+    if window_at is None or window_at <= window_start(now):
+        window_at, window_points = now, 0
+    stored = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
+    refusal = quota_refusal(
+        limits, stored_names=len(stored), new_names=len(set(newest) - set(stored)),
+        window_points=int(window_points or 0), window_at=window_at, n=len(points), now=now,
+    )  # fmt: skip
+    if refusal is not None:
+        raise refusal
+    inserted = _insert_points_sqlite(session, job_id, attempt, points) if points else 0
+    values: dict[str, Any] = {"updated_at": now}
     if newest:
         values["latest_metrics"] = _merge_latest(job.latest_metrics, newest)
     if progress is not None:
         values["progress"] = _json_progress(progress)
+    if inserted:
+        values["metric_window_at"] = window_at
+        values["metric_window_points"] = int(window_points or 0) + inserted
     if len(values) > 1:
         session.execute(update(Job).where(Job.id == job_id).values(**values))
     return inserted

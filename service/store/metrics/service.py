@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.core.metrics.points import CheckedPoint
+from service.core.quotas import MetricQuotas, QuotaExceededError
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.values import AttemptRef
 from service.store.db import Database
@@ -24,7 +25,10 @@ from service.store.metrics.points import (
     query_points,
     record_metrics,
 )
+from service.store.metrics.quotas import check_batch_size
 from service.store.metrics.values import MetricPage
+from service.store.quotas import record_quota_hit
+from service.store.workers.leases import check_attempt
 
 
 def record_batch(
@@ -33,18 +37,32 @@ def record_batch(
     points: Sequence[CheckedPoint],
     *,
     progress: dict[str, Any] | None,
+    quotas: MetricQuotas | None = None,
 ) -> int:
     """Store a rank's batch of checked points and, when given, the job's progress snapshot,
     in one fenced write (one autocommit statement on PostgreSQL). Idempotent per
-    (job, name, step).
+    (job, name, step). ``quotas``: the job's metric names and points per minute; a batch
+    over one is refused whole, and the job gets a ``quota_exceeded`` event (once per
+    attempt and quota).
 
     Returns:
         The number of points inserted (0 for a resent batch).
     Raises:
         StaleAttemptError: the attempt is superseded (409, nothing stored).
+        QuotaExceededError: over a metric quota (422 names or a batch bigger than the rate;
+            429 with ``retry_after_s`` for the rate), nothing stored.
     """
-    with superseded_on_fence(), db.session(one_statement=True) as session:
-        return record_metrics(session, ref.job_id, ref.attempt, points, progress=progress)
+    try:
+        if quotas is not None:
+            check_batch_size(len(points), quotas)
+        with superseded_on_fence(), db.session(one_statement=True) as session:
+            return record_metrics(session, ref.job_id, ref.attempt, points, progress=progress,
+                                  quotas=quotas)  # fmt: skip
+    except QuotaExceededError as exc:
+        with superseded_on_fence(), db.session() as session:
+            check_attempt(session, ref.job_id, ref.attempt)  # row-locked: one note
+            record_quota_hit(session, ref.job_id, ref.attempt, exc.hit)
+        raise
 
 
 def read_metric_page(

@@ -17,9 +17,11 @@ from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import DdpqError, NotFoundError, SpecValidationError
+from service.core.quotas import QuotaLimits
 from service.core.wire.workspace import Manifest
 from service.store.checkpoints.uploads import UploadStateError
 from service.store.models import Workspace, WorkspaceFile, WorkspaceUpload, utcnow
+from service.store.quotas import check_uploads_in_flight, check_workspace_room
 
 RECEIVING, COMMITTED, ABANDONED = "receiving", "committed", "abandoned"
 # sha256 values per IN (...) list: well below every driver's bound on parameters.
@@ -119,10 +121,21 @@ def touch_files(
 
 
 def begin_upload(
-    session: Session, owner: str, *, sha256: str, size_bytes: int, store: str
+    session: Session,
+    owner: str,
+    *,
+    sha256: str,
+    size_bytes: int,
+    store: str,
+    limits: QuotaLimits | None = None,
 ) -> tuple[WorkspaceUpload, bool]:
     """The upload of ``(owner, sha256)``: the committed one of a file the owner has, else one
-    begun before and still receiving, else a new one (``created`` True)."""
+    begun before and still receiving, else a new one (``created`` True), which must fit the
+    owner's workspace bytes and uploads in flight (``limits``).
+
+    Raises:
+        QuotaExceededError: a new upload over a quota (413 bytes, 429 uploads in flight).
+    """
     held = find_file(session, owner, sha256)
     if held is not None:
         return session.get_one(WorkspaceUpload, held.upload_id), False
@@ -139,6 +152,9 @@ def begin_upload(
     ).one_or_none()
     if existing is not None:
         return existing, False
+    if limits is not None:
+        check_workspace_room(session, owner, adding=size_bytes, limits=limits)
+        check_uploads_in_flight(session, owner, limit=limits.uploads_in_flight_per_owner)
     now = utcnow()
     upload = WorkspaceUpload(
         owner=owner, sha256=sha256, size_bytes=size_bytes, received_bytes=0, state=RECEIVING,

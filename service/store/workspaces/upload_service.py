@@ -15,6 +15,7 @@ import hashlib
 from collections.abc import Sequence
 
 from service.core.errors import ConflictError
+from service.core.quotas import QuotaLimits
 from service.core.wire.batch import BATCH_FILE_MAX_BYTES
 from service.core.wire.workspace import FileRef, check_limits
 from service.store.checkpoints.backends.base import (
@@ -29,6 +30,7 @@ from service.store.checkpoints.stores import CheckpointStores
 from service.store.checkpoints.uploads import UploadStateError
 from service.store.db import Database
 from service.store.models import WorkspaceUpload
+from service.store.quotas import check_workspace_room
 from service.store.workspaces import batches, crud
 from service.store.workspaces.stores import upload_key
 from service.store.workspaces.values import BatchStored, FileUploadBegun, FileUploadState
@@ -59,14 +61,19 @@ def begin_file_upload(
     store_name: str,
     chunk_bytes: int,
     max_bytes: int,
+    limits: QuotaLimits | None = None,
 ) -> FileUploadBegun:
     """Begin the upload of one workspace file of ``size_bytes`` bytes into ``store_name``, or
     find the owner's upload of it begun before (resume it), or the committed one when the
     owner already has the file.
 
+    ``limits``: the owner's quotas a new upload must fit.
+
     Raises:
         WorkspaceTooLargeError: the file alone is over ``max_bytes`` (413).
         CheckpointTooLargeError: the store caps files below ``size_bytes`` (413).
+        QuotaExceededError: over the owner's workspace bytes (413) or uploads in flight
+            (429 with Retry-After).
     """
     check_limits([(f"the file with sha256 {sha256}", size_bytes)], max_bytes, 1)
     store = _store(stores, store_name)
@@ -79,8 +86,9 @@ def begin_file_upload(
         )
     with db.session() as session:
         upload, created = crud.begin_upload(
-            session, owner, sha256=sha256, size_bytes=size_bytes, store=store.name
-        )
+            session, owner, sha256=sha256, size_bytes=size_bytes, store=store.name,
+            limits=limits,
+        )  # fmt: skip
         if not created and upload.state == crud.RECEIVING:
             held = _store(stores, upload.store).received_size(upload_key(upload.id))
             crud.reconcile_received(session, upload, held)
@@ -254,6 +262,7 @@ def store_file_batch(
     *,
     store_name: str,
     max_bytes: int,
+    limits: QuotaLimits | None = None,
 ) -> BatchStored:
     """Keep the owner's whole small files ``files`` (``(ref, data)`` pairs, split from a
     batch body) that match their sha256, in ``store_name``: their upload rows reserved in one
@@ -263,8 +272,10 @@ def store_file_batch(
 
     Args:
         max_bytes: the workspace bytes cap (``DDPQ_WORKSPACE_MAX_BYTES``), here per file.
+        limits: the owner's workspace bytes quota the new files must fit, all together.
 
     Raises:
+        QuotaExceededError: the new files do not fit the owner's quota (413, none kept).
         CheckpointStoreError: the store is not available here or could not write the bytes
             (503: nothing of the batch is kept; send it again).
         ConflictError: a concurrent commit got in between (409: send the batch again).
@@ -285,6 +296,9 @@ def store_file_batch(
     with db.session() as session:
         present = crud.present_sha256s(session, owner, good)
         new = [pair for sha256, pair in good.items() if sha256 not in present]
+        if limits is not None and new:
+            check_workspace_room(session, owner, adding=sum(r.size_bytes for r, _ in new),
+                                 limits=limits)  # fmt: skip
         ids = batches.reserve_uploads(session, owner, [r for r, _ in new], store.name)
     if new:
         keys = [upload_key(upload_id) for upload_id in ids]

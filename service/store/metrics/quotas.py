@@ -1,0 +1,63 @@
+"""The metric quotas of one job: distinct names (``DDPQ_METRIC_NAMES_PER_JOB``) and points
+stored per minute (``DDPQ_METRIC_POINTS_PER_MINUTE``), decided from the job's row inside the
+ingest's one statement (``points.record_metrics``): ``jobs.latest_metrics`` holds one entry
+per name with a current point, and ``jobs.metric_window_at`` / ``metric_window_points`` the
+current window (it starts at the first point stored after the previous one ended), so the
+count holds across API processes with no extra round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+
+from service.core.quotas import MetricQuotas, QuotaExceededError, QuotaHit
+
+# The rate's window (seconds): DDPQ_METRIC_POINTS_PER_MINUTE counts points per window.
+RATE_WINDOW_S = 60
+
+
+def window_start(now: datetime) -> datetime:
+    """Where the rate window that holds ``now`` may begin at the earliest."""
+    return now - timedelta(seconds=RATE_WINDOW_S)
+
+
+def quota_refusal(
+    quotas: MetricQuotas,
+    *,
+    stored_names: int,
+    new_names: int,
+    window_points: int,
+    window_at: datetime | None,
+    n: int,
+    now: datetime,
+) -> QuotaExceededError | None:
+    """The refusal of a batch of ``n`` points bringing ``new_names`` names not yet stored
+    (``stored_names`` are), into a window holding ``window_points`` since ``window_at``;
+    None when it fits."""
+    if new_names and stored_names + new_names > quotas.max_names:
+        hit = QuotaHit("metric names per job", quotas.max_names, stored_names + new_names,
+                       "DDPQ_METRIC_NAMES_PER_JOB", "names")  # fmt: skip
+        return QuotaExceededError(hit, status_code=422)
+    if n and window_points + n > quotas.per_minute:
+        hit = QuotaHit("metric points per job per minute", quotas.per_minute,
+                       window_points + n, "DDPQ_METRIC_POINTS_PER_MINUTE", "points")  # fmt: skip
+        left_s = float(RATE_WINDOW_S)
+        if window_at is not None:
+            left_s = (window_at + timedelta(seconds=RATE_WINDOW_S) - now).total_seconds()
+        # Clamped: another API host's clock may run ahead of ours.
+        retry_s = min(RATE_WINDOW_S, max(1, math.ceil(left_s)))
+        return QuotaExceededError(hit, status_code=429, retry_after_s=retry_s)
+    return None
+
+
+def check_batch_size(n: int, quotas: MetricQuotas) -> None:
+    """Raise when a batch of ``n`` points could never fit the rate, however long it waits.
+
+    Raises:
+        QuotaExceededError: ``n`` > ``per_minute`` (422: send smaller batches).
+    """
+    if n > quotas.per_minute:
+        hit = QuotaHit("metric points per job per minute", quotas.per_minute, n,
+                       "DDPQ_METRIC_POINTS_PER_MINUTE", "points")  # fmt: skip
+        raise QuotaExceededError(hit, status_code=422)

@@ -1,0 +1,55 @@
+"""The rank's metrics sink against a real API whose job is at its points-per-minute quota:
+the refused batch (429 with Retry-After) stays in the backlog, is sent again once the window
+has passed, and every point is stored exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from service.core.config import Settings
+from service.store.db import Database
+from service.store.models import Job, JobEvent, utcnow
+from tests.integration.test_runtime_sink import loss_values
+from tests.rank_api import LiveApi, attempt_client, live_api, running_job
+from tests.waiting import wait_until
+from worker.runtime.metrics.sink import ApiSink
+
+PER_MINUTE = 100
+
+
+@pytest.fixture
+def api(db: Database, settings: Settings) -> Iterator[LiveApi]:
+    with live_api(settings.model_copy(update={"metric_points_per_minute": PER_MINUTE})) as served:
+        yield served
+
+
+def test_a_batch_refused_for_the_rate_is_sent_again_after_retry_after_and_stored_once(
+    db: Database, api: LiveApi, tmp_path: Path
+) -> None:
+    job_id, attempt = running_job(db)
+    with db.session() as s:  # the job's window is nearly full and ends in about 2 s
+        job = s.get_one(Job, job_id)
+        job.metric_window_at = utcnow() - timedelta(seconds=58)
+        job.metric_window_points = PER_MINUTE - 5
+    sink = ApiSink(None, attempt_client(db, api.url, job_id, attempt),
+                   spill_path=tmp_path / "spill.jsonl")  # fmt: skip
+    for step in range(1, 21):
+        sink.report(step, 0, torch.tensor(float(step)))
+    sink.flush()
+
+    def refused_once() -> bool:
+        with db.session(write=False) as s:
+            events = s.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
+            return "quota_exceeded" in events
+
+    wait_until(refused_once, 30, "the rate's refusal noted on the job")
+    assert sink.drain(timeout_s=30), "sent once the window passed"
+    sink.close()
+    assert loss_values(db, job_id) == {s: float(s) for s in range(1, 21)}
+    assert sink.discarded == 0 and sink.written == 20
