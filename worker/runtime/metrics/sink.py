@@ -210,6 +210,7 @@ class ApiSink(MetricsSink):
         Returns:
             True when nothing is left to write, False when ``timeout_s`` passed first.
         """
+
         def idle() -> bool:
             with self._progress_lock:
                 return self._progress is None and self._timeline is None and not self._backlog
