@@ -1,10 +1,12 @@
 """What a worker tells people about an attempt beyond its state, as job events: a CPU job
-with more ranks than the worker has cores, and the batch scheduler's reason for keeping a
-submitted attempt pending (asked for all pending attempts at once, recorded when it changes).
+with more ranks than the worker has cores, the batch scheduler's reason for keeping a
+submitted attempt pending (asked for all pending attempts at once, recorded when it changes),
+and what a launcher noted about an ended attempt (``RunStatus.notes``: a log cut at its cap).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -15,6 +17,8 @@ from service.core.spec.model import JobSpec
 from worker.control.records import WorkerRecords
 from worker.decisions import HeldRun
 from worker.launchers.base import Launcher, PendingExplainer, RunPhase, RunStatus
+
+log = logging.getLogger(__name__)
 
 # Seconds between two pending-reason queries (one squeue for all pending attempts).
 PENDING_REASON_POLL_S = 5.0
@@ -105,3 +109,17 @@ class PendingReasons:
         for job_id, attempt, code in self.changed(pending, reasons):
             if records.note_pending_reason(job_id, attempt, code, describe_slurm_reason(code)):
                 self.remember(job_id, attempt, code)
+
+
+def post_status_notes(records: WorkerRecords, run: HeldRun, status: RunStatus) -> None:
+    """Post ``status.notes`` as the attempt's job events, once per run (before its outcome
+    is applied: a note of an ended attempt's holder is refused). A note the API refuses or
+    cannot take now is logged and not retried: the outcome matters more."""
+    if run.notes_posted or not status.notes:
+        return
+    run.notes_posted = True
+    for kind, data in status.notes:
+        try:
+            records.note(run.job_id, run.attempt, kind, data)
+        except Exception as exc:
+            log.warning("job_id=%d: %s note not recorded: %s", run.job_id, kind, exc)

@@ -42,6 +42,7 @@ class HeldRun:
     launch_error: str | None = None
     cancel_requested: bool = False
     cancel_sent: bool = False
+    notes_posted: bool = False  # the ended attempt's launcher notes (``RunStatus.notes``)
     # The token its ranks get, minted by the claim (adopted runs are never launched here).
     attempt_token: str = field(default="", repr=False)
     # The worker's monotonic clock (seconds) just before it sent the last call that leased

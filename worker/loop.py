@@ -39,7 +39,7 @@ from service.core.errors import (
     WorkerTokenRefusedError,
 )
 from service.core.launchers import launcher_traits
-from worker.attempt_notes import PendingReasons, usable_cpus
+from worker.attempt_notes import PendingReasons, post_status_notes, usable_cpus
 from worker.control.fences import LeaseFence
 from worker.control.records import WorkerRecords
 from worker.control.shutdown import shut_down
@@ -343,7 +343,9 @@ class WorkerLoop:
         if run.cancel_requested and not run.cancel_sent:
             self._send_cancel(run)
             status = None  # observe the job after the cancel
-        decision = decide_on_status(run, status or self.launcher.poll(run.handle))
+        status = status or self.launcher.poll(run.handle)
+        post_status_notes(self.records, run, status)
+        decision = decide_on_status(run, status)
         if decision is not None:
             self.apply(run, decision)
 

@@ -110,6 +110,11 @@ def test_ranks_writing_far_past_the_cap_leave_capped_logs_and_still_succeed(
         assert not (attempt_dir / f"rank-{rank}.log.pipe").exists()  # the FIFO is gone
     launcher_log = (attempt_dir / "launcher.log").read_bytes()
     assert len(launcher_log) <= CAP + 200 and MARKER_RE.search(launcher_log)
+    # Each cut log is a job event the worker posts, with what was written and the setting.
+    noted = {data["quota"]: data for kind, data in status.notes if kind == "quota_exceeded"}
+    assert set(noted) == {"log rank-0.log", "log rank-1.log", "log launcher.log"}, noted
+    assert noted["log rank-0.log"]["setting"] == "DDPQ_RANK_LOG_MAX_BYTES"
+    assert noted["log rank-0.log"]["asked"] > WRITTEN
 
 
 def test_a_rank_opening_files_without_end_fails_at_its_nofile_limit(tmp_path: Path) -> None:

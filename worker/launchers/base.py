@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from service.core import artifacts
+from service.core.events import EventKind
 from service.core.spec.model import JobSpec
 from worker.attempt import ATTEMPT_TOKEN, FailureReason
 
@@ -69,6 +70,9 @@ class RunStatus:
     reason: str | None = None
     exit_code: int | None = None
     failure: FailureReason | None = None
+    # Job events the launcher saw reason for (``kind``, ``data``: ``service.core.events``),
+    # e.g. a rank log cut at its cap; the loop posts them once, before the outcome.
+    notes: tuple[tuple[EventKind, Mapping[str, Any]], ...] = ()
 
 
 # What a launcher needs beyond argv/env to start its plan: a frozen dataclass of its own

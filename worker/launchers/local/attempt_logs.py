@@ -57,6 +57,7 @@ class AttemptLogs:
         owner: ``(uid, gid)`` the FIFOs are given to (the rank user), else the worker's.
         """
         self.job_id, self.attempt = job_id, attempt
+        self.cap_bytes = cap_bytes
         self._selector = selectors.DefaultSelector()
         self._logs: dict[int, CappedLog] = {}  # read fd → its file
         self._keep: list[int] = []  # our own write ends of the FIFOs

@@ -43,9 +43,9 @@ def cut_marker(cut_bytes: int, cap_bytes: int) -> bytes:
 
 class CappedLog:
     """One log file written through ``write``, never holding more than about ``cap_bytes``
-    (see the module docstring). Created (mode 0644) at the first write, so a rank that writes
-    nothing leaves no file. A file already at ``path`` (even a link) is never opened: the log
-    is then dropped, as on a full disk.
+    (see the module docstring). Created (truncated, mode 0644) at the first write, so a rank
+    that writes nothing leaves no file. A symbolic link at ``path`` is never followed: the
+    log is then dropped, as on a full disk.
 
     Errors writing the file (a full disk) are logged once; the bytes are then dropped, the
     caller is never blocked nor raised at: its producer must keep running.
@@ -91,10 +91,10 @@ class CappedLog:
 
     def _open(self) -> int:
         if self._fd is None:
-            # O_EXCL: never through a name the rank user put there first (a link to a file of
-            # the worker's would be truncated and overwritten with the rank's bytes); such a
-            # log is refused (OSError: logged once, its bytes dropped).
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            # O_NOFOLLOW: never through a link the rank user put at the log's name (the
+            # worker would truncate the link's target and fill it with the rank's bytes);
+            # such a log is refused (OSError: logged once, its bytes dropped).
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             self._fd = os.open(self.path, flags, 0o644)
         return self._fd
 

@@ -255,7 +255,9 @@ class LocalLauncher:
         log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
         try:
             stale = prepare_attempt_dir(plan, self.artifact_dir, self.rank_user)
-            log_file = open(log_path, "ab")  # noqa: SIM115 - closed when the run ends
+            # Never through a link planted in the rank user's directory (the worker may be root).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            log_file = os.fdopen(os.open(log_path, flags, 0o644), "ab")
             started_fs_ns = os.fstat(log_file.fileno()).st_mtime_ns
         except (OSError, ValueError) as exc:
             raise LaunchError(f"could not prepare {log_path.parent}: {exc}") from exc

@@ -9,14 +9,18 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from service.core import artifacts
+from service.core.events import EventKind
 from worker.attempt import STOP_UPLOAD_S, FailureReason, read_rank_errors, stop_upload_marker
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
 from worker.launchers.failure_text import attempt_failure, is_peer_lost
 from worker.launchers.local.attempt_logs import AttemptLogs
+from worker.launchers.local.capped_log import SETTING as LOG_CAP_SETTING
 from worker.launchers.local.cgroups import JobCgroup
 from worker.launchers.local.process_groups import kill_attempt, term_and_wait
 from worker.launchers.local.process_limits import limit_hint
@@ -135,5 +139,22 @@ def finish(run: LocalRun, artifact_dir: Path) -> RunStatus:
         hint = run.limit_hit or limit_hint(failure.text)
         text = failure.text if hint is None else f"{failure.text} ({hint})"
         status = RunStatus(RunPhase.FAILED, text, rc, failure=failure.reason)
+    status = replace(status, notes=log_cut_notes(run.logs))
     run.final = status
     return status
+
+
+def log_cut_notes(logs: AttemptLogs) -> tuple[tuple[EventKind, Mapping[str, Any]], ...]:
+    """One ``quota_exceeded`` note per log of the attempt that was cut at its cap: the bytes
+    written to it (``asked``), the cap (``limit``) and the setting to raise."""
+    notes: list[tuple[EventKind, Mapping[str, Any]]] = []
+    for name, cut in sorted(logs.cut_bytes.items()):
+        data = {
+            "quota": f"log {name}",
+            "limit": logs.cap_bytes,
+            "asked": logs.cap_bytes + cut,
+            "setting": LOG_CAP_SETTING,
+            "unit": "bytes",
+        }
+        notes.append((EventKind.QUOTA_EXCEEDED, data))
+    return tuple(notes)
