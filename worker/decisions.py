@@ -45,6 +45,8 @@ class HeldRun:
     notes_posted: bool = False  # the ended attempt's launcher notes (``RunStatus.notes``)
     # The token its ranks get, minted by the claim (adopted runs are never launched here).
     attempt_token: str = field(default="", repr=False)
+    # The job's owner, from the claim: whose Unix user runs its ranks (None: not told).
+    owner: str | None = None
     # The worker's monotonic clock (seconds) just before it sent the last call that leased
     # the job to it (claim, adoption or heartbeat): the API's lease runs ``lease_s`` from a
     # moment no earlier, so it cannot lapse before ``renewed_mono + lease_s``. None: unknown
@@ -62,6 +64,7 @@ class HeldRun:
             restarts=job.restarts,
             max_restarts=job.max_restarts,
             attempt_token=job.attempt_token,
+            owner=job.owner,
             renewed_mono=renewed_mono,
         )
 

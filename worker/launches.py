@@ -21,7 +21,13 @@ from service.core.spec.model import JobSpec
 from worker.attempt_notes import oversubscription_note
 from worker.control.records import WorkerRecords
 from worker.decisions import GpuPool, HeldRun
-from worker.launchers.base import ArrayStarter, Launcher, LaunchPlan, with_attempt_token
+from worker.launchers.base import (
+    ArrayStarter,
+    Launcher,
+    LaunchPlan,
+    with_attempt_token,
+    with_owner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ class Launches:
                 self._record(list(zip(runs, handles, strict=True)))
 
     def _prepare(self, run: HeldRun, spec_data: dict[str, Any]) -> LaunchPlan[Any] | None:
-        """The attempt's plan with its GPUs and its attempt token; None (and the run's
+        """The attempt's plan with its GPUs, its owner and its attempt token; None (and the run's
         ``launch_error`` set) when it cannot be made."""
         try:
             spec = JobSpec.model_validate(spec_data)
@@ -120,7 +126,7 @@ class Launches:
             # The ranks' only credential: this attempt's token, minted by the claim.
             if not run.attempt_token:
                 raise RuntimeError("the claim carried no attempt token for the ranks")
-            return with_attempt_token(plan, run.attempt_token)
+            return with_attempt_token(with_owner(plan, run.owner), run.attempt_token)
         except Exception as exc:
             _failed(run, exc)
             return None

@@ -174,7 +174,7 @@ def run_worker(
         slots: how many jobs it runs at once.
         stop: set it to stop the worker from another thread.
     The process makes itself non-dumpable first (``worker.processes.make_undumpable``): it
-    holds the worker token, and its ranks (the same user, unless ``DDPQ_RANK_USER``) must
+    holds the worker token, and its ranks (the same user, unless ``DDPQ_RANK_USERS``) must
     not read it from ``/proc/<worker pid>/environ`` or its memory. The ranks get the API's
     URL (the worker's own: set ``DDPQ_API_URL`` on a worker that does not run beside the
     API) and a per-attempt token the claim brought, never the worker token.
@@ -183,29 +183,33 @@ def run_worker(
         WorkerConfigError: a database URL is set, or no worker token (``worker_credentials``).
         WorkerTokenRefusedError / WorkerTokenMismatchError: the API refused the token (e.g.
             revoked); the ranks of the worker's jobs were stopped first.
-        LaunchError: unknown launcher; ``DDPQ_RANK_USER`` set but not running as root, or no
-            such user; users' code allowed with auth on but no ``DDPQ_RANK_USER``.
+        LaunchError: unknown launcher; ``DDPQ_RANK_USERS`` (or ``DDPQ_RANK_USER``) set but
+            not running as root, or a user it names does not exist; users' code allowed with
+            auth on but neither set.
     """
     ensure_logging()
     api_url, token = worker_credentials(settings)
     make_undumpable()
     user_code_here = uses_host_gpus(launcher) and settings.user_code == "allow"
-    if user_code_here and settings.auth_enabled and not settings.rank_user:
+    mapped = settings.rank_user_map.configured
+    if user_code_here and settings.auth_enabled and not mapped:
         # With auth on, several people's scripts run here: never as the worker's user, who
         # holds the database URL and every job's files.
         raise LaunchError(
             "DDPQ_USER_CODE=allow with auth on runs users' own scripts on this host: set "
-            "DDPQ_RANK_USER to an unprivileged user (and run the worker as root) so they "
-            "cannot reach the worker's credentials, or set DDPQ_USER_CODE=deny"
+            "DDPQ_RANK_USERS (each owner's unprivileged Unix user, e.g. "
+            '\'{"alice": "alice", "*": "ddpq-rank"}\') and run the worker as root, so they '
+            "cannot reach the worker's credentials nor each other's files, or set "
+            "DDPQ_USER_CODE=deny"
         )
-    if uses_host_gpus(launcher) and os.geteuid() == 0 and not settings.rank_user:
+    if uses_host_gpus(launcher) and os.geteuid() == 0 and not mapped:
         # Root's ranks are root too: CAP_SYS_PTRACE reads any /proc/<pid>/environ, dumpable
         # or not, and every file; only another Unix user keeps them out.
         log.warning(
-            "this worker runs as root without DDPQ_RANK_USER: its ranks (users' code) run as "
-            "root and can read the worker's environment (its worker token) and every job's "
-            "files; set "
-            "DDPQ_RANK_USER to an unprivileged user (README, Security model)"
+            "this worker runs as root without DDPQ_RANK_USERS: its ranks (users' code) run "
+            "as root and can read the worker's environment (its worker token) and every job's "
+            "files; set DDPQ_RANK_USERS (owner → unprivileged Unix user) or DDPQ_RANK_USER "
+            "(README, Security model)"
         )
     stop = stop or threading.Event()
     if gpus is None:

@@ -147,7 +147,9 @@ def load_settings(**overrides: Any) -> Settings:
         )
     except ValidationError as exc:
         problems = "; ".join(
-            f"DDPQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+            # A rule across settings (loc ()) names its settings in its message.
+            f"DDPQ_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+            for e in exc.errors()
         )
         fail(f"bad environment: {problems}", "fix or unset those DDPQ_* variables")
     updates = {k: v for k, v in overrides.items() if v is not None}

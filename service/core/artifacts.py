@@ -13,7 +13,8 @@ Layout::
     <artifact_dir>/jobs/<job_id>/attempt-<n>/launcher.log
     <artifact_dir>/jobs/<job_id>/attempt-<n>/metrics-spill.jsonl   (rank 0, only while behind)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/workspace/   (a command job's files and cwd)
-    <artifact_dir>/workspace-cache/<sha256[:2]>/<sha256>   (workspace files this host fetched)
+    <artifact_dir>/workspace-cache/<uid>/<sha256[:2]>/<sha256>   (workspace files this host
+                                       fetched, one cache per Unix user the ranks run as)
     <artifact_dir>/jobs/<job_id>/attempt-<n>/slurm/       (submitit's folder, Slurm jobs only;
                                        a link to the array's folder for an array element)
     <artifact_dir>/slurm-arrays/<job_id>-<attempt>/  (a Slurm job array's submitit folder,
@@ -201,9 +202,20 @@ def workspace_dir(artifact_dir: Path, job_id: int, attempt: int) -> Path:
 
 
 def workspace_cache_dir(artifact_dir: Path) -> Path:
-    """Workspace files a host fetched, by sha256 (``…/workspace-cache/<sha[:2]>/<sha>``), so
-    a host fetches a file once whatever job or attempt names it."""
+    """The parent of every rank user's workspace cache (``…/workspace-cache``)."""
     return artifact_dir / "workspace-cache"
+
+
+def user_workspace_cache_dir(artifact_dir: Path, uid: int) -> Path:
+    """Workspace files a host fetched for the ranks of Unix user ``uid``, by sha256
+    (``…/workspace-cache/<uid>/<sha[:2]>/<sha>``), so a host fetches a file once whatever job
+    or attempt of that user names it, and one owner's user never reads another's files."""
+    return workspace_cache_dir(artifact_dir) / str(int(uid))
+
+
+def workspace_store_dir(artifact_dir: Path) -> Path:
+    """The API's filesystem store of workspace files (``…/workspaces``), read by the API only."""
+    return artifact_dir / "workspaces"
 
 
 def rank_log_path(artifact_dir: Path, job_id: int, attempt: int, rank: int) -> Path:
@@ -232,13 +244,13 @@ def checkpoint_path(artifact_dir: Path, job_id: int, step: int) -> Path:
 def workspace_upload_path(artifact_dir: Path, upload_id: int) -> Path:
     """Where the filesystem store keeps workspace upload ``upload_id``'s partial bytes (beside
     the file it becomes: finalizing is a rename within one directory)."""
-    return artifact_dir / "workspaces" / "files" / upload_partial_name(upload_id)
+    return workspace_store_dir(artifact_dir) / "files" / upload_partial_name(upload_id)
 
 
 def workspace_file_path(artifact_dir: Path, upload_id: int) -> Path:
     """Where the filesystem store keeps the workspace file upload ``upload_id`` brought (named
     by the upload, not the sha256: two owners' copies of one content are two files)."""
-    return artifact_dir / "workspaces" / "files" / f"upload-{int(upload_id)}"
+    return workspace_store_dir(artifact_dir) / "files" / f"upload-{int(upload_id)}"
 
 
 def confine(artifact_dir: Path, path: str | Path, *, must_exist: bool = True) -> Path:

@@ -6,12 +6,18 @@ import fnmatch
 import ipaddress
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.core.limits import MAX_PAGE_ITEMS
+from service.core.rank_users import (
+    RANK_USER_SETTING,
+    RANK_USERS_SETTING,
+    RankUserMap,
+    parse_rank_users,
+)
 from service.core.wire.attempt import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -61,9 +67,20 @@ class Settings(BaseSettings):
     )
     rank_user: str | None = Field(
         default=None,
-        description="Unix user a root-run local worker starts its jobs' rank processes as "
+        description="Unix user a root-run local worker starts every job's rank processes as "
         "(torchrun runs as that user; the attempt directory is theirs, the database file "
-        "and the worker's own settings are not readable to them). Unset: the worker's user.",
+        "and the worker's own settings are not readable to them). Unset: the worker's user. "
+        'Shorthand for DDPQ_RANK_USERS={"*": user}; set one of the two.',
+    )
+    # NoDecode: the text reaches ``_parse_rank_users``, whose errors name the setting
+    # (pydantic-settings' own JSON error names only the field).
+    rank_users: Annotated[dict[str, str] | None, NoDecode] = Field(
+        default=None,
+        description='JSON object owner → Unix user, e.g. {"alice": "alice", "bob": "ml-bob", '
+        '"*": "ddpq-rank"} ("*": every other owner; optional). A root-run local worker starts '
+        "each job's ranks as its owner's user, who alone owns the job's attempt directory, "
+        "workspace, logs and checkpoints. With auth on and users' code allowed, the API "
+        "refuses (422) a job of an owner it does not cover. Not applied on Slurm.",
     )
     rank_log_max_bytes: int = Field(
         default=64 * 1024 * 1024,
@@ -272,6 +289,33 @@ class Settings(BaseSettings):
         description="Most checkpoint and workspace file uploads one owner may have begun and "
         "not finished (default 64): beyond, HTTP 429 with Retry-After.",
     )
+
+    @field_validator("rank_users", mode="before")
+    @classmethod
+    def _parse_rank_users(cls, value: Any) -> dict[str, str] | None:
+        return parse_rank_users(value)
+
+    @model_validator(mode="after")
+    def _one_rank_user_setting(self) -> Self:
+        if self.rank_user and self.rank_users:
+            raise ValueError(
+                f"{RANK_USER_SETTING} and {RANK_USERS_SETTING} are both set: keep "
+                f'{RANK_USERS_SETTING} and add {{"*": "{self.rank_user}"}} to it for every '
+                f"other owner, or unset {RANK_USERS_SETTING}"
+            )
+        return self
+
+    @property
+    def rank_user_map(self) -> RankUserMap:
+        """Owner → Unix user of the ranks (``service.core.rank_users``), from
+        ``rank_users`` or its shorthand ``rank_user``; empty when neither is set."""
+        return RankUserMap.of(self.rank_users, self.rank_user)
+
+    @property
+    def rank_users_required(self) -> bool:
+        """Whether every owner must have a rank user: auth on (several people) and users'
+        own code allowed; the API then refuses jobs of an owner the map does not cover."""
+        return self.auth_enabled and self.user_code_allowed
 
     @property
     def resolved_database_url(self) -> str:

@@ -77,8 +77,10 @@ class HeldJob:
 class ClaimedJob:
     """A job a worker just claimed (now ``starting``, leased to it): its attempt, the
     relaunches after failures so far and allowed (``max_restarts`` from the spec), the
-    stored spec (a JSON object; ``JobSpec.model_validate`` it) and the attempt token minted
-    for its ranks in the claim's transaction (empty from a claim that mints none)."""
+    stored spec (a JSON object; ``JobSpec.model_validate`` it), the attempt token minted
+    for its ranks in the claim's transaction (empty from a claim that mints none) and the
+    job's ``owner`` (whose Unix user runs its ranks, ``service.core.rank_users``; None from
+    an API that sends none)."""
 
     job_id: int
     attempt: int
@@ -86,6 +88,7 @@ class ClaimedJob:
     max_restarts: int
     spec: dict[str, Any] = field(hash=False)
     attempt_token: str = field(default="", repr=False, compare=False)
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

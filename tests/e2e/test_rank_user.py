@@ -12,7 +12,9 @@ Everything lives in 0755 directories under /tmp: pytest's own ``tmp_path`` is 07
 
 Two levels: the local launcher with the probe as its per-rank program (the launcher's part
 alone), and a whole job (API + worker processes, the probe as a user entrypoint through the
-rank runtime).
+rank runtime). And ``DDPQ_RANK_USERS``: two owners' jobs at once on one launcher, each run as
+its owner's user, and one owner's user cannot read the other's attempt directory, workspace,
+log or checkpoints.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from service.core.wire import API_PREFIX
 from service.store.db import Database
 from service.store.migrate import upgrade
 from tests.workers import mint_worker_token, worker_environ
-from worker.launchers.base import RunPhase, RunStatus, with_attempt_token
+from worker.errors import LaunchError
+from worker.launchers.base import RunPhase, RunStatus, with_attempt_token, with_owner
 from worker.launchers.local.launcher import LocalLauncher
 from worker.up import settings_env
 
 RANK_USER = "ddpq-rank-test"
+OTHER_RANK_USER = "ddpq-rank-test-b"  # owner bob's, in the two-owner test (alice: RANK_USER)
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("rank_user_probe.py")
 SLOW_BOX_S = 240.0
@@ -160,21 +164,26 @@ def _rank_python(root: Path) -> RankPython:
     return RankPython(python=python, code=code)
 
 
-@pytest.fixture(scope="module")
-def rank_user() -> str:
-    """The rank user, created if absent (root only)."""
+def _test_user(name: str) -> str:
+    """The Unix user ``name``, created if absent (root only; skips otherwise)."""
     if os.geteuid() != 0:
         pytest.skip("DDPQ_RANK_USER needs a root-run worker; run these tests as root")
     try:
-        pwd.getpwnam(RANK_USER)
+        pwd.getpwnam(name)
     except KeyError:
         if shutil.which("useradd") is None:
-            pytest.skip(f"no useradd to create the test user {RANK_USER}")
+            pytest.skip(f"no useradd to create the test user {name}")
         subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-             RANK_USER], check=True, capture_output=True, timeout=60,
+             name], check=True, capture_output=True, timeout=60,
         )  # fmt: skip
-    return RANK_USER
+    return name
+
+
+@pytest.fixture(scope="module")
+def rank_user() -> str:
+    """The rank user, created if absent (root only)."""
+    return _test_user(RANK_USER)
 
 
 @pytest.fixture(scope="module")
@@ -347,3 +356,108 @@ def _wait(cond: Any, what: str) -> Any:
             return value
         time.sleep(0.3)
     raise AssertionError(f"timed out after {SLOW_BOX_S:.0f} s waiting for {what}")
+
+
+# Each rank of the two-owner test, as its owner's user: it leaves on the host what a job of
+# that owner leaves (a workspace file, a rank log, a local checkpoint), says its pid, and
+# runs until the test releases it, so that both owners' jobs run at once.
+OWNER_RANK = """
+import json, os, time
+from pathlib import Path
+
+job = Path(os.environ["DDPQ_ARTIFACT_DIR"]) / "jobs" / os.environ["DDPQ_JOB_ID"]
+here = job / ("attempt-" + os.environ["DDPQ_ATTEMPT"])
+(here / "workspace").mkdir()
+(here / "workspace" / "train.py").write_text("the owner's own code\\n")
+(here / "rank-0.log").write_text("the owner's log\\n")
+(job / "checkpoints" / "step-1.pt").write_bytes(b"the owner's weights")
+print("torchrun's log of job", os.environ["DDPQ_JOB_ID"], flush=True)
+(here / "pid-rank-0").write_text(str(os.getpid()))
+deadline = time.monotonic() + 120
+while not (here / "release").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+(here / "result.json").write_text(json.dumps(
+    {"status": "succeeded", "step": 0, "final_metrics": {}, "checkpoint": None}))
+"""
+# Run as another user: what of ``argv``'s paths it can read (a directory: list).
+READER = """
+import json, os, sys
+seen = {}
+for path in sys.argv[1:]:
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(1)
+        seen[path] = "read"
+    except OSError as exc:
+        seen[path] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+def _uid_of(pid: int) -> int:
+    """The real uid of process ``pid``, from ``/proc/<pid>/status``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def _files_of(settings: Settings, job_id: int) -> list[Path]:
+    """What a job leaves on the host that only its owner's user may read."""
+    job = artifacts.job_dir(settings.resolved_artifact_dir, job_id)
+    attempt = artifacts.attempt_dir(settings.resolved_artifact_dir, job_id, 1)
+    return [attempt, attempt / "workspace" / "train.py", attempt / "rank-0.log",
+            attempt / "launcher.log", attempt / "spec.json", job / "checkpoints",
+            job / "checkpoints" / "step-1.pt"]  # fmt: skip
+
+
+def test_each_owners_job_runs_as_its_own_user_and_cannot_read_anothers(
+    rank_user: str, rank_python: RankPython, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bob_user = _test_user(OTHER_RANK_USER)
+    monkeypatch.setenv("PYTHONPATH", str(rank_python.code))
+    settings = _settings(shared_dir, rank_users={"alice": rank_user, "bob": bob_user})
+    entry = shared_dir / "owner_rank.py"
+    entry.write_text(OWNER_RANK)
+    entry.chmod(0o644)
+    launcher = LocalLauncher(
+        settings, cwd=rank_python.code, entry=(str(entry),), python=rank_python.python
+    )
+    spec = JobSpec.model_validate({"name": "o", "task": "regression"})
+    owners = {1: "alice", 2: "bob"}
+    plans = {job_id: with_owner(with_attempt_token(launcher.plan(spec, job_id, 1), "ddpqa_t"),
+                                owner) for job_id, owner in owners.items()}  # fmt: skip
+    # An owner the worker's map does not cover: no rank starts (the job fails at launch).
+    with pytest.raises(LaunchError, match=r"owner 'carol' has no Unix user.*DDPQ_RANK_USERS"):
+        launcher.start(with_owner(launcher.plan(spec, 3, 1), "carol"))
+    handles = {job_id: launcher.start(plan) for job_id, plan in plans.items()}
+    uids = {1: pwd.getpwnam(rank_user).pw_uid, 2: pwd.getpwnam(bob_user).pw_uid}
+    try:
+        pid_files = {j: Path(plans[j].log_dir) / "pid-rank-0" for j in plans}
+        _wait(lambda: all(p.exists() and p.read_text() for p in pid_files.values()),
+              "both jobs' ranks to start")  # fmt: skip
+        for job_id, path in pid_files.items():
+            assert _uid_of(int(path.read_text())) == uids[job_id], owners[job_id]
+            assert _uid_of(int(handles[job_id])) == uids[job_id], "torchrun runs as the owner"
+            for f in _files_of(settings, job_id):
+                assert f.stat().st_uid == uids[job_id], f
+        attempt_dir = Path(plans[1].log_dir)
+        assert attempt_dir.stat().st_mode & 0o777 == 0o700
+        assert attempt_dir.parent.stat().st_mode & 0o777 == 0o711  # jobs/<id>: the worker's
+        # From a process of bob's user: alice's files are closed to it, its own are not.
+        alices, bobs = _files_of(settings, 1), _files_of(settings, 2)
+        jobs_dir = attempt_dir.parent.parent
+        out = subprocess.run(
+            ["runuser", "-u", bob_user, "--", rank_python.python, "-c", READER,
+             *map(str, [*alices, *bobs, jobs_dir, attempt_dir.parent])],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        seen = json.loads(out.stdout)
+        assert {str(f): "PermissionError" for f in alices} == {str(f): seen[str(f)] for f in alices}
+        assert all(seen[str(f)] == "read" for f in bobs), seen
+        assert seen[str(jobs_dir)] == seen[str(attempt_dir.parent)] == "PermissionError"
+        for plan in plans.values():
+            (Path(plan.log_dir) / "release").touch()
+        for job_id, handle in handles.items():
+            status = _wait_end(launcher, handle)
+            assert status.phase == RunPhase.SUCCEEDED, (job_id, status)
+    finally:
+        for handle in handles.values():
+            launcher.cancel(handle)

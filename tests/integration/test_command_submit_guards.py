@@ -2,7 +2,9 @@
 that does not run users' code (DDPQ_USER_CODE=deny, or auth on by default) answers 422
 naming the setting while task jobs still go; with auth on and user code allowed, a command
 job (or a sweep of them) naming another owner's workspace gets the same 422 at
-``workspace`` as one naming a workspace nobody stored, and the digest itself is a 404."""
+``workspace`` as one naming a workspace nobody stored, and the digest itself is a 404; and
+an owner without a Unix user in ``DDPQ_RANK_USERS`` (nor a ``*``) is refused at ``owner``,
+naming the setting, nothing stored."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from service.core.config import Settings
 from service.core.wire import workspace as wire
 from service.store.auth.tokens import create_token
 from service.store.db import Database
-from service.store.models import Job
+from service.store.models import Job, Sweep
 from tests.uploads import bearer
 from tests.workspaces import API, digest, store_workspace
 
@@ -36,9 +38,9 @@ def command_sweep(workspace: str) -> dict[str, Any]:
             "axes": {"env.LR": {"grid": [0.1, 0.2]}}}  # fmt: skip
 
 
-def job_count(db: Database) -> int:
+def job_count(db: Database, table: type[Job] | type[Sweep] = Job) -> int:
     with db.session(write=False) as s:
-        return int(s.scalar(select(func.count()).select_from(Job)) or 0)
+        return int(s.scalar(select(func.count()).select_from(table)) or 0)
 
 
 def served(settings: Settings, **changes: Any) -> Iterator[TestClient]:
@@ -85,7 +87,7 @@ def test_another_owners_workspace_is_refused_as_one_that_does_not_exist(
     users = tokens(db, "alice", "bob")
     alice, bob = users["alice"], users["bob"]
     theirs, nobodys = digest(FILES), "7" * 64
-    for api in served(settings, auth="on", user_code="allow"):
+    for api in served(settings, auth="on", user_code="allow", rank_users={"*": "ddpq-rank"}):
         assert store_workspace(api, alice, FILES).status_code == 201
 
         answers = {}
@@ -117,3 +119,35 @@ def test_another_owners_workspace_is_refused_as_one_that_does_not_exist(
         r = api.post(f"{API}/jobs", json=command_spec(theirs), headers=bob)
         assert r.status_code == 201, r.text
         assert job_count(db) == 2
+
+
+def test_an_owner_without_a_rank_user_is_refused_naming_the_setting(
+    settings: Settings, db: Database
+) -> None:
+    users = tokens(db, "alice", "bob")
+    work = digest(FILES)
+    for api in served(settings, auth="on", user_code="allow", rank_users={"alice": "ml-alice"}):
+        for owner in users:
+            assert store_workspace(api, users[owner], FILES).status_code == 201
+        # Any job of bob's would run as nobody: refused before it is stored (and planned).
+        for path, body in (
+            ("/jobs", TASK_SPEC),
+            ("/jobs", command_spec(work)),
+            ("/jobs?dry_run=true", TASK_SPEC),
+            ("/sweeps", command_sweep(work)),
+        ):
+            r = api.post(f"{API}{path}", json=body, headers=users["bob"])
+            assert r.status_code == 422, (path, r.text)
+            (error,) = r.json()["detail"]
+            assert error["loc"] == ["owner"], error
+            assert "owner 'bob'" in error["msg"] and "DDPQ_RANK_USERS" in error["msg"], error
+        assert job_count(db) == 0 and job_count(db, Sweep) == 0
+        r = api.post(f"{API}/jobs", json=command_spec(work), headers=users["alice"])
+        assert r.status_code == 201, r.text
+        assert job_count(db) == 1
+    # A "*" entry covers every other owner.
+    for api in served(settings, auth="on", user_code="allow",
+                      rank_users={"alice": "ml-alice", "*": "ddpq-rank"}):  # fmt: skip
+        r = api.post(f"{API}/sweeps", json=command_sweep(work), headers=users["bob"])
+        assert r.status_code == 201, r.text
+        assert job_count(db, Sweep) == 1

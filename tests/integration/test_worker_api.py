@@ -117,6 +117,8 @@ def test_a_worker_claims_runs_and_finishes_a_job_over_the_api(world: World) -> N
     claimed = world.a.claim(0)
     assert claimed is not None and claimed.job_id == job_id and claimed.attempt == 1
     assert claimed.spec["name"] == "reg"
+    # And its owner: whose Unix user a root-run local worker starts the ranks as.
+    assert claimed.owner == world.job(job_id)["owner"] and claimed.owner
     # The claim brought the ranks' token: it opens the attempt API for that attempt.
     r = world.api.get(
         API + attempt_wire.SELF_PATH, headers={"Authorization": f"Bearer {claimed.attempt_token}"}

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from service.app import create_app
 from service.client import DdpqClient
-from service.core.artifacts import attempt_dir, workspace_cache_dir, workspace_dir
+from service.core.artifacts import attempt_dir, user_workspace_cache_dir, workspace_dir
 from service.core.config import Settings
 from service.store.db import Database
 from service.store.models import Workspace, WorkspaceFile
@@ -74,7 +74,7 @@ def assert_nothing_outside_the_workspace(rank_root: Path, job_id: int) -> None:
     ``workspace/``, and cache files that verify by their name; nothing else (no temp file,
     no done marker, nothing above the attempt dir)."""
     attempt = attempt_dir(rank_root, job_id, 1)
-    cache = workspace_cache_dir(rank_root)
+    cache = user_workspace_cache_dir(rank_root, os.getuid())
     for name in files_under(rank_root):
         path = rank_root / name
         if path.is_relative_to(workspace_dir(rank_root, job_id, 1)):
@@ -158,7 +158,7 @@ def test_a_poisoned_cache_entry_is_fetched_again_not_used(
 ) -> None:
     url, token, job_id = served
     rank_root = tmp_path / "rank"
-    poisoned = workspace_cache_dir(rank_root) / sha(TRAIN)[:2] / sha(TRAIN)
+    poisoned = user_workspace_cache_dir(rank_root, os.getuid()) / sha(TRAIN)[:2] / sha(TRAIN)
     poisoned.parent.mkdir(parents=True)
     poisoned.write_bytes(b"import os; os.system('evil')\n")
     where = materialize(AttemptClient(url, token), rank_root, job_id, 1)
@@ -182,7 +182,9 @@ def test_a_name_of_255_bytes_is_fetched_when_the_host_has_no_cache(
     edit_manifest(db, rename)  # a valid manifest still: the API serves it
     rank_root = tmp_path / "rank"
     rank_root.mkdir()
-    workspace_cache_dir(rank_root).write_text("not a directory: no cache on this host")
+    cache = user_workspace_cache_dir(rank_root, os.getuid())
+    cache.parent.mkdir()
+    cache.write_text("not a directory: no cache on this host")
     where = materialize(AttemptClient(url, token), rank_root, job_id, 1)
     assert (where / long_name).read_bytes() == TRAIN
     assert files_under(where) == {long_name, "data/x.bin"}

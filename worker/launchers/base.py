@@ -91,7 +91,9 @@ class LaunchPlan(Generic[RequestT]):
     written into the attempt directory (``log_dir``) before the processes start: name
     (relative to it) → text, e.g. the spec as ``spec.json``. ``request`` is the launcher's own
     typed part of the plan (e.g. a timeout, the sbatch parameters); None only in plans no
-    launcher made (tests' fakes).
+    launcher made (tests' fakes). ``owner`` is the job's owner once the loop knows it
+    (``with_owner``): a root-run local launcher starts the ranks as the owner's Unix user
+    (``service.core.rank_users``).
     """
 
     launcher: str
@@ -104,6 +106,9 @@ class LaunchPlan(Generic[RequestT]):
     script: str | None = None
     request: RequestT | None = None
     files: dict[str, str] = field(default_factory=dict)
+    owner: str | None = None
+    # What a reader of the plan must know that its commands do not show (one line each).
+    notes: tuple[str, ...] = ()
 
     def render(self) -> str:
         """The plan as text: environment (secrets masked), the files it writes (their
@@ -111,6 +116,9 @@ class LaunchPlan(Generic[RequestT]):
         any."""
         secrets = secret_values(self.env)
         lines = [f"# ddpq job {self.job_id} attempt {self.attempt} via {self.launcher}"]
+        if self.owner is not None:
+            lines.append(f"# owner {self.owner}")
+        lines += [f"# note: {note}" for note in self.notes]
         lines += [f"export {k}={masked(k, v)}" for k, v in sorted(self.env.items())]
         lines += [f"# writes {self.log_dir}/{name} (mode 0600)" for name in sorted(self.files)]
         lines.append(f"cd {self.cwd}")
@@ -124,6 +132,12 @@ def with_attempt_token(plan: LaunchPlan[RequestT], token: str) -> LaunchPlan[Req
     """``plan`` with the attempt token the worker minted for it in the ranks' environment
     (``worker.attempt.ATTEMPT_TOKEN``); touches nothing."""
     return replace(plan, env={**plan.env, ATTEMPT_TOKEN: token})
+
+
+def with_owner(plan: LaunchPlan[RequestT], owner: str | None) -> LaunchPlan[RequestT]:
+    """``plan`` with the job's owner (from the claim), whose Unix user a root-run local
+    launcher starts the ranks as; touches nothing."""
+    return replace(plan, owner=owner)
 
 
 def write_plan_files(plan: LaunchPlan[Any], *, owner: tuple[int, int] | None = None) -> None:
@@ -208,6 +222,7 @@ class ArrayPlan(Generic[RequestT]):
         secrets = [v for plan in self.elements for v in secret_values(plan.env)]
         lines = [f"# ddpq array of {n} attempt(s) via {self.launcher}, "
                  f"at most {self.parallelism} at once"]  # fmt: skip
+        lines += [f"# note: {note}" for note in (self.elements[0].notes if n else ())]
         for i, plan in enumerate(self.elements):
             lines.append(f"# element {i}: job {plan.job_id} attempt {plan.attempt}")
             lines += [f"#   {k}={masked(k, v)}" for k, v in sorted(plan.env.items())]

@@ -30,6 +30,7 @@ from service.core.limits import (
     MAX_JOB_NAME_CHARS,
     MAX_TAG_CHARS,
 )
+from service.core.rank_users import check_submitter
 from service.core.spec.model import JobSpec, validate_spec
 from service.core.states import JobState
 from service.store.jobs import service as jobs
@@ -123,7 +124,9 @@ async def submit(
     """Validate the spec (every bad field reported at once) and queue it: 201 with the job
     (plus ``warnings``, e.g. no registered worker could ever run it), or 200 with the earlier
     job when ``Idempotency-Key`` was used before for this spec (422 when it was used for
-    another). With ``dry_run=true``: 200 with what would happen, nothing stored.
+    another). With ``dry_run=true``: 200 with what would happen, nothing stored. With auth
+    on and users' code allowed, an owner without a Unix user in ``DDPQ_RANK_USERS`` (nor a
+    ``*`` entry) is refused: 422 at ``owner``.
 
     Caller: any API token (auth on) or anyone (auth off), as for every user route; a dry
     run's ``job_id`` must name one of the caller's jobs (404 otherwise)."""
@@ -152,6 +155,11 @@ async def submit(
             ]
         )
     spec = await run_in_threadpool(_validated, await request.body(), ctx.settings)
+    # Its ranks run as its owner's Unix user: an owner the map does not cover is refused here,
+    # before anything is stored, not at a worker's launch.
+    check_submitter(
+        ctx.settings.rank_user_map, ctx.caller.owner, required=ctx.settings.rank_users_required
+    )
     if dry_run:
         answer = await run_in_threadpool(dry_run_answer, ctx, spec, job_id)
         return json_response(answer, 200)

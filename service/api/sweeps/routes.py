@@ -24,6 +24,7 @@ from service.api.sweeps.schemas import (
 )
 from service.core.errors import SweepNotFoundError
 from service.core.limits import DEFAULT_PAGE_ITEMS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PAGE_ITEMS
+from service.core.rank_users import check_submitter
 from service.core.sweeps.spec import SweepExtension, SweepSpec
 from service.store.sweeps import service as sweeps
 
@@ -75,7 +76,12 @@ def submit_sweep_route(
     is on: 429 with ``Retry-After`` when they do not fit in the last minute's
     ``DDPQ_SUBMISSIONS_PER_MINUTE``, 422 when there are more trials than that, nothing
     stored); a replayed ``Idempotency-Key`` does not count, and answers 200 with the sweep it
-    made (422 when it came with another sweep)."""
+    made (422 when it came with another sweep). With auth on and users' code allowed, an
+    owner without a Unix user in ``DDPQ_RANK_USERS`` (nor a ``*`` entry) is refused: 422 at
+    ``owner``."""
+    check_submitter(
+        ctx.settings.rank_user_map, ctx.caller.owner, required=ctx.settings.rank_users_required
+    )
     submitted = sweeps.submit_sweep(
         ctx.db,
         spec,

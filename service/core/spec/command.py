@@ -151,7 +151,8 @@ def command_problems(data: dict[str, Any], *, user_code_allowed: bool) -> list[t
                     "this deployment does not run users' own code (DDPQ_USER_CODE: deny, the "
                     "default with auth on); "
                     f"the operator allows it with {USER_CODE_SETTING}=allow on the API and "
-                    "workers (with DDPQ_RANK_USER set when auth is on)",
+                    "workers (with DDPQ_RANK_USERS, each owner's Unix user, set when auth "
+                    "is on)",
                 )
             )
     else:

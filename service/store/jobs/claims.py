@@ -221,6 +221,9 @@ def claim_update_statements(picked: Any, *ctes: Any) -> tuple[Any, Any]:
 
 def claimed_job(job: Job) -> ClaimedJob:
     """A claimed ``job`` as the worker gets it: attempt, restarts, ``max_restarts`` from its
-    spec, and the spec itself (no attempt token yet)."""
+    spec, the spec itself and its owner (no attempt token yet)."""
     spec = dict(job.spec)
-    return ClaimedJob(job.id, job.attempt, job.restarts, int(spec.get("max_restarts", 0)), spec)
+    return ClaimedJob(
+        job.id, job.attempt, job.restarts, int(spec.get("max_restarts", 0)), spec,
+        owner=job.owner,
+    )  # fmt: skip

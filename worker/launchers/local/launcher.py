@@ -18,8 +18,10 @@ the attempt started (by the file system's clock). The plan's files (the spec as
 
 The ranks hold no secret of the worker's: their environment is ``inherited_env`` of the
 worker's (an allow-list) plus the plan's entries (the API URL and the attempt token; no
-database URL). With ``DDPQ_RANK_USER`` a root-run worker starts torchrun as that user
-(``worker.launchers.local.rank_user``).
+database URL). With ``DDPQ_RANK_USERS`` (or ``DDPQ_RANK_USER``) a root-run worker starts each
+job's torchrun as its owner's Unix user, resolved at launch from the plan's ``owner``
+(``worker.launchers.local.rank_user``); the attempt directory (0700), its workspace and logs,
+and the job's checkpoint directory are that user's alone (``attempt_dir``).
 
 What an attempt may consume: its output reaches the log files through the worker, capped
 (``worker.launchers.local.attempt_logs``); torchrun and its ranks get ``RLIMIT_NPROC`` and
@@ -43,6 +45,7 @@ from typing import IO, Self
 
 from service.core import artifacts
 from service.core.config import Settings
+from service.core.rank_users import RANK_USER_SETTING, RANK_USERS_SETTING
 from service.core.spec.model import JobSpec
 from worker.attempt import (
     ALLOWED_ENTRYPOINTS,
@@ -55,15 +58,15 @@ from worker.attempt import (
 )
 from worker.errors import LaunchError
 from worker.launchers.base import LaunchPlan, RunPhase, RunStatus
-from worker.launchers.local.attempt_dir import prepare_attempt_dir
+from worker.launchers.local.attempt_dir import open_launcher_log, prepare_attempt_dir
 from worker.launchers.local.attempt_logs import AttemptLogs
 from worker.launchers.local.cgroups import JobCgroup, job_cgroup_support
 from worker.launchers.local.process_limits import RankLimits, launch_preexec
 from worker.launchers.local.rank_user import (
     RankUser,
+    RankUsers,
     popen_identity,
     process_env,
-    resolve_rank_user,
 )
 from worker.launchers.local.run import (
     LocalRun,
@@ -124,7 +127,8 @@ class LocalLauncher:
         """Args:
         settings: where ranks find the API (``resolved_api_url``) and the artifact root;
             ``warm_ranks`` picks worker.runtime.agent (default) or plain torchrun;
-            ``rank_user`` the Unix user ranks run as (the worker must be root).
+            ``rank_user_map`` the Unix user each owner's ranks run as (the worker must be
+            root).
         cwd: the ranks' working directory (default: the worker's; user entrypoints such as
             ``examples.*`` are imported relative to it).
         grace_s: seconds between SIGTERM and SIGKILL on cancel.
@@ -134,13 +138,14 @@ class LocalLauncher:
         entry: what torchrun runs per rank (default ``-m worker.runtime``).
         python: the interpreter that runs torchrun.
         Raises:
-            LaunchError: ``rank_user`` is set but this process is not root, or there is no
-                such user.
+            LaunchError: a rank user map is set but this process is not root, or a user it
+                names does not exist.
         """
         self.api_url = settings.resolved_api_url
         self.allowed_entrypoints = list(settings.allowed_entrypoints)
-        self.rank_user: RankUser | None = (
-            resolve_rank_user(settings.rank_user) if settings.rank_user else None
+        self.rank_users = RankUsers(
+            settings.rank_user_map,
+            setting=RANK_USERS_SETTING if settings.rank_users else RANK_USER_SETTING,
         )
         self.artifact_dir = settings.resolved_artifact_dir
         self.cwd = (cwd or Path.cwd()).resolve()
@@ -220,14 +225,14 @@ class LocalLauncher:
         return ":" in task and self.entrypoint_allowed(task)
 
     def _refuse_unresolvable(
-        self, plan: LaunchPlan[LocalRequest], log_file: IO[bytes]
+        self, plan: LaunchPlan[LocalRequest], log_file: IO[bytes], user: RankUser | None
     ) -> str | None:
         """The handle of a refused attempt when the plan's entrypoint does not resolve
         (``preflight``), else None."""
         entrypoint = plan.request.entrypoint if plan.request is not None else None
         status = None if entrypoint is None else entrypoint_setup_failure(
             entrypoint, python=self.python, cwd=plan.cwd,
-            env=process_env(plan.env, self.rank_user), identity=popen_identity(self.rank_user),
+            env=process_env(plan.env, user), identity=popen_identity(user),
             artifact_dir=self.artifact_dir, job_id=plan.job_id, attempt=plan.attempt,
             attempt_dir=Path(plan.log_dir))  # fmt: skip
         if status is None:
@@ -241,8 +246,9 @@ class LocalLauncher:
     def start(self, plan: LaunchPlan[LocalRequest]) -> str:
         """Start torchrun in a new session, its output appended to ``launcher.log``, after
         writing the plan's files (the spec) into the fresh attempt directory. torchrun gets
-        ``inherited_env`` of the worker's environment plus the plan's; with a rank user it
-        runs as that user, who owns the attempt and checkpoint directories.
+        ``inherited_env`` of the worker's environment plus the plan's; with a rank user map
+        it runs as the plan's owner's user, who alone owns the attempt and checkpoint
+        directories.
 
         A user entrypoint that does not resolve (``LocalRequest.entrypoint``) starts nothing:
         the attempt fails at once with the ``setup`` error its ranks would have written.
@@ -250,25 +256,28 @@ class LocalLauncher:
         Returns:
             The handle: torchrun's pid (also its process group id), as a string.
         Raises:
-            LaunchError: the process could not be started.
+            LaunchError: the process could not be started, or the map has no user for the
+                plan's owner (or it is gone).
         """
+        user = self.rank_users.for_owner(plan.owner)
         log_path = artifacts.launcher_log_path(self.artifact_dir, plan.job_id, plan.attempt)
         try:
-            stale = prepare_attempt_dir(plan, self.artifact_dir, self.rank_user)
-            # Never through a link planted in the rank user's directory (the worker may be root).
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-            log_file = os.fdopen(os.open(log_path, flags, 0o644), "ab")
+            stale = prepare_attempt_dir(plan, self.artifact_dir, user)
+            log_file = open_launcher_log(log_path, user)
             started_fs_ns = os.fstat(log_file.fileno()).st_mtime_ns
         except (OSError, ValueError) as exc:
             raise LaunchError(f"could not prepare {log_path.parent}: {exc}") from exc
         if stale is not None:
             log.warning("job_id=%d attempt=%d: moved a stale attempt directory aside to %s",
                         plan.job_id, plan.attempt, stale)  # fmt: skip
-        refused = self._refuse_unresolvable(plan, log_file)
+        if user is not None:
+            log.info("job_id=%d attempt=%d: ranks run as %s (owner %s)",
+                     plan.job_id, plan.attempt, user.name, plan.owner)  # fmt: skip
+        refused = self._refuse_unresolvable(plan, log_file, user)
         if refused is not None:
             return refused
         log_file.close()  # from here on the worker writes it, capped
-        logs, cgroup = self._attempt_parts(plan)
+        logs, cgroup = self._attempt_parts(plan, user)
         try:
             output_fd = logs.open()
         except OSError as exc:
@@ -278,7 +287,7 @@ class LocalLauncher:
             popen = subprocess.Popen(
                 plan.argv,
                 cwd=plan.cwd,
-                env=process_env(plan.env, self.rank_user),
+                env=process_env(plan.env, user),
                 stdin=subprocess.DEVNULL,
                 stdout=output_fd,
                 stderr=subprocess.STDOUT,
@@ -286,7 +295,7 @@ class LocalLauncher:
                 preexec_fn=launch_preexec(
                     self.limits, cgroup.procs_fd if cgroup else None, signal.SIGTERM
                 ),
-                **popen_identity(self.rank_user),
+                **popen_identity(user),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             self._discard(logs, cgroup)
@@ -311,9 +320,10 @@ class LocalLauncher:
         return handle
 
     def _attempt_parts(
-        self, plan: LaunchPlan[LocalRequest]
+        self, plan: LaunchPlan[LocalRequest], user: RankUser | None
     ) -> tuple[AttemptLogs, JobCgroup | None]:
-        """The attempt's capped logs (not yet open) and its cgroup (where the host has them).
+        """The attempt's capped logs (not yet open; their FIFOs ``user``'s) and its cgroup
+        (where the host has them).
 
         Raises:
             LaunchError: the cgroup could not be made.
@@ -323,7 +333,7 @@ class LocalLauncher:
         nproc = int(plan.argv[plan.argv.index(flag) + 1]) if flag in plan.argv else 1
         logs = AttemptLogs(
             self.artifact_dir, plan.job_id, plan.attempt, nproc, self.log_cap_bytes,
-            owner=self.rank_user.owner if self.rank_user is not None else None,
+            owner=user.owner if user is not None else None,
         )  # fmt: skip
         if self.cgroups.parent is None:
             return logs, None

@@ -71,6 +71,13 @@ DEFAULT_POLL_INTERVAL_S = 1.0  # one sacct per this many seconds, for all follow
 DEFAULT_MISSING_GRACE_S = 60.0  # sacct may not know a fresh job yet; after this it is lost
 DEFAULT_CANCEL_CONFIRM_S = 15.0  # cancel() waits this long for Slurm to confirm
 MAX_FINISHED_JOBS = 1000  # ended jobs whose final status is kept for repeated polls
+# Slurm runs a job as the user who submitted it, and only root may submit as another
+# (sbatch --uid): ddpq does not, so every owner's job runs as the worker's account.
+RUNS_AS_NOTE = (
+    "runs as the worker's own Unix user (the account that calls sbatch); DDPQ_RANK_USERS is "
+    "not applied on Slurm (sbatch --uid needs root): separate owners with one Slurm worker "
+    "(and its account) per owner"
+)
 
 
 @dataclass
@@ -158,7 +165,8 @@ class SlurmLauncher:
         return plan
 
     def plan(self, spec: JobSpec, job_id: int, attempt: int) -> LaunchPlan[SlurmBatchRequest]:
-        """The sbatch script submitit will submit for this attempt; touches nothing.
+        """The sbatch script submitit will submit for this attempt; touches nothing. Its
+        note says whose account the job runs as (``RUNS_AS_NOTE``).
 
         Raises:
             LaunchError: ``spec.slurm.extra`` sets an option ddpq manages.
@@ -189,6 +197,7 @@ class SlurmLauncher:
             request=SlurmBatchRequest(folder=str(folder), parameters=params),
             files={artifacts.spec_path(self.artifact_dir, job_id, attempt).name:
                    spec.model_dump_json()},
+            notes=(RUNS_AS_NOTE,),
         )  # fmt: skip
 
     # -- start ---------------------------------------------------------------------------

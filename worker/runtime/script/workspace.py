@@ -4,9 +4,9 @@ Every rank of a node calls ``materialize``; an exclusive lock on a file in the a
 directory lets the first one fetch while the others wait, and a marker file tells them it is
 complete. So each host (each Slurm node) fetches through the API with the attempt's token,
 and no shared filesystem is assumed. Each file is verified by size and sha256 (the manifest's)
-and kept in the host's cache by sha256 (``workspace_cache_dir``), so a host fetches a file
-once whatever job names it; the working directory gets a copy, owned by the ranks' user and
-writable (scripts write next to themselves).
+and kept in the host's cache of this Unix user by sha256 (``user_workspace_cache_dir``), so a
+host fetches a file once whatever job of that user names it; the working directory gets a
+copy, owned by the ranks' user and writable (scripts write next to themselves).
 
 What lands on disk is bounded by the manifest's rules (``service.core.wire.workspace``,
 checked again here: the manifest crossed a network): relative normalised paths only, regular
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service.core.artifacts import attempt_dir, workspace_cache_dir, workspace_dir
+from service.core.artifacts import attempt_dir, user_workspace_cache_dir, workspace_dir
 from service.core.errors import DdpqError, StaleAttemptError
 from service.core.wire import workspace as wire
 from worker.attempt import FailureReason
@@ -77,7 +77,7 @@ def materialize(
             shutil.rmtree(root)
         root.mkdir()
         manifest = _manifest(client)
-        cache = _usable_cache(workspace_cache_dir(artifact_dir))
+        cache = _usable_cache(user_workspace_cache_dir(artifact_dir, os.getuid()))
         for f in manifest.files:
             _place(client, f, root, cache, parent)
         if then is not None:
