@@ -30,6 +30,7 @@ from service.core.wire.worker import (
     REGISTER_PATH,
     TRANSITIONS_PATH,
     WORKER_ID_HEADER,
+    Capacity,
     ClaimIn,
     RegisterIn,
     TransitionIn,
@@ -239,7 +240,7 @@ def api_sockets_per_pid(port: int, pids: list[int]) -> dict[int, int]:
 
 
 async def _register(conns: list[Connection]) -> None:
-    body = RegisterIn(host="bench", pid=0, launcher="local", capacity={"slots": 1, "gpus": []})
+    body = RegisterIn(host="bench", pid=0, launcher="local", capacity=Capacity(slots=1))
     data = body.model_dump_json().encode()
     answers = await asyncio.gather(*(c.call("PUT", REGISTER_PATH, data) for c in conns))
     bad = [(s, b[:200]) for s, b in answers if s != 200]

@@ -60,6 +60,7 @@ from service.core.wire.worker import (
     AdopterIn,
     AdopterOut,
     AdoptOut,
+    Capacity,
     ClaimIn,
     ClaimOut,
     HandlesIn,
@@ -135,7 +136,9 @@ class ApiRecords:
 
     def register(self, *, host: str, pid: int, capacity: dict[str, Any]) -> None:
         """See ``WorkerRecords.register``."""
-        body = RegisterIn(host=host, pid=pid, launcher=self.launcher, capacity=capacity)
+        body = RegisterIn(
+            host=host, pid=pid, launcher=self.launcher, capacity=Capacity.model_validate(capacity)
+        )
         ack = self._call("PUT", REGISTER_PATH, body, WorkerAck)
         self.lease_s = ack.lease_s
 

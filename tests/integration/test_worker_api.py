@@ -388,6 +388,28 @@ def test_a_transition_whose_event_cannot_be_worded_is_422_and_moves_nothing(
     assert _event_kinds(world, job_id) == ["submitted", "claimed"]
 
 
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        {"slots": 0},
+        {"slots": "many"},
+        {"gpus": [-1]},
+        {"gpus": list(range(2000))},
+        {"cpus": 2**70},
+        {"slots": 1, "disk": "x" * 100_000},
+    ],
+)
+def test_a_capacity_the_api_cannot_use_is_422_and_the_registration_stands(
+    world: World, capacity: dict[str, Any]
+) -> None:
+    body = {"host": "h", "pid": 1, "launcher": "local", "capacity": capacity}
+    r = world.api.put(API + wire.REGISTER_PATH, json=body, headers=_headers(world.token_a))
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    listed = world.api.get(f"{API}/workers", headers=world.user_headers).json()["workers"]
+    mine = next(w for w in listed if w["id"] == "w-a")
+    assert mine["host"] == "host-a" and mine["capacity"]["slots"] == CAPACITY["slots"]
+
+
 def test_ids_and_handles_the_database_cannot_hold_are_422(world: World) -> None:
     job_id = world.submit()
     assert world.a.claim(0) is not None

@@ -107,7 +107,8 @@ async def register(
     await run_in_threadpool(
         lambda: workers.register_worker(
             _db(request), worker_id=caller.worker_id, host=body.host, pid=body.pid,
-            launcher=body.launcher, capacity=body.capacity, token_id=caller.token_id,
+            launcher=body.launcher, capacity=body.capacity.model_dump(exclude_none=True),
+            token_id=caller.token_id,
         )
     )  # fmt: skip
     return WorkerAck(worker_id=caller.worker_id, lease_s=settings.lease_s)

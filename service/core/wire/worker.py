@@ -50,6 +50,10 @@ MAX_BATCH = 1000
 # A worker id: what ``worker.main.make_worker_id`` makes (``<host>-<pid>-<hex>``).
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@+-]+$")]
 JobId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+# Bounds of a worker's registered capacity: jobs held at once, a GPU's device index, cores.
+MAX_SLOTS = 1024
+MAX_GPU_INDEX = 1023
+MAX_CPUS = 1_000_000
 Attempt = Annotated[int, Field(ge=1, le=2**31 - 1)]
 MAX_JOB_ID = 2**63 - 1
 MAX_ATTEMPT = 2**31 - 1
@@ -70,15 +74,26 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Capacity(_In):
+    """What a worker can hold: ``slots`` jobs at once, the host's ``gpus`` (device indices) it
+    hands out, the ``cpus`` (cores) its ranks share; the queue explanation and ``ddpq
+    workers`` read them."""
+
+    slots: int = Field(default=1, ge=1, le=MAX_SLOTS)
+    gpus: list[Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]] = Field(
+        default_factory=list, max_length=MAX_GPU_INDEX + 1
+    )
+    cpus: int | None = Field(default=None, ge=1, le=MAX_CPUS)
+
+
 class RegisterIn(_In):
     """A worker's registration: where it runs and what it can hold. ``launcher`` is the
-    launcher it runs jobs with (``service.core.launchers``); ``capacity`` is ``{"slots": int,
-    "gpus": [int], "cpus": int}``."""
+    launcher it runs jobs with (``service.core.launchers``)."""
 
     host: str = Field(min_length=1, max_length=255)
     pid: int = Field(ge=0, le=2**31 - 1)
     launcher: str = Field(min_length=1, max_length=16)
-    capacity: dict[str, Any]
+    capacity: Capacity
 
 
 class WorkerAck(BaseModel):
