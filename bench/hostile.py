@@ -36,6 +36,8 @@ from bench.api import GOAL_POLL_P99_S
 from bench.common import (
     BenchResult,
     cli_main,
+    cpu_delta,
+    cpu_s,
     free_port,
     migrated,
     percentile,
@@ -135,6 +137,12 @@ class Deployment:
         job: dict[str, Any] = _wait(ended, timeout_s, f"job {job_id} to end")
         return job
 
+    def cpu_s(self) -> dict[str, dict[int, float]]:
+        """CPU seconds so far of the API process and of the worker process (its log
+        threads read every rank's output)."""
+        names = ("api", "worker")
+        return {name: cpu_s([proc.pid]) for name, proc in zip(names, self.procs, strict=True)}
+
     def loss_times(self, job_id: int) -> list[float]:
         """Epoch seconds of each of the job's loss points, by step."""
         r = self.http.get(f"/jobs/{job_id}/metrics", params={"name": "loss", "limit": 100_000})
@@ -185,17 +193,18 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     dep = Deployment(tmp, log_cap)
     honest = ["--steps", str(a_steps), "--every", str(max(1, a_steps // 10))]
     try:
-        poll = Poller(dep.http)
+        poll, cpu0, t0 = Poller(dep.http), dep.cpu_s(), time.monotonic()
         alone_id = dep.run("honest.py", honest)
         alone_job = dep.wait_end(alone_id)
         alone_poll = poll.stop()
+        cpu = {"alone": _spent(cpu0, dep.cpu_s(), time.monotonic() - t0)}
         alone_times = dep.loss_times(alone_id)
         alone_rate = steps_per_s(alone_times, alone_times[0], alone_times[-1])
 
         # Beside B, A goes on until B's job ended (the release file in its workspace).
         beside_id = dep.run("honest.py", [*honest, "--until", "release"])
         _wait(lambda: dep.loss_times(beside_id), 120, "A's first point")
-        poll = Poller(dep.http)
+        poll, cpu0, t0 = Poller(dep.http), dep.cpu_s(), time.monotonic()
         b_id = dep.run("hostile.py", [
             "--victim-job", str(beside_id), "--skip", "read,forks", "--checkpoints",
             str(b_args["checkpoints"]), "--checkpoint-bytes", str(3 * MiB),
@@ -203,6 +212,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
             "--names", str(b_args["names"])])  # fmt: skip
         b_job = dep.wait_end(b_id)
         beside_poll = poll.stop()
+        cpu["beside_hostile"] = _spent(cpu0, dep.cpu_s(), time.monotonic() - t0)
         a_dir = artifacts.workspace_dir(dep.settings.resolved_artifact_dir, beside_id, 1)
         (a_dir / "release").touch()
         beside_job = dep.wait_end(beside_id)
@@ -225,6 +235,8 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "b_phase_s": {k: round(v, 2) for k, v in found.items() if k.endswith("_s")},
         "b_files": found.get("files"),
         "b_state": b_job["state"],
+        "b_error": (b_job["error"] or "")[:200],
+        "cpu_s_while": cpu,
         "a_states": [alone_job["state"], beside_job["state"]],
         "b_quota_events": hits,
         "get_jobs_p99_ms": {k: round(v * 1000, 2) for k, v in p99.items()},
@@ -245,6 +257,14 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         "CPU-bound (no pause); B skips reads and forks (see the module docstring)"
     )
     return res
+
+
+def _spent(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall_s: float
+) -> dict[str, float]:
+    """CPU seconds each process spent between two ``Deployment.cpu_s``, and the wall time."""
+    spent = {name: round(cpu_delta(before[name], after[name]), 2) for name in before}
+    return {**spent, "wall_s": round(wall_s, 2)}
 
 
 def _round(value: float | None) -> float | None:

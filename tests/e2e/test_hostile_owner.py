@@ -3,13 +3,14 @@ beside owner A's honest training script, and nothing B does reaches A or the ser
 
 B's script (``bench/hostile_jobs/hostile.py``, a command job shipped as a workspace over
 HTTP) in turn reads A's files on the host, fills its checkpoint quota, writes ~1 GB to its
-stdout and stderr, reports 10^6 distinct metric names, opens files until EMFILE and forks
-until EAGAIN. A's script (``bench/hostile_jobs/honest.py``) reports a loss every step and
-checkpoints every few steps meanwhile. Each owner's ranks run as its own Unix user
-(``DDPQ_RANK_USERS``; the users are made with ``useradd``, as ``test_rank_user.py`` does), on
-one root-run local worker with 2 slots. The worker has an artifact directory of its own (the
-worker host's disk), apart from the API's (the API host's disk, where checkpoints arrive by
-upload): each side's disk use is measured on its own.
+stdout and stderr, reports 10^5 distinct metric names (10^6 costs the API ~50 s of CPU on
+this kind of box, refusing each batch of 1,000: ``bench/hostile.py`` sends those), opens
+files until EMFILE and forks until EAGAIN. A's script (``bench/hostile_jobs/honest.py``)
+reports a loss every step and checkpoints every few steps meanwhile. Each owner's ranks run
+as its own Unix user (``DDPQ_RANK_USERS``; the users are made with ``useradd``, as
+``test_rank_user.py`` does), on one root-run local worker with 2 slots. The worker has an
+artifact directory of its own (the worker host's disk), apart from the API's (the API host's
+disk, where checkpoints arrive by upload): each side's disk use is measured on its own.
 
 Every one of B's tries is refused or contained: A's files are closed to B's user; B's job has
 a ``quota_exceeded`` event for its checkpoint bytes, its metric names and its log; its log
