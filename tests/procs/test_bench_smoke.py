@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import api, checkpoint, claims, ingest, launch, reporting, scale  # noqa: E402
+from bench import api, checkpoint, claims, hostile, ingest, launch, reporting, scale  # noqa: E402
 from bench.common import BenchResult  # noqa: E402
 
 NEEDS_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"
@@ -151,3 +151,14 @@ def test_worker_api_tiny(tmp_path: Path) -> None:
     idle = res.figures["fleet"]["idle"]
     assert sorted(idle) == ["w10", "w40"], idle
     assert all(f["claimed"] == len(f["submit_to_claim_ms"]) == 2 for f in idle.values()), idle
+
+
+@pytest.mark.slow
+def test_hostile_tiny(tmp_path: Path) -> None:
+    res = hostile.run("tiny", workdir=tmp_path)
+    _measured(res, "a_beside_hostile_vs_alone", "poll_p99_beside_vs_alone")
+    fig = res.figures
+    assert fig["a_states"] == ["succeeded", "succeeded"], fig
+    assert fig["a_steps_during_b"] >= 2, "A ran while B was at work"
+    assert "DDPQ_METRIC_NAMES_PER_JOB" in fig["b_quota_events"], fig
+    assert fig["b_files"]["stopped_by"] == "EMFILE", fig
