@@ -64,6 +64,10 @@ FAKE_RANK = textwrap.dedent(
     if mode == "abort_after_result":
         if rank == 0:
             write("result.json", {"status": "succeeded"})
+        else:  # after rank 0's result, as in a real job (its abort would stop rank 0 first)
+            deadline = time.time() + 60
+            while not os.path.exists(os.path.join(d, "result.json")) and time.time() < deadline:
+                time.sleep(0.05)
         os.abort()
     if mode == "reason":  # the real writer, with the reason FAKE_REASON names
         from pathlib import Path
