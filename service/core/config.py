@@ -12,7 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.core.limits import MAX_PAGE_ITEMS
-from service.core.rank_users import (
+from service.core.owners.rank_users import (
     RANK_USER_SETTING,
     RANK_USERS_SETTING,
     RankUserMap,
@@ -307,7 +307,7 @@ class Settings(BaseSettings):
 
     @property
     def rank_user_map(self) -> RankUserMap:
-        """Owner → Unix user of the ranks (``service.core.rank_users``), from
+        """Owner → Unix user of the ranks (``service.core.owners.rank_users``), from
         ``rank_users`` or its shorthand ``rank_user``; empty when neither is set."""
         return RankUserMap.of(self.rank_users, self.rank_user)
 

@@ -79,7 +79,7 @@ class ClaimedJob:
     relaunches after failures so far and allowed (``max_restarts`` from the spec), the
     stored spec (a JSON object; ``JobSpec.model_validate`` it), the attempt token minted
     for its ranks in the claim's transaction (empty from a claim that mints none) and the
-    job's ``owner`` (whose Unix user runs its ranks, ``service.core.rank_users``; None from
+    job's ``owner`` (whose Unix user runs its ranks, ``service.core.owners.rank_users``; None from
     an API that sends none)."""
 
     job_id: int

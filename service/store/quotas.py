@@ -26,7 +26,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from service.core.events import EventKind
-from service.core.quotas import QuotaExceededError, QuotaHit, QuotaLimits
+from service.core.owners.quotas import QuotaExceededError, QuotaHit, QuotaLimits
 from service.store.events import events_of_kinds, record_event
 from service.store.models import Checkpoint, CheckpointUpload, Job, WorkspaceUpload
 

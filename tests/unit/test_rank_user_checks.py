@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from service.core.config import Settings
 from service.core.errors import SpecValidationError
-from service.core.rank_users import RankUserMap, check_submitter
+from service.core.owners.rank_users import RankUserMap, check_submitter
 from worker.errors import LaunchError
 from worker.launchers.local.launcher import LocalLauncher
 from worker.launchers.local.rank_user import RankUsers, resolve_rank_user

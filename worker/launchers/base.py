@@ -93,7 +93,7 @@ class LaunchPlan(Generic[RequestT]):
     typed part of the plan (e.g. a timeout, the sbatch parameters); None only in plans no
     launcher made (tests' fakes). ``owner`` is the job's owner once the loop knows it
     (``with_owner``): a root-run local launcher starts the ranks as the owner's Unix user
-    (``service.core.rank_users``).
+    (``service.core.owners.rank_users``).
     """
 
     launcher: str

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request, Response
 from service.api.attempts.routes import ERRORS, _body_doc, _db, _json_body
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.wire import attempt as wire
 from service.store.checkpoints import service as checkpoints
 from service.store.checkpoints.values import CheckpointInfo

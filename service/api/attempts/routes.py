@@ -31,7 +31,7 @@ from service.api.deps import ATTEMPT_UNAUTHORIZED, REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
 from service.core.errors import DdpqError
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
-from service.core.quotas import MetricQuotas
+from service.core.owners.quotas import MetricQuotas
 from service.core.wire import attempt as wire
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef, TimelineUpdate

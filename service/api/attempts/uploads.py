@@ -30,7 +30,7 @@ from service.api.attempts.routes import (
 from service.api.chunks import receive_chunk, upload_lock
 from service.api.deps import REQUIRE_ATTEMPT, AttemptDep
 from service.api.files import checkpoint_stores
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.wire import attempt as wire
 from service.store.checkpoints import service as checkpoints
 from service.store.checkpoints import upload_service as uploads

@@ -30,7 +30,7 @@ from service.core.limits import (
     MAX_JOB_NAME_CHARS,
     MAX_TAG_CHARS,
 )
-from service.core.rank_users import check_submitter
+from service.core.owners.rank_users import check_submitter
 from service.core.spec.model import JobSpec, validate_spec
 from service.core.states import JobState
 from service.store.jobs import service as jobs

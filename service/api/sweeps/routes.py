@@ -24,7 +24,7 @@ from service.api.sweeps.schemas import (
 )
 from service.core.errors import SweepNotFoundError
 from service.core.limits import DEFAULT_PAGE_ITEMS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PAGE_ITEMS
-from service.core.rank_users import check_submitter
+from service.core.owners.rank_users import check_submitter
 from service.core.sweeps.spec import SweepExtension, SweepSpec
 from service.store.sweeps import service as sweeps
 

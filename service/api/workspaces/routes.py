@@ -20,7 +20,7 @@ from service.api.chunks import in_thread, receive_chunk, upload_lock
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.files import workspace_stores
 from service.api.http import MAX_INT64, json_response
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import CHUNK_SHA256_HEADER, MAX_SIZE_BYTES

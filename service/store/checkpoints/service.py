@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from service.core.artifacts import artifact_relative_path
 from service.core.errors import NotFoundError
-from service.core.quotas import QuotaExceededError, QuotaLimits
+from service.core.owners.quotas import QuotaExceededError, QuotaLimits
 from service.store import quotas
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.tokens import current_state

@@ -8,7 +8,7 @@ checkpoint's row, is ``service.commit_upload``.
 
 from __future__ import annotations
 
-from service.core.quotas import QuotaExceededError, QuotaLimits
+from service.core.owners.quotas import QuotaExceededError, QuotaLimits
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.tokens import current_state
 from service.store.attempts.values import AttemptRef

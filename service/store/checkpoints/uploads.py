@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.core.artifacts import relative_checkpoint_path
 from service.core.errors import ConflictError, DdpqError
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.states import ACTIVE_STATES
 from service.store.checkpoints.backends.base import UploadKey
 from service.store.checkpoints.crud import record_checkpoint_failure

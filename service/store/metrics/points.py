@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from service.core.limits import METRIC_PAGE_POINTS
 from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
-from service.core.quotas import MetricQuotas
+from service.core.owners.quotas import MetricQuotas
 from service.core.states import ACTIVE_STATES
 from service.store.metrics.quotas import quota_refusal, window_start
 from service.store.metrics.values import PointRow

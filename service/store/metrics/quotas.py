@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from service.core.quotas import MetricQuotas, QuotaExceededError, QuotaHit
+from service.core.owners.quotas import MetricQuotas, QuotaExceededError, QuotaHit
 
 # The rate's window (seconds): DDPQ_METRIC_POINTS_PER_MINUTE counts points per window.
 RATE_WINDOW_S = 60

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.core.metrics.points import CheckedPoint
-from service.core.quotas import MetricQuotas, QuotaExceededError
+from service.core.owners.quotas import MetricQuotas, QuotaExceededError
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.values import AttemptRef
 from service.store.db import Database

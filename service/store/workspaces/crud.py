@@ -17,7 +17,7 @@ from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import DdpqError, NotFoundError, SpecValidationError
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.wire.workspace import Manifest
 from service.store.checkpoints.uploads import UploadStateError
 from service.store.models import Workspace, WorkspaceFile, WorkspaceUpload, utcnow

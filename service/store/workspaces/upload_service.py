@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Sequence
 
 from service.core.errors import ConflictError
-from service.core.quotas import QuotaLimits
+from service.core.owners.quotas import QuotaLimits
 from service.core.wire.batch import BATCH_FILE_MAX_BYTES
 from service.core.wire.workspace import FileRef, check_limits
 from service.store.checkpoints.backends.base import (

@@ -45,7 +45,7 @@ from typing import IO, Self
 
 from service.core import artifacts
 from service.core.config import Settings
-from service.core.rank_users import RANK_USER_SETTING, RANK_USERS_SETTING
+from service.core.owners.rank_users import RANK_USER_SETTING, RANK_USERS_SETTING
 from service.core.spec.model import JobSpec
 from worker.attempt import (
     ALLOWED_ENTRYPOINTS,

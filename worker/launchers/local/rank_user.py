@@ -1,6 +1,6 @@
 """The Unix user a root-run local worker starts a job's ranks as: its owner's, from
 ``DDPQ_RANK_USERS`` (owner → user, ``*`` for the rest) or ``DDPQ_RANK_USER`` (one user for every
-owner); ``service.core.rank_users`` resolves the owner to a name, this module the name to a
+owner); ``service.core.owners.rank_users`` resolves the owner to a name, this module the name to a
 uid and gid.
 
 With a map set, torchrun (and so every rank) runs as the owner's user with its own primary
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.core.rank_users import RANK_USERS_SETTING, RankUserMap, unmapped_owner_message
+from service.core.owners.rank_users import RANK_USERS_SETTING, RankUserMap, unmapped_owner_message
 from worker.attempt import inherited_env
 from worker.errors import LaunchError
 
