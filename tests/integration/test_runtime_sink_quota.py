@@ -53,3 +53,39 @@ def test_a_batch_refused_for_the_rate_is_sent_again_after_retry_after_and_stored
     sink.close()
     assert loss_values(db, job_id) == {s: float(s) for s in range(1, 21)}
     assert sink.discarded == 0 and sink.written == 20
+
+
+NAMES = 3
+
+
+def test_past_the_name_quota_the_sink_sends_only_stored_names_and_loses_none_of_them(
+    db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    """A batch bringing names past ``DDPQ_METRIC_NAMES_PER_JOB`` is refused whole (422); the
+    sink sends it again without its new names, and drops later points of new names before
+    sending them: the stored names' points are each stored once, nothing else is."""
+    job_id, attempt = running_job(db)
+    with live_api(settings.model_copy(update={"metric_names_per_job": NAMES})) as served:
+        sink = ApiSink(None, attempt_client(db, served.url, job_id, attempt),
+                       spill_path=tmp_path / "spill.jsonl")  # fmt: skip
+        sink.report_values(1, 0, {"loss": 1.0, "acc": 0.1}, reduced=True)
+        sink.flush(average=False)
+        assert sink.drain(timeout_s=30)
+        # Two names stored, one left: this batch brings three new ones, so it is refused.
+        sink.report_values(2, 0, {"loss": 2.0, "acc": 0.2, "n1": 1, "n2": 2, "n3": 3},
+                           reduced=True)  # fmt: skip
+        sink.flush(average=False)
+        assert sink.drain(timeout_s=30)
+        assert sink.names.full and sink.names.dropped == 3
+        sink.report_values(3, 0, {"loss": 3.0, "n4": 4}, reduced=True)
+        sink.flush(average=False)
+        assert sink.drain(timeout_s=30)
+        sink.close()
+    assert sink.names.dropped == 4, "n4 was dropped before it was sent"
+    assert loss_values(db, job_id) == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert loss_values(db, job_id, "acc") == {1: 0.1, 2: 0.2}
+    assert all(loss_values(db, job_id, f"n{i}") == {} for i in range(1, 5))
+    assert sink.discarded == 0
+    with db.session(write=False) as s:
+        kinds = s.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
+    assert kinds.count("quota_exceeded") == 1, kinds

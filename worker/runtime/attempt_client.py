@@ -60,10 +60,15 @@ class ApiUnavailableError(DdpqError):
 
 
 class AttemptRequestError(DdpqError):
-    """The attempt API refused the request itself (422, or another 4xx): not retryable."""
+    """The attempt API refused the request itself (422, or another 4xx): not retryable.
+    ``answer_code`` is the answer's own ``code`` (e.g. ``quota_exceeded``), "" when none."""
 
     status_code = 422
     code = "attempt_request_refused"
+
+    def __init__(self, detail: str, *, answer_code: str = "") -> None:
+        self.answer_code = answer_code
+        super().__init__(detail)
 
 
 class StoredFileDamagedError(AttemptRequestError):
@@ -93,6 +98,16 @@ def _upload_status_of(response: httpx.Response) -> wire.UploadStatus | None:
         return wire.UploadStatus.model_validate(detail) if isinstance(detail, dict) else None
     except (ValueError, AttributeError, ValidationError):
         return None
+
+
+def _answer_code(response: httpx.Response) -> str:
+    """The error answer's stable ``code`` (``service.api.errors.error_body``), "" if none."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    code = body.get("code") if isinstance(body, dict) else None
+    return code if isinstance(code, str) else ""
 
 
 def _detail(response: httpx.Response) -> str:
@@ -133,7 +148,7 @@ def raise_for_answer(response: httpx.Response) -> None:
         raise ApiUnavailableError(detail, retry_after_s=retry_after_s(response))
     if status in (401, 409):
         raise StaleAttemptError(detail)
-    raise AttemptRequestError(detail)
+    raise AttemptRequestError(detail, answer_code=_answer_code(response))
 
 
 class AttemptClient:

@@ -1,4 +1,5 @@
-"""Rank 0's metric backlog: points handed to the writer but not yet accepted by the attempt API.
+"""Rank 0's metric backlog: points handed to the writer but not yet accepted by the attempt API,
+and their encodings (the spill file's lines, the attempt API's compact rows).
 
 A FIFO, oldest first. At most ``memory_cap`` points stay in memory; past that, newer points
 are appended to a spill file (JSON lines, ``service.core.artifacts.metrics_spill_path``) and read
@@ -15,14 +16,19 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
+from service.core.wire.attempt import MetricBatch, MetricRow, encode_value
+
+if TYPE_CHECKING:  # the buffer imports torch; the backlog needs only the type
+    from worker.runtime.metrics.buffer import Progress
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +132,14 @@ class MetricBacklog:
         with self._lock:
             for _ in range(min(count, len(self._memory))):
                 self._memory.popleft()
+
+    def replace_oldest(self, count: int, points: Sequence[CheckedPoint]) -> None:
+        """Put ``points`` (a subset of them, oldest first) in place of the ``count`` oldest
+        (call only with what ``peek`` gave): they are sent next."""
+        with self._lock:
+            for _ in range(min(count, len(self._memory))):
+                self._memory.popleft()
+            self._memory.extendleft(reversed(points))
 
     def discard(self) -> int:
         """Forget everything (the attempt was fenced off); returns how many points."""
@@ -234,3 +248,22 @@ class MetricBacklog:
         self._read_offset = 0
         with contextlib.suppress(FileNotFoundError):
             self.spill_path.unlink()
+
+
+def metric_row(point: MetricPoint) -> MetricRow:
+    """One point as the wire's compact row ``[name, step, epoch, value, time_s, ranks]`` (time
+    in epoch seconds; a point without a time is stamped now; ``ranks`` left off when
+    unknown)."""
+    at = point.time.timestamp() if point.time is not None else time.time()
+    if point.ranks is None:
+        return (point.name, point.step, point.epoch, encode_value(point.value), at)
+    return (point.name, point.step, point.epoch, encode_value(point.value), at, point.ranks)
+
+
+def metric_batch(points: list[CheckedPoint], progress: Progress | None) -> MetricBatch:
+    """The request body for ``points`` (already checked: no second validation pass, which
+    would cost more than the request) and the progress snapshot."""
+    return MetricBatch.model_construct(
+        points=[metric_row(p) for p in points],
+        progress=progress.as_dict() if progress is not None else None,
+    )

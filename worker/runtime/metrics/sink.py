@@ -27,17 +27,17 @@ import torch
 from service.core.artifacts import metrics_spill_path
 from service.core.errors import StaleAttemptError
 from service.core.metrics.points import (
-    CheckedPoint,
     JsonNumber,
     MetricPoint,
     json_safe,
     split_points,
 )
-from service.core.wire.attempt import AttemptTimeline, MetricBatch, MetricRow, encode_value
+from service.core.wire.attempt import AttemptTimeline
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.distributed import DistContext
-from worker.runtime.metrics.backlog import MetricBacklog
+from worker.runtime.metrics.backlog import MetricBacklog, metric_batch
 from worker.runtime.metrics.buffer import Key, MetricsSink, NullSink, Progress, Sink
+from worker.runtime.metrics.names import NameQuota, is_names_refusal
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
@@ -57,25 +57,6 @@ OUTAGE_LOG_EVERY_S = 30.0
 DRAIN_POLL_S = 0.01
 
 
-def metric_row(point: MetricPoint) -> MetricRow:
-    """One point as the wire's compact row ``[name, step, epoch, value, time_s, ranks]`` (time
-    in epoch seconds; a point without a time is stamped now; ``ranks`` left off when
-    unknown)."""
-    at = point.time.timestamp() if point.time is not None else time.time()
-    if point.ranks is None:
-        return (point.name, point.step, point.epoch, encode_value(point.value), at)
-    return (point.name, point.step, point.epoch, encode_value(point.value), at, point.ranks)
-
-
-def metric_batch(points: list[CheckedPoint], progress: Progress | None) -> MetricBatch:
-    """The request body for ``points`` (already checked: no second validation pass, which
-    would cost more than the request) and the progress snapshot."""
-    return MetricBatch.model_construct(
-        points=[metric_row(p) for p in points],
-        progress=progress.as_dict() if progress is not None else None,
-    )
-
-
 class ApiSink(MetricsSink):
     """Rank 0: one host copy per flush; a background thread posts the backlog to the attempt
     API and keeps it (memory, then a spill file) while the API is unavailable.
@@ -86,7 +67,8 @@ class ApiSink(MetricsSink):
     (job, name, step) key: a batch whose answer was lost (a timeout, a reset) is simply sent
     again, and the API ignores the duplicates. A 401/409 answer is the fence: the backlog is
     discarded and ``should_stop`` turns true. A 422 (a batch the API can never take) is
-    logged and dropped, so one bad batch cannot block the rest.
+    logged and dropped, so one bad batch cannot block the rest; one past the job's name quota
+    is sent again without its new names (``worker.runtime.metrics.names``).
 
     Args:
         client: the attempt API client; the sink closes it in ``close``.
@@ -130,6 +112,7 @@ class ApiSink(MetricsSink):
         self._handed = 0
         self._settled = 0
         self.refused = 0  # points the API refused (logged; a bad row never fails a batch)
+        self.names = NameQuota()
         self._thread = threading.Thread(target=self._run, name="ddpq-metrics", daemon=True)
         self._thread.start()
 
@@ -175,6 +158,7 @@ class ApiSink(MetricsSink):
             self.latest[p.name] = p.value
         if self._stale.is_set():
             return
+        points = self.names.admit(points)
         self._backlog.append(points)
         self._handed += len(points)
         if progress is not None:
@@ -312,6 +296,13 @@ class ApiSink(MetricsSink):
                 self._note_outage(exc)
                 return False
             except AttemptRequestError as exc:  # resending the same batch cannot help
+                if is_names_refusal(exc.answer_code, str(exc)):
+                    self.names.reached()
+                    kept = self.names.admit(batch)
+                    if len(kept) < len(batch):  # send the rest again, without the new names
+                        self._backlog.replace_oldest(len(batch), kept)
+                        self._settled += len(batch) - len(kept)
+                        continue
                 log.error("metrics batch of %d points refused by the API, dropped: %s",
                           len(batch), exc)  # fmt: skip
                 self.discarded += len(batch)
@@ -322,6 +313,7 @@ class ApiSink(MetricsSink):
                 return False
             else:
                 inserted = ack.inserted
+                self.names.note_stored(batch)
                 self._note_ack(len(batch), ack.accepted, ack.refused)
                 self.written += ack.accepted
             self._retry_after_s = None
