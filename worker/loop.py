@@ -126,6 +126,7 @@ class WorkerLoop:
         # The API refused this worker's token (revoked, unknown, or the id is another
         # token's): no call can succeed, so the loop ends and shutdown calls nothing.
         self.refused = False
+        self._heartbeat_sent: float | None = None  # clock() of the last heartbeat answered
         self.fence = LeaseFence(
             launcher, clock, detached=self.detached, call_timeout_s=records.call_timeout_s
         )
@@ -180,7 +181,7 @@ class WorkerLoop:
             while not stop.is_set():
                 self.fence_lapsing_runs()
                 try:
-                    self.tick()
+                    self.tick(claim=False)  # the pause below claims, in a long poll
                     if failing_since is not None:
                         log.info("ticks succeed again after %.1f s; holding jobs %s",
                                  self.clock() - failing_since, sorted(self.runs))  # fmt: skip
@@ -231,8 +232,12 @@ class WorkerLoop:
                 return
             try:
                 self._claim_and_launch(wait_s=min(left, MAX_CLAIM_WAIT_S))
-            except Exception as exc:
+            except (ControlPlaneUnavailableError, WorkerTokenRefusedError,
+                    WorkerTokenMismatchError) as exc:  # fmt: skip
                 log.debug("claim failed (%s); the next tick retries", exc)
+                return
+            except Exception:  # a launch or its first watch: as a failing tick's is
+                log.exception("worker tick failed while claiming; the next tick retries")
                 return
 
     @property
@@ -241,21 +246,23 @@ class WorkerLoop:
         the deployment's cap."""
         return self.pool.free if self.host_gpus else self.settings.max_gpus_per_node
 
-    def tick(self) -> None:
+    def tick(self, *, claim: bool = True) -> None:
         """One round: heartbeat, reconcile, adopt (a launcher that ``adopts``), watch every
-        held job, claim. (The API's reaper requeues lost workers' jobs; adoption leaves a
-        detached job to it only once no worker of its launcher takes it over.)
+        held job, claim (unless not ``claim``: ``run``'s pause claims next, in a long poll).
+        (The API's reaper requeues lost workers' jobs; adoption leaves a detached job to it
+        only once no worker of its launcher takes it over.)
 
         Raises:
             ControlPlaneUnavailableError: the API could not be reached (nothing is killed).
         """
         if not self.registered:
             self.register()
-        self._heartbeat()
+        if self.runs or self._idle_heartbeat_due():
+            self._heartbeat()
         if self.adopts:
             self._adopt()
         self.watch_all()
-        if not self.stopping:
+        if claim and not self.stopping:
             self._claim_and_launch()
 
     def shutdown(self) -> None:
@@ -264,6 +271,12 @@ class WorkerLoop:
         shut_down(self)
 
     # -- steps of a tick ---------------------------------------------------------------
+
+    def _idle_heartbeat_due(self) -> bool:
+        """A worker holding no job has no lease to renew: it tells the API it is alive
+        every ``heartbeat_interval_s`` seconds, not every tick (an idle fleet's requests)."""
+        last = self._heartbeat_sent
+        return last is None or self.clock() - last >= self.settings.heartbeat_interval_s
 
     def _heartbeat(self) -> None:
         # Taken before sending: the API renews the leases at some moment after this one, so
@@ -275,6 +288,7 @@ class WorkerLoop:
             log.warning("worker %s was not registered; registering again", self.worker_id)
             self.register()
             return
+        self._heartbeat_sent = sent
         plan = reconcile(self.runs, held)
         for job_id in plan.lost:
             run = self.runs[job_id]

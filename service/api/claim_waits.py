@@ -10,6 +10,12 @@ claim per key, and a woken claim that got a job wakes the next (``pass_on``): on
 transaction per job queued here, however many workers wait. A job the probe still finds
 claimable (a wake-up gone astray, a job queued by another process) wakes every claim waiting
 for its key. The database sees at most one probe per key per ``PROBE_S`` per process.
+
+A claim that arrives while the last probe for its key found nothing (within two probe
+periods, and no submission here since) waits at once, without a claim transaction of its
+own (``known_empty``): an idle fleet's long polls then cost the database one probe per key
+per period, not one transaction per request. What such a claim could miss (a job queued by
+another process or requeued) the next probe finds, as it does for the claims already waiting.
 """
 
 from __future__ import annotations
@@ -52,6 +58,19 @@ class ClaimWaits:
         self._waiting: dict[Key, deque[asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop's time of the last probe per key that found nothing, and of the last
+        # submission here: see ``known_empty``.
+        self._empty_at: dict[Key, float] = {}
+        self._notified_at = float("-inf")
+
+    def known_empty(self, key: Key) -> bool:
+        """Whether the last probe for ``key`` found nothing claimable, at most two probe
+        periods ago and after the last submission here: a claim for ``key`` may then wait
+        at once (the probe still runs while it waits). Call it on the event loop."""
+        at = self._empty_at.get(key)
+        if at is None or at <= self._notified_at:
+            return False
+        return asyncio.get_running_loop().time() - at <= 2 * self._probe_s
 
     async def wait(self, key: Key, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for a wake-up meant for ``key``; whether one came."""
@@ -104,6 +123,8 @@ class ClaimWaits:
         return False
 
     def _wake_each(self) -> None:
+        if self._loop is not None:
+            self._notified_at = self._loop.time()
         for key in list(self._waiting):
             self._wake(key)
 
@@ -111,11 +132,17 @@ class ClaimWaits:
         while self._waiting:
             await asyncio.sleep(self._probe_s)
             for key in list(self._waiting):
+                probed_at = asyncio.get_running_loop().time()
+                found: bool | None
                 try:
                     found = await run_in_threadpool(self._probe, *key)
                 except Exception as exc:  # a database outage: the claims time out instead
                     log.debug("claim probe failed: %s", exc)
-                    found = False
+                    found = None
+                if found is False:
+                    self._empty_at[key] = probed_at
+                    continue
+                self._empty_at.pop(key, None)
                 if found:
                     # Still claimable a probe later: a wake-up went astray (its claim's
                     # client left, it lost a race) or the job came from another process.

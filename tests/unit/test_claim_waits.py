@@ -69,3 +69,27 @@ def test_a_wait_nobody_wakes_ends_empty_and_leaves_no_waiter() -> None:
         await waits.close()
 
     asyncio.run(scenario())
+
+
+def test_a_key_is_known_empty_only_after_a_probe_found_nothing_and_no_submission_since() -> None:
+    async def scenario() -> None:
+        work = {LOCAL: False, GPU: True}
+        waits = ClaimWaits(lambda launcher, gpus: work[(launcher, gpus)], probe_s=0.02)
+        assert not waits.known_empty(LOCAL), "no probe yet: the claim must look itself"
+        local = await _waiters(waits, LOCAL, 1)
+        gpu = await _waiters(waits, GPU, 1)
+        await asyncio.sleep(0.05)
+        assert waits.known_empty(LOCAL), "probed empty a moment ago"
+        assert not waits.known_empty(GPU), "the probe found work for it"
+        waits.notify()  # a submission here (it wakes the waiting claim): a new one must look
+        assert not waits.known_empty(LOCAL)
+        local += await _waiters(waits, LOCAL, 1)
+        await asyncio.sleep(0.05)  # the probe ran again meanwhile
+        assert waits.known_empty(LOCAL)
+        for t in [*local, *gpu]:
+            t.cancel()
+        await waits.close()
+        await asyncio.sleep(0.05)  # no probe runs now: what it found grows old
+        assert not waits.known_empty(LOCAL), "older than two probe periods"
+
+    asyncio.run(scenario())

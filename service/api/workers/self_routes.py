@@ -160,6 +160,13 @@ async def claim(
     deadline = loop.time() + body.wait_s
     key = (launcher, body.max_gpus_per_node)
     woken = False
+    if body.wait_s > 0 and waits.known_empty(key):  # nothing to claim a probe ago: wait
+        if not await waits.wait(key, body.wait_s):
+            return ClaimOut(jobs=[])
+        woken = True
+        if await request.is_disconnected():
+            waits.pass_on(key)
+            return ClaimOut(jobs=[])
     while True:
         # Each try re-checks the token in the claim's transaction: one revoked while this
         # request waited claims nothing (401).
