@@ -222,10 +222,13 @@ def test_a_hostile_owner_reaches_nothing_of_another_and_stays_within_its_quotas(
         a_attempt = artifacts.attempt_dir(host_dir, a_id, 1)
         (artifacts.workspace_dir(host_dir, a_id, 1) / RELEASE).touch()
         a_job = wait(lambda: ended("alice"), "A's job to end", 120)
-        found = json.loads((artifacts.attempt_dir(host_dir, b_id, 1) / "hostile-result.json")
-                           .read_text())  # fmt: skip
-        print(json.dumps(found, indent=1))
+        # B's last attempt (a box loaded enough to let a lease lapse may have run a second).
+        b_dir = artifacts.attempt_dir(host_dir, b_id, int(b_job["attempt"]))
+        found = json.loads((b_dir / "hostile-result.json").read_text())
+        print(f"B: attempt {b_job['attempt']}, {b_job['state']}", json.dumps(found, indent=1))
         assert worker.popen.poll() is None, "the worker survived"
+        phases = {"read", "checkpoints_s", "log_s", "names_s", "files", "forks", "ended_at"}
+        assert phases <= set(found), f"B stopped early: {b_job}\n{diagnostics()}"
 
         # B's reads of A's files: each refused.
         assert found["read"] == {str(p): "PermissionError" for p in a_files}, found["read"]
@@ -235,7 +238,6 @@ def test_a_hostile_owner_reaches_nothing_of_another_and_stays_within_its_quotas(
         assert found["forks"]["stopped_by"] == "EAGAIN", found
         assert 0 < found["forks"]["forked"] < NPROC_MAX, found
         assert most_tasks <= NPROC_MAX, f"B's user held {most_tasks} tasks"
-        assert "ended_at" in found, "B's script went through every phase"
         # B ended by itself, succeeded or failed with a named reason.
         assert b_job["state"] == "succeeded" or b_job["error"], b_job
         # Each quota B hit is an event on its job naming the setting to raise.
@@ -244,13 +246,11 @@ def test_a_hostile_owner_reaches_nothing_of_another_and_stays_within_its_quotas(
         assert hits["DDPQ_CHECKPOINT_JOB_MAX_BYTES"]["limit"] == CHECKPOINT_JOB_MAX_BYTES
         assert hits["DDPQ_METRIC_NAMES_PER_JOB"]["limit"] == METRIC_NAMES_PER_JOB
         # B's logs hold at most the cap (plus the one marker line).
-        b_logs = sorted(artifacts.attempt_dir(host_dir, b_id, 1).glob("*.log"))
+        b_logs = sorted(b_dir.glob("*.log"))
         assert b_logs and all(p.stat().st_size <= LOG_CAP_BYTES + 200 for p in b_logs), [
             (p.name, p.stat().st_size) for p in b_logs
         ]
-        b_head = (artifacts.attempt_dir(host_dir, b_id, 1) / "rank-0.log").read_text(
-            "utf-8", "replace"
-        )
+        b_head = (b_dir / "rank-0.log").read_text("utf-8", "replace")
         assert "MB cut" in b_head and "DDPQ_RANK_LOG_MAX_BYTES" in b_head
         # B stored no more names than its quota.
         b_names = http["bob"].get(f"/jobs/{b_id}/metrics/names").json()["names"]

@@ -1,4 +1,4 @@
-"""Soak: two workers, 20 short DDP jobs (``DDPQ_SOAK_JOBS`` for more), one worker SIGKILLed at
+"""Soak: two workers, 8 short DDP jobs (``DDPQ_SOAK_JOBS`` for more), one worker SIGKILLed at
 a random moment.
 
 Every job must end ``succeeded`` with each step's loss stored once, and no job may ever have
@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 
 from service.store.models import Metric
 
-JOBS = int(os.environ.get("DDPQ_SOAK_JOBS", "20"))
+JOBS = int(os.environ.get("DDPQ_SOAK_JOBS", "8"))
 STEPS = 8
 
 
