@@ -185,8 +185,8 @@ def steps_per_s(times: list[float], start: float, end: float) -> float | None:
 
 def run(size: str, *, workdir: Path | None = None) -> BenchResult:
     """A alone, then A beside B (same deployment, one after the other)."""
-    a_steps = pick(size, 300, 3000)
-    b_args = {"log": pick(size, 32 * MiB, 1 << 30), "names": pick(size, 20_000, 1_000_000),
+    a_steps = pick(size, 150, 3000)
+    b_args = {"log": pick(size, 16 * MiB, 1 << 30), "names": pick(size, 5_000, 1_000_000),
               "checkpoints": pick(size, 4, 12)}  # fmt: skip
     log_cap = 8 * MiB
     tmp = Path(workdir or tempfile.mkdtemp(prefix="ddpq-bench-"))

@@ -200,9 +200,16 @@ def test_a_checkpoint_counts_only_once_the_points_before_it_are_stored(
         ckpt.save(5, 0, lambda: state_of(tiny_model(), 5))
         time.sleep(1.0)  # ample time to write and record a tiny checkpoint
         assert live(db, job_id) == [], "recorded before the points it covers were stored"
+        # Training goes on meanwhile: the next save needs only the snapshot buffers back,
+        # not the previous checkpoint's points (the gate holds those for 30 s).
+        second = threading.Thread(target=ckpt.save, args=(6, 0, lambda: state_of(tiny_model(), 6)))
+        second.start()
+        second.join(20)
+        assert not second.is_alive(), "a save waited for the previous checkpoint's points"
+        assert live(db, job_id) == []
         gate.set()
         ckpt.wait()
-        assert [c.step for c in live(db, job_id)] == [5]
+        assert sorted(c.step for c in live(db, job_id)) == [5, 6]
         with db.session(write=False) as s:
             points, _ = query_points(s, job_id, "loss", limit=100)
         assert [p.step for p in points] == [1, 2, 3, 4, 5]

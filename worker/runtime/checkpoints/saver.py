@@ -193,6 +193,11 @@ class Checkpointer(NullCheckpointer):
         self.job_id, self.attempt, self.keep = job_id, attempt, keep
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt")
         self._future: Future[None] | None = None
+        # Records (or uploads), in save order, once the points before each are stored: a
+        # second thread, so the snapshot buffers are free as soon as the file is written and
+        # the next save never waits on the points (an API outage holds them back).
+        self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt-rec")
+        self._recorded: Future[None] | None = None
         self._stale = threading.Event()
         self._pool = SnapshotPool()
         self.last_step: int | None = None
@@ -213,7 +218,7 @@ class Checkpointer(NullCheckpointer):
         save of the same step is ignored."""
         if self._stale.is_set() or step == self.last_step:
             return
-        self.wait()  # the writer must be done with the buffers before they are refilled
+        self._wait_write()  # the writer must be done with the buffers before they are refilled
         snapshot = self._pool.snapshot(build_state())
         self.last_step = step
         mark = self._points.handed() if self._points is not None else 0
@@ -271,6 +276,7 @@ class Checkpointer(NullCheckpointer):
             )
         finally:
             self._executor.shutdown(wait=True)
+            self._recorder.shutdown(wait=True)
             self._pool.release()
             self._client.close()
         if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
@@ -285,6 +291,13 @@ class Checkpointer(NullCheckpointer):
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is durable and recorded, or has failed."""
+        self._wait_write()
+        if self._recorded is not None:
+            self._recorded.result()
+            self._recorded = None
+
+    def _wait_write(self) -> None:
+        """Block until the write in flight (if any) is durable: its buffers are free."""
         if self._future is not None:
             self._future.result()
             self._future = None
@@ -297,10 +310,19 @@ class Checkpointer(NullCheckpointer):
         except CheckpointWriteError as exc:
             self._report_failure(step, str(exc))
             return
-        if self._points is not None and not self._points.wait_written(mark, POINTS_WAIT_S):
+        written = UploadItem(step, epoch, path, size_bytes, sha256)
+        if self._points is None:
+            self._keep(written, tmp)
+        else:
+            self._recorded = self._recorder.submit(self._keep_after_points, written, tmp, mark)
+
+    def _keep_after_points(self, written: UploadItem, tmp: Path, mark: int) -> None:
+        """``_keep`` once the sink stored the ``mark`` points handed before the save."""
+        assert self._points is not None
+        if not self._points.wait_written(mark, POINTS_WAIT_S):
             log.warning("metric points before step %d not all stored after %.0f s; "
-                        "checkpointing anyway", step, POINTS_WAIT_S)  # fmt: skip
-        self._keep(UploadItem(step, epoch, path, size_bytes, sha256), tmp)
+                        "checkpointing anyway", written.step, POINTS_WAIT_S)  # fmt: skip
+        self._keep(written, tmp)
 
     def _keep(self, written: UploadItem, tmp: Path) -> None:
         """The written temp file ``tmp`` (durable, hashed) becomes the checkpoint ``written``:
