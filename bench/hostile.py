@@ -144,9 +144,18 @@ class Deployment:
         return {name: cpu_s([proc.pid]) for name, proc in zip(names, self.procs, strict=True)}
 
     def loss_times(self, job_id: int) -> list[float]:
-        """Epoch seconds of each of the job's loss points, by step."""
-        r = self.http.get(f"/jobs/{job_id}/metrics", params={"name": "loss", "limit": 100_000})
-        points = sorted(r.json()["points"], key=lambda p: p["step"])
+        """Epoch seconds of each of the job's loss points, by step (every page of them)."""
+        points: list[dict[str, Any]] = []
+        after: int | None = 0
+        while after is not None:
+            r = self.http.get(
+                f"/jobs/{job_id}/metrics",
+                params={"name": "loss", "after_step": after, "limit": 10_000},
+            )
+            page = r.json()
+            points.extend(page["points"])
+            after = page.get("next_after_step") if page["points"] else None
+        points.sort(key=lambda p: p["step"])
         return [datetime.fromisoformat(p["time"]).timestamp() for p in points]
 
     def close(self) -> None:
