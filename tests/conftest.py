@@ -86,9 +86,24 @@ def _spread_heavy(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
     its own order): xdist hands out tests in this order, so its processes do not all start a
     deployment at once on a 2-core box, which slows every one and makes timings flaky."""
     heavy, light = [], []
+    kinds: dict[str, list[pytest.Item]] = {}
     for item in items:
         where = Path(str(item.path)).relative_to(root).as_posix()
-        (heavy if where.startswith(HEAVY_PREFIXES) else light).append(item)
+        kind = next((p for p in HEAVY_PREFIXES if where.startswith(p)), None)
+        if kind is None:
+            light.append(item)
+        else:
+            kinds.setdefault(kind, []).append(item)
+    # Each kind spread over the whole run too: the e2e deployments, the heaviest, would else
+    # all come in the first third (collection order) and crowd the 2 cores there.
+    heavy = [
+        item
+        for _, _, item in sorted(
+            ((i + 0.5) / len(group), n, item)
+            for n, group in enumerate(kinds.values())
+            for i, item in enumerate(group)
+        )
+    ]
     if not heavy or not light:
         return items
     spread: list[pytest.Item] = []
