@@ -319,6 +319,7 @@ async def idle_fleet(
             claimed.extend((int(j["job_id"]), now) for j in json.loads(body)["jobs"])
 
     latencies: list[float] = []
+    posts: list[float] = []  # the submit's own answer time (seconds)
     try:
         await _register(conns)
         tasks = [asyncio.create_task(wait_for_jobs(c)) for c in conns]
@@ -331,6 +332,7 @@ async def idle_fleet(
                 await asyncio.sleep(rng.uniform(0.25, 0.25 + CLAIM_WAIT_S))
                 t0 = time.perf_counter()
                 resp = await http.post(f"{API_PREFIX}/jobs", json=common.TINY_SPEC)
+                posts.append(time.perf_counter() - t0)
                 resp.raise_for_status()
                 job_id = int(resp.json()["id"])
                 while not (got := [t for j, t in claimed if j == job_id]):
@@ -354,6 +356,7 @@ async def idle_fleet(
         "idle_postgres_cores_busy": round(common.cpu_delta(cpu0[1], cpu1[1]) / idle_s, 3),
         "idle_serve_cpu_ms_per_claim_request": round(1000 * serve_s / polls, 2) if polls else None,
         "submit_to_claim_ms": ms,
+        "submit_answer_ms": [round(1000 * v, 1) for v in posts],
         "submit_to_claim_p50_ms": percentile(ms, 50) if ms else None,
         "submit_to_claim_p90_ms": percentile(ms, 90) if ms else None,
         "duplicates": duplicates([j for j, _ in claimed]),
