@@ -9,8 +9,8 @@
 #                            and tests/integration on SQLite, no slow test, no service to start.
 #
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -k spec).
-# DDPQ_TEST_WORKERS=N sets the pytest processes (default 6: most tests wait on processes, the
-# network or the database, so 6 keep a 2-core box busy; 0 runs in this process).
+# DDPQ_TEST_WORKERS=N sets the pytest processes (default 4: most tests wait on processes, the
+# network or the database, so 4 keep a 2-core box busy (6 overload it); 0 runs here).
 # DDPQ_TEST_DRY_RUN=1 prints the pytest commands and runs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ if [ "${1:-}" = "--fast" ]; then
   fast=1
   shift
 fi
-workers=${DDPQ_TEST_WORKERS:-6}
+workers=${DDPQ_TEST_WORKERS:-4}
 xdist=()
 if [ "$workers" != "0" ]; then
   # loadgroup: tests that share the Slurm cluster or the root network namespace keep one

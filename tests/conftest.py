@@ -41,6 +41,9 @@ XDIST_GROUPS = {
     "tests/e2e/test_script_followed.py": "netns",
     "tests/e2e/test_worker_hosts.py": "netns",
     "tests/e2e/test_worker_partition.py": "netns",
+    # Benchmarks at their tiny size are CPU-bound by design (a fleet, two CPU-bound jobs):
+    # one at a time, so they never crowd the 2 cores together.
+    "tests/procs/test_bench_smoke.py": "bench",
 }
 
 
