@@ -232,12 +232,17 @@ class WorkerLoop:
                 return
             try:
                 self._claim_and_launch(wait_s=min(left, MAX_CLAIM_WAIT_S))
-            except (ControlPlaneUnavailableError, WorkerTokenRefusedError,
-                    WorkerTokenMismatchError) as exc:  # fmt: skip
-                log.debug("claim failed (%s); the next tick retries", exc)
-                return
-            except Exception:  # a launch or its first watch: as a failing tick's is
-                log.exception("worker tick failed while claiming; the next tick retries")
+            except Exception as exc:
+                if isinstance(exc, (ControlPlaneUnavailableError, WorkerTokenRefusedError,
+                                    WorkerTokenMismatchError, NotFoundError)):  # fmt: skip
+                    log.debug("claim failed (%s); the next tick retries", exc)
+                else:  # a launch or its first watch: as a failing tick's is
+                    log.exception("worker tick failed while claiming; the next tick retries")
+                # The next tick heartbeats (an idle one may not), so a failing API meets the
+                # loop's backoff, a refused token ends the worker and a lost row re-registers,
+                # instead of claiming again at once.
+                self._heartbeat_sent = None
+                stop.wait(max(0.0, deadline - self.clock()))
                 return
 
     @property

@@ -80,6 +80,8 @@ def test_past_the_name_quota_the_sink_sends_only_stored_names_and_loses_none_of_
         sink.report_values(3, 0, {"loss": 3.0, "n4": 4}, reduced=True)
         sink.flush(average=False)
         assert sink.drain(timeout_s=30)
+        # Every point handed over counts as settled (a checkpoint waits on this), none early.
+        assert sink.wait_written(sink.handed(), 5)
         sink.close()
     assert sink.names.dropped == 4, "n4 was dropped before it was sent"
     assert loss_values(db, job_id) == {1: 1.0, 2: 2.0, 3: 3.0}
@@ -89,3 +91,36 @@ def test_past_the_name_quota_the_sink_sends_only_stored_names_and_loses_none_of_
     with db.session(write=False) as s:
         kinds = s.scalars(select(JobEvent.kind).where(JobEvent.job_id == job_id)).all()
     assert kinds.count("quota_exceeded") == 1, kinds
+
+
+def test_a_resumed_sink_that_knows_no_names_tries_them_one_by_one_and_keeps_the_jobs(
+    db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    """A sink that has had no name stored yet (a resumed attempt) whose first batch is
+    refused for the quota sends that batch's names one per request: the names the job
+    already has go on, the new ones are dropped."""
+    job_id, attempt = running_job(db)
+    with live_api(settings.model_copy(update={"metric_names_per_job": NAMES})) as served:
+
+        def sink_of() -> ApiSink:
+            return ApiSink(None, attempt_client(db, served.url, job_id, attempt),
+                           spill_path=tmp_path / f"spill-{id(object())}.jsonl")  # fmt: skip
+
+        earlier = sink_of()  # the earlier attempt's: the job's three names
+        earlier.report_values(1, 0, {"loss": 1.0, "acc": 0.1, "lr": 0.5}, reduced=True)
+        earlier.flush(average=False)
+        assert earlier.drain(timeout_s=30)
+        earlier.close()
+        sink = sink_of()
+        sink.report_values(2, 0, {"loss": 2.0, "acc": 0.2, "n5": 5}, reduced=True)
+        sink.flush(average=False)
+        assert sink.drain(timeout_s=30)
+        sink.report_values(3, 0, {"loss": 3.0, "acc": 0.3, "n6": 6}, reduced=True)
+        sink.flush(average=False)
+        assert sink.drain(timeout_s=30)
+        assert sink.wait_written(sink.handed(), 5)
+        sink.close()
+    assert loss_values(db, job_id) == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert loss_values(db, job_id, "acc") == {1: 0.1, 2: 0.2, 3: 0.3}
+    assert loss_values(db, job_id, "n5") == {} and loss_values(db, job_id, "n6") == {}
+    assert sink.names.dropped == 2 and sink.discarded == 0

@@ -152,7 +152,9 @@ async def claim(
     claimable (a submission here wakes the claim at once; one in another API process, a
     requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer with no job.
     The wait holds no database connection. A client that went away meanwhile claims nothing,
-    and a worker token revoked meanwhile is 401 (each try checks it in its transaction)."""
+    and a worker token revoked meanwhile is 401 when a claim is tried (each try checks it in
+    its transaction); a wait that ends with nothing tried answers no job, and the worker's
+    next call is refused."""
     launcher = _registered(caller)
     db = _db(request)
     waits = claim_waits(request.app)

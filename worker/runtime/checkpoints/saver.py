@@ -198,6 +198,7 @@ class Checkpointer(NullCheckpointer):
         # the next save never waits on the points (an API outage holds them back).
         self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt-rec")
         self._recorded: Future[None] | None = None
+        self._newest_written: int | None = None  # the step of the newest file written
         self._stale = threading.Event()
         self._pool = SnapshotPool()
         self.last_step: int | None = None
@@ -279,9 +280,13 @@ class Checkpointer(NullCheckpointer):
             self._recorder.shutdown(wait=True)
             self._pool.release()
             self._client.close()
-        if self.failed and self.failed[-1][0] == self.last_step and not self._stale.is_set():
-            step, reason = self.failed[-1]
-            raise CheckpointWriteError(f"checkpoint at step {step} could not be written: {reason}")
+        # Two threads note failures (the writer's and the recorder's), not always in save
+        # order: the newest step's failure is looked for, not the last noted.
+        newest = [reason for step, reason in self.failed if step == self.last_step]
+        if newest and not self._stale.is_set():
+            raise CheckpointWriteError(
+                f"checkpoint at step {self.last_step} could not be written: {newest[-1]}"
+            )
 
     def wait_uploaded(self, timeout_s: float | None = None) -> bool:
         """Block until the write in flight and every upload are done (or ``timeout_s``
@@ -314,11 +319,20 @@ class Checkpointer(NullCheckpointer):
         if self._points is None:
             self._keep(written, tmp)
         else:
+            self._newest_written = step
             self._recorded = self._recorder.submit(self._keep_after_points, written, tmp, mark)
 
     def _keep_after_points(self, written: UploadItem, tmp: Path, mark: int) -> None:
-        """``_keep`` once the sink stored the ``mark`` points handed before the save."""
+        """``_keep`` once the sink stored the ``mark`` points handed before the save. A
+        checkpoint a newer one was written behind while it waited is skipped (its temp file
+        removed): during an API outage only the newest waits, so the queue and the disk hold
+        at most a couple of them."""
         assert self._points is not None
+        if written.step != self._newest_written:
+            tmp.unlink(missing_ok=True)
+            log.info("checkpoint step=%d skipped: step %d was written meanwhile",
+                     written.step, self._newest_written)  # fmt: skip
+            return
         if not self._points.wait_written(mark, POINTS_WAIT_S):
             log.warning("metric points before step %d not all stored after %.0f s; "
                         "checkpointing anyway", written.step, POINTS_WAIT_S)  # fmt: skip

@@ -8,8 +8,10 @@ again without its new names, and later points of new names are dropped before th
 sent (counted and logged once). A script that reports names without end (a bug or a hostile
 one) then costs the API nothing past the quota.
 
-A resumed attempt knows only the names it has had stored itself: once the quota is reached,
-a name only an earlier attempt stored is dropped too until this attempt has sent it.
+A resumed attempt starts knowing no names: when a refused batch holds none it has had
+stored, its names are tried one per request (once per attempt), so the names an earlier
+attempt stored go on. A name an earlier attempt stored that this one first reports after the
+quota was reached is dropped (known limit).
 """
 
 from __future__ import annotations
@@ -32,24 +34,53 @@ def is_names_refusal(answer_code: str, detail: str) -> bool:
 
 class NameQuota:
     """The names this attempt has had stored, and whether the job is at its name quota.
-    Used by the sink's writer thread and its flushing thread: sets and a bool, each update
-    one assignment or one ``set.update`` under the GIL."""
+    Used by the sink's writer thread and its flushing thread: sets, ints and a bool, each
+    update one assignment or one ``set.update`` under the GIL."""
 
     def __init__(self) -> None:
         self.stored: set[str] = set()
         self.full = False
         self.dropped = 0  # points not sent: their names are past the quota
+        self._probing = 0  # points still to send one name per request
+        self._probed = False
+
+    def next_batch(self, batch: list[CheckedPoint]) -> list[CheckedPoint]:
+        """``batch`` (the backlog's oldest points) cut to its first name's points while the
+        names of a refused batch are being tried one by one; else as it is."""
+        if self._probing <= 0 or not batch:
+            return batch
+        first, n = batch[0].name, 1
+        while n < len(batch) and batch[n].name == first:
+            n += 1
+        return batch[:n]
 
     def note_stored(self, points: Sequence[CheckedPoint]) -> None:
         """``points`` were taken by the API: their names are the job's."""
         self.stored.update(p.name for p in points)
+        self._probing = max(0, self._probing - len(points))
 
-    def reached(self) -> None:
-        """The API refused a batch for the name quota: only stored names go on."""
+    def refused(self, batch: list[CheckedPoint]) -> list[CheckedPoint]:
+        """The API refused ``batch`` for the name quota: the points to send in its place
+        (oldest first; empty: drop it). Its points of names already stored go again; when it
+        holds none (a resumed attempt, whose names an earlier attempt stored), its names are
+        tried one per request, once per attempt, so those the job has go on."""
+        if self._probing > 0:  # one name, past the quota
+            self._probing = max(0, self._probing - len(batch))
+            self.dropped += len(batch)
+            return []
         if not self.full:
             log.warning("the job is at its metric-name quota (%s): only the %d names already "
                         "stored are sent from now on", NAMES_SETTING, len(self.stored))  # fmt: skip
         self.full = True
+        kept = [p for p in batch if p.name in self.stored]
+        if kept or self._probed:
+            self.dropped += len(batch) - len(kept)
+            return kept
+        self._probed = True
+        order = {name: i for i, name in enumerate(dict.fromkeys(p.name for p in batch))}
+        grouped = sorted(batch, key=lambda p: order[p.name])  # stable: steps keep their order
+        self._probing = len(grouped)
+        return grouped
 
     def admit(self, points: list[CheckedPoint]) -> list[CheckedPoint]:
         """``points`` less those of names past the quota (all of them until it is reached)."""

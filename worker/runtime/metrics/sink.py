@@ -111,6 +111,10 @@ class ApiSink(MetricsSink):
         # good): the backlog is sent oldest first, so settled ≥ n means the first n are done.
         self._handed = 0
         self._settled = 0
+        # Points dropped from a refused batch (names past the quota), settled only once the
+        # ``_put_back`` points sent in its place are: settled ≥ n must mean the first n are.
+        self._unsettled = 0
+        self._put_back = 0
         self.refused = 0  # points the API refused (logged; a bad row never fails a batch)
         self.names = NameQuota()
         self._thread = threading.Thread(target=self._run, name="ddpq-metrics", daemon=True)
@@ -278,7 +282,7 @@ class ApiSink(MetricsSink):
         while not self._stale.is_set():
             if not self._write_timeline():
                 return False
-            batch = self._backlog.peek(WRITE_BATCH_POINTS)
+            batch = self.names.next_batch(self._backlog.peek(WRITE_BATCH_POINTS))
             with self._progress_lock:
                 progress = self._progress
             if not batch and progress is None:
@@ -297,15 +301,18 @@ class ApiSink(MetricsSink):
                 return False
             except AttemptRequestError as exc:  # resending the same batch cannot help
                 if is_names_refusal(exc.answer_code, str(exc)):
-                    self.names.reached()
-                    kept = self.names.admit(batch)
-                    if len(kept) < len(batch):  # send the rest again, without the new names
-                        self._backlog.replace_oldest(len(batch), kept)
-                        self._settled += len(batch) - len(kept)
+                    again = self.names.refused(batch)
+                    if again:  # sent next in the batch's place
+                        self._backlog.replace_oldest(len(batch), again)
+                        # The dropped points count as done once the ones put back are.
+                        self._unsettled += len(batch) - len(again)
+                        self._put_back = max(self._put_back - len(batch), 0) + len(again)
                         continue
-                log.error("metrics batch of %d points refused by the API, dropped: %s",
-                          len(batch), exc)  # fmt: skip
-                self.discarded += len(batch)
+                    # Only names past the quota: dropped (counted in ``names.dropped``).
+                else:
+                    log.error("metrics batch of %d points refused by the API, dropped: %s",
+                              len(batch), exc)  # fmt: skip
+                    self.discarded += len(batch)
                 inserted = len(batch)
             except Exception:  # the thread must outlive any bad batch: keep it, retry later
                 log.exception("metrics write failed; %d points kept", len(self._backlog))
@@ -318,7 +325,7 @@ class ApiSink(MetricsSink):
                 self.written += ack.accepted
             self._retry_after_s = None
             self._backlog.drop_oldest(len(batch))
-            self._settled += len(batch)
+            self._settle(len(batch))
             with self._progress_lock:
                 if self._progress is progress:
                     self._progress = None
@@ -326,6 +333,15 @@ class ApiSink(MetricsSink):
             self._note_recovery()
         self.discarded += self._backlog.discard()
         return True
+
+    def _settle(self, count: int) -> None:
+        """The ``count`` oldest points are written or dropped for good."""
+        self._settled += count
+        if self._unsettled:
+            self._put_back -= count
+            if self._put_back <= 0:
+                self._settled += self._unsettled
+                self._unsettled = self._put_back = 0
 
     def _write_timeline(self) -> bool:
         """Send the pending timeline facts first (they may supersede earlier attempts'
