@@ -44,6 +44,11 @@ XDIST_GROUPS = {
     # Benchmarks at their tiny size are CPU-bound by design (a fleet, two CPU-bound jobs):
     # one at a time, so they never crowd the 2 cores together.
     "tests/procs/test_bench_smoke.py": "bench",
+    # Ranks run as the same test Unix users here, whose RLIMIT_NPROC counts every task of
+    # the user system-wide: one test's fork bomb would starve another's ranks.
+    "tests/e2e/test_hostile_owner.py": "rank-users",
+    "tests/e2e/test_hostile_entrypoint.py": "rank-users",
+    "tests/e2e/test_rank_user.py": "rank-users",
 }
 
 
@@ -98,7 +103,10 @@ def _spread_heavy(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
         else:
             kinds.setdefault(kind, []).append(item)
     # Each kind spread over the whole run too: the e2e deployments, the heaviest, would else
-    # all come in the first third (collection order) and crowd the 2 cores there.
+    # all come in the first third (collection order) and crowd the 2 cores there. The browser
+    # tests stay last: their session-wide Playwright keeps an asyncio loop running on the
+    # process's main thread, where any later asyncio.run() or second Playwright fails.
+    browser = kinds.pop("tests/web/", [])
     heavy = [
         item
         for _, _, item in sorted(
@@ -106,7 +114,7 @@ def _spread_heavy(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
             for n, group in enumerate(kinds.values())
             for i, item in enumerate(group)
         )
-    ]
+    ] + browser
     if not heavy or not light:
         return items
     spread: list[pytest.Item] = []

@@ -224,7 +224,8 @@ def test_a_hostile_owner_reaches_nothing_of_another_and_stays_within_its_quotas(
         a_job = wait(lambda: ended("alice"), "A's job to end", 120)
         # B's last attempt (a box loaded enough to let a lease lapse may have run a second).
         b_dir = artifacts.attempt_dir(host_dir, b_id, int(b_job["attempt"]))
-        found = json.loads((b_dir / "hostile-result.json").read_text())
+        result = b_dir / "hostile-result.json"
+        found = json.loads(result.read_text()) if result.exists() else {}
         print(f"B: attempt {b_job['attempt']}, {b_job['state']}", json.dumps(found, indent=1))
         assert worker.popen.poll() is None, "the worker survived"
         phases = {"read", "checkpoints_s", "log_s", "names_s", "files", "forks", "ended_at"}

@@ -320,7 +320,10 @@ class Checkpointer(NullCheckpointer):
             self._keep(written, tmp)
         else:
             self._newest_written = step
-            self._recorded = self._recorder.submit(self._keep_after_points, written, tmp, mark)
+            try:
+                self._recorded = self._recorder.submit(self._keep_after_points, written, tmp, mark)
+            except RuntimeError:  # the interpreter is exiting (a save in an atexit hook)
+                self._keep_after_points(written, tmp, mark)
 
     def _keep_after_points(self, written: UploadItem, tmp: Path, mark: int) -> None:
         """``_keep`` once the sink stored the ``mark`` points handed before the save. A
