@@ -73,6 +73,12 @@ class QuotaHit:
         )
 
 
+# The settings that raise the metric quotas, as their refusals name them (the rank's sink
+# tells the name quota's refusal by this name).
+METRIC_NAMES_SETTING = "DDPQ_METRIC_NAMES_PER_JOB"
+METRIC_POINTS_SETTING = "DDPQ_METRIC_POINTS_PER_MINUTE"
+
+
 class QuotaExceededError(DdpqError):
     """A write that would pass a quota; nothing of it was stored. ``status_code`` is the
     answer's (413 for bytes, 422 for metric names, 429 with ``retry_after_s`` for a rate or

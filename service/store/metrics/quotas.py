@@ -11,7 +11,13 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from service.core.owners.quotas import MetricQuotas, QuotaExceededError, QuotaHit
+from service.core.owners.quotas import (
+    METRIC_NAMES_SETTING,
+    METRIC_POINTS_SETTING,
+    MetricQuotas,
+    QuotaExceededError,
+    QuotaHit,
+)
 
 # The rate's window (seconds): DDPQ_METRIC_POINTS_PER_MINUTE counts points per window.
 RATE_WINDOW_S = 60
@@ -37,11 +43,11 @@ def quota_refusal(
     None when it fits."""
     if new_names and stored_names + new_names > quotas.max_names:
         hit = QuotaHit("metric names per job", quotas.max_names, stored_names + new_names,
-                       "DDPQ_METRIC_NAMES_PER_JOB", "names")  # fmt: skip
+                       METRIC_NAMES_SETTING, "names")  # fmt: skip
         return QuotaExceededError(hit, status_code=422)
     if n and window_points + n > quotas.per_minute:
         hit = QuotaHit("metric points per job per minute", quotas.per_minute,
-                       window_points + n, "DDPQ_METRIC_POINTS_PER_MINUTE", "points")  # fmt: skip
+                       window_points + n, METRIC_POINTS_SETTING, "points")  # fmt: skip
         left_s = float(RATE_WINDOW_S)
         if window_at is not None:
             left_s = (window_at + timedelta(seconds=RATE_WINDOW_S) - now).total_seconds()
@@ -59,5 +65,5 @@ def check_batch_size(n: int, quotas: MetricQuotas) -> None:
     """
     if n > quotas.per_minute:
         hit = QuotaHit("metric points per job per minute", quotas.per_minute, n,
-                       "DDPQ_METRIC_POINTS_PER_MINUTE", "points")  # fmt: skip
+                       METRIC_POINTS_SETTING, "points")  # fmt: skip
         raise QuotaExceededError(hit, status_code=422)

@@ -20,16 +20,14 @@ import logging
 from collections.abc import Sequence
 
 from service.core.metrics.points import CheckedPoint
+from service.core.owners.quotas import METRIC_NAMES_SETTING
 
 log = logging.getLogger(__name__)
-
-# What names the quota's refusal: the setting named in its answer (``QuotaHit.words``).
-NAMES_SETTING = "DDPQ_METRIC_NAMES_PER_JOB"
 
 
 def is_names_refusal(answer_code: str, detail: str) -> bool:
     """Whether an attempt API refusal (its ``code`` and text) is the metric-name quota's."""
-    return answer_code == "quota_exceeded" and NAMES_SETTING in detail
+    return answer_code == "quota_exceeded" and METRIC_NAMES_SETTING in detail
 
 
 class NameQuota:
@@ -70,7 +68,8 @@ class NameQuota:
             return []
         if not self.full:
             log.warning("the job is at its metric-name quota (%s): only the %d names already "
-                        "stored are sent from now on", NAMES_SETTING, len(self.stored))  # fmt: skip
+                        "stored are sent from now on",
+                        METRIC_NAMES_SETTING, len(self.stored))  # fmt: skip
         self.full = True
         kept = [p for p in batch if p.name in self.stored]
         if kept or self._probed:
