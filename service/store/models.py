@@ -1,7 +1,7 @@
-"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded),
-job_attempts, checkpoints (with checkpoint_uploads and checkpoint_chunks), api_tokens,
-attempt_tokens, sweeps, sweep_trials, workspaces (with workspace_files, workspace_uploads and
-workspace_chunks).
+"""SQLAlchemy 2.0 tables: jobs, job_events, workers, metrics (+ metrics_superseded and
+metric_rollups), job_attempts, checkpoints (with checkpoint_uploads and checkpoint_chunks),
+api_tokens, attempt_tokens, sweeps, sweep_trials, workspaces (with workspace_files,
+workspace_uploads and workspace_chunks).
 
 Constraint and index names follow ``NAMING_CONVENTION`` so Alembic migrations (and SQLite's
 batch mode) can address them. Tables are storage only; the API has its own schemas.
@@ -238,6 +238,36 @@ class MetricSuperseded(Base):
     superseded_by: Mapped[int] = mapped_column(Integer)
 
     __table_args__ = (PrimaryKeyConstraint("job_id", "name", "step", "attempt"),)
+
+
+class MetricRollup(Base):
+    """One step bucket of one metric at one resolution, kept at write time so a chart reads
+    buckets instead of every point (``service.store.metrics.rollups``).
+
+    ``level`` k: the bucket holds the current points with ``step >> k == bucket`` (2**k steps,
+    k in ``rollups.LEVELS``). ``count`` points; the minimum and maximum as (step, value)
+    (NULL values stand for NaN and rank after every number; ties go to the smaller step);
+    the first and last point as (step, value). Maintained in the transaction that stores or
+    supersedes the points.
+    """
+
+    __tablename__ = "metric_rollups"
+
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    level: Mapped[int] = mapped_column(SmallInteger)
+    bucket: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(BigInteger)
+    min_step: Mapped[int] = mapped_column(BigInteger)
+    min_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_step: Mapped[int] = mapped_column(BigInteger)
+    max_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    first_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    last_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    __table_args__ = (PrimaryKeyConstraint("job_id", "name", "level", "bucket"),)
 
 
 class JobAttempt(Base):

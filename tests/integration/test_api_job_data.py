@@ -26,6 +26,7 @@ from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs import crud as jobs
 from service.store.metrics import points as metrics
+from service.store.metrics import rollups
 from service.store.metrics.points import MetricPoint
 from service.store.models import Job, Metric, utcnow
 from service.store.workers import registry as workers
@@ -118,8 +119,8 @@ def test_metric_names_and_polling_cursor(api: TestClient, db: Database) -> None:
 
 
 def _record_history(db: Database, job_id: int, n: int) -> list[float]:
-    """``n`` loss points with a single-point global min and max, bulk-inserted (fast setup;
-    record_metrics is exercised by the other tests)."""
+    """``n`` loss points with a single-point global min and max, bulk-inserted with their
+    rollups (fast setup; record_metrics is exercised by the other tests)."""
     values = [math.sin(i / 500.0) * (1 + i / n) for i in range(1, n + 1)]
     values[31_337] = -50.0  # the global minimum, a single spike
     values[77_777] = 80.0  # the global maximum
@@ -131,6 +132,7 @@ def _record_history(db: Database, job_id: int, n: int) -> list[float]:
     ]  # fmt: skip
     with db.session() as s:
         s.execute(insert(Metric), rows)
+        rollups.rebuild_job(s, job_id)  # written around the ingest: its rollups too
     return values
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
+from fastapi.exceptions import RequestValidationError
 
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep
 from service.api.http import ERRORS, MAX_INT64, JobIdPath
@@ -16,6 +17,7 @@ from service.api.metrics.schemas import (
     metrics_json,
 )
 from service.core.limits import MAX_METRIC_NAME_CHARS, METRIC_PAGE_POINTS
+from service.core.metrics.points import MAX_STEP
 from service.store.metrics import service as metrics
 
 router = APIRouter(tags=["metrics"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
@@ -51,10 +53,19 @@ def metrics_route(
         Query(
             ge=2,
             le=MAX_INT64,
-            description="Downsample the whole history to at most this many points "
-            "(min/max per bucket; ignores after_step and limit).",
+            description="Downsample the steps from_step..to_step (default: the whole "
+            "history) to at most this many points (min/max per bucket, read from the "
+            "write-time rollups; ignores after_step and limit).",
         ),
     ] = None,
+    from_step: Annotated[
+        int,
+        Query(ge=1, le=MAX_STEP, description="First step of the range (the chart's zoom)."),
+    ] = 1,
+    to_step: Annotated[
+        int,
+        Query(ge=1, le=MAX_STEP, description="Last step of the range (the chart's zoom)."),
+    ] = MAX_STEP,
     include_superseded: Annotated[
         bool,
         Query(
@@ -72,8 +83,17 @@ def metrics_route(
     of both kinds per page, ``next_after_step`` continuing through both, so poll new current
     points without it).
 
+    ``from_step``/``to_step`` bound either kind of answer to a step range; a chart zooming
+    in asks for its range with ``max_points`` again and gets it re-bucketed (422
+    ``to_step`` before ``from_step``).
+
     Who may call it: the job's owner or an admin (another owner: 404); an attempt token: 401.
     """
+    if from_step > to_step:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("query", "to_step"),
+              "msg": f"to_step ({to_step}) is before from_step ({from_step})"}]
+        )  # fmt: skip
     page = metrics.read_metric_page(
         ctx.db,
         job_id,
@@ -84,6 +104,8 @@ def metrics_route(
         max_points=max_points,
         include_superseded=include_superseded,
         cap=ctx.settings.max_metric_points,
+        from_step=from_step,
+        to_step=to_step,
     )
     if page.superseded is None:
         body = metrics_json(name, page.points, page.next_after_step)

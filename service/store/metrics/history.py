@@ -19,6 +19,7 @@ from sqlalchemy import CursorResult, delete, func, insert, literal, select, upda
 from sqlalchemy.orm import Session
 
 from service.core.metrics.points import json_safe
+from service.store.metrics import rollups
 from service.store.metrics.points import query_points
 from service.store.metrics.values import PointRow, SupersededRow
 from service.store.models import Job, Metric, MetricSuperseded
@@ -28,8 +29,9 @@ _MOVED_COLUMNS = ("job_id", "name", "step", "attempt", "epoch", "value", "time",
 
 def supersede_after_resume(session: Session, job_id: int, attempt: int, resume_step: int) -> int:
     """Move the points earlier attempts stored for steps after ``resume_step`` to
-    ``metrics_superseded`` (``superseded_by = attempt``) and roll ``jobs.latest_metrics``
-    back to the newest remaining point of each name. Idempotent: a second call moves nothing.
+    ``metrics_superseded`` (``superseded_by = attempt``), rebuild those names' rollup buckets
+    from ``resume_step + 1`` on, and roll ``jobs.latest_metrics`` back to the newest remaining
+    point of each name. Idempotent: a second call moves nothing.
 
     Call it only behind the attempt fence (``leases.check_attempt``, the job's row lock), in
     the caller's transaction.
@@ -41,6 +43,9 @@ def supersede_after_resume(session: Session, job_id: int, attempt: int, resume_s
     source = select(
         *(getattr(Metric, c) for c in _MOVED_COLUMNS), literal(attempt).label("superseded_by")
     ).where(*moved_where)
+    names = list(session.scalars(select(Metric.name).where(*moved_where).distinct()))
+    if not names:
+        return 0
     session.execute(
         insert(MetricSuperseded).from_select([*_MOVED_COLUMNS, "superseded_by"], source)
     )
@@ -48,8 +53,9 @@ def supersede_after_resume(session: Session, job_id: int, attempt: int, resume_s
         delete(Metric).where(*moved_where).execution_options(synchronize_session=False)
     )
     moved = cast(CursorResult[Any], result).rowcount
-    if moved:
-        _roll_back_latest(session, job_id, resume_step)
+    for name in names:
+        rollups.rebuild(session, job_id, name, from_step=resume_step + 1)
+    _roll_back_latest(session, job_id, resume_step)
     return int(moved or 0)
 
 

@@ -18,6 +18,7 @@ from service.core.metrics.points import MetricPoint as MetricPoint  # re-exporte
 from service.core.owners.quotas import MetricQuotas
 from service.core.states import ACTIVE_STATES
 from service.store.metrics.quotas import quota_refusal, window_start
+from service.store.metrics.rollups import LEVELS, PG_ROLLUP_CTE, add_points
 from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
 from service.store.workers.leases import fence_attempt, lock_attempt
@@ -34,7 +35,8 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 # parameters element by element (half the client CPU of a 1,000-point batch) and SQLAlchemy
 # would compile a 7-parameters-per-row VALUES list anew for every batch. ``latest_metrics`` is
 # merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
-# step keeps its first value, as the metrics table does).
+# step keeps its first value, as the metrics table does). The points inserted go on into their
+# rollup buckets (``rollups.PG_ROLLUP_CTE``) in the same statement.
 _PG_RECORD = text(
     "WITH job AS (SELECT attempt, state, latest_metrics, metric_window_at, metric_window_points "
     "FROM jobs WHERE id = :job_id FOR UPDATE), "
@@ -56,7 +58,7 @@ _PG_RECORD = text(
     "FROM json_to_recordset(CAST(:points AS json)) AS u(name varchar, step bigint, "
     "epoch integer, value double precision, time timestamptz, ranks smallint) "
     "WHERE EXISTS (SELECT FROM ok) "
-    "ON CONFLICT DO NOTHING RETURNING 1), "
+    "ON CONFLICT DO NOTHING RETURNING name, step, value), " + PG_ROLLUP_CTE + ", "
     "upd AS (UPDATE jobs SET updated_at = :now, "
     "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
     "metric_window_at = CASE WHEN jobs.metric_window_at > :window_start "
@@ -129,6 +131,34 @@ def _insert_points_sqlite(
     ]
     result = session.connection().execute(_SQLITE_INSERT_POINTS, rows)
     return int(cast(CursorResult[Any], result).rowcount)
+
+
+def _sqlite_value(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _unstored(session: Session, job_id: int, points: Sequence[CheckedPoint]) -> list[CheckedPoint]:
+    """``points`` whose (name, step) the job has not stored yet, each (name, step) once (the
+    batch's first, as INSERT OR IGNORE keeps it): what the rollups may count. The caller
+    holds SQLite's write lock, so nothing lands between this read and the insert."""
+    if not points:
+        return []
+    steps = [p.step for p in points]
+    rows = session.execute(
+        select(Metric.name, Metric.step).where(
+            Metric.job_id == job_id,
+            Metric.name.in_({p.name for p in points}),
+            Metric.step.between(min(steps), max(steps)),
+        )
+    ).all()
+    stored = {(str(name), int(step)) for name, step in rows}
+    fresh = []
+    for p in points:
+        key = (p.name, p.step)
+        if key not in stored:
+            stored.add(key)
+            fresh.append(p)
+    return fresh
 
 
 def _newest(points: Sequence[CheckedPoint]) -> dict[str, dict[str, Any]]:
@@ -210,6 +240,7 @@ def record_metrics(
             "max_names": limits.max_names,
             "per_minute": limits.per_minute,
             "window_start": window_start(now),
+            "levels": list(LEVELS),
         }
         row = fence_attempt(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
         if not row.taken:
@@ -234,7 +265,9 @@ def record_metrics(
     )  # fmt: skip
     if refusal is not None:
         raise refusal
-    inserted = _insert_points_sqlite(session, job_id, attempt, points) if points else 0
+    fresh = _unstored(session, job_id, points)
+    inserted = _insert_points_sqlite(session, job_id, attempt, fresh) if fresh else 0
+    add_points(session, job_id, ((p.name, p.step, _sqlite_value(p.value)) for p in fresh))
     values: dict[str, Any] = {"updated_at": now}
     if newest:
         values["latest_metrics"] = _merge_latest(job.latest_metrics, newest)
@@ -258,7 +291,7 @@ def metric_names(session: Session, job_id: int) -> list[str]:
 
 
 # What a reader of points gets (``values.PointRow``): plain rows, not ORM objects.
-_POINT_COLUMNS = (
+POINT_COLUMNS = (
     Metric.step, Metric.epoch, Metric.value, Metric.time, Metric.attempt, Metric.ranks,
 )  # fmt: skip
 
@@ -270,8 +303,10 @@ def query_points(
     *,
     after_step: int = 0,
     limit: int = METRIC_PAGE_POINTS,
+    to_step: int | None = None,
 ) -> tuple[list[PointRow], int]:
-    """Points of ``name`` with ``step > after_step``, ascending, at most ``limit``.
+    """Points of ``name`` with ``step > after_step`` (and ``≤ to_step`` when given),
+    ascending, at most ``limit``.
 
     On PostgreSQL an index-only scan of the metrics primary key (it includes every column).
 
@@ -282,16 +317,11 @@ def query_points(
     # On the session's connection: a Core execution skips the ORM's result loading, which
     # cost as much as the query itself for 1,000 plain rows (profiled on the metrics poll).
     # ``.all()``: one fetchall (iterating the result fetched row by row, 6 µs each).
-    rows: list[PointRow] = list(
-        session.connection()
-        .execute(
-            select(*_POINT_COLUMNS)
-            .where(Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
-            .order_by(Metric.step)
-            .limit(limit)
-        )
-        .all()
-    )
+    where = [Metric.job_id == job_id, Metric.name == name, Metric.step > after_step]
+    if to_step is not None:
+        where.append(Metric.step <= to_step)
+    stmt = select(*POINT_COLUMNS).where(*where).order_by(Metric.step).limit(limit)
+    rows: list[PointRow] = list(session.connection().execute(stmt).all())
     return rows, (rows[-1].step if rows else after_step)
 
 
@@ -338,7 +368,7 @@ def downsample_points(
     steps = list(session.scalars(keep))
     return list(
         session.execute(
-            select(*_POINT_COLUMNS)
+            select(*POINT_COLUMNS)
             .where(and_(Metric.job_id == job_id, Metric.name == name, Metric.step.in_(steps)))
             .order_by(Metric.step)
         )

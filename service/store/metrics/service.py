@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from service.core.metrics.points import CheckedPoint
+from service.core.metrics.points import MAX_STEP, CheckedPoint
 from service.core.owners.quotas import MetricQuotas, QuotaExceededError
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.values import AttemptRef
 from service.store.db import Database
 from service.store.jobs.crud import get_job
+from service.store.metrics.curves import curve
 from service.store.metrics.history import downsample_superseded, history_page
 from service.store.metrics.points import (
-    downsample_points,
     metric_names,
     query_points,
     record_metrics,
@@ -76,12 +76,17 @@ def read_metric_page(
     max_points: int | None,
     include_superseded: bool,
     cap: int,
+    from_step: int = 1,
+    to_step: int = MAX_STEP,
 ) -> MetricPage:
     """Points of ``name`` with ``step > after_step``, at most ``limit``; or, with
-    ``max_points``, the whole history min/max-decimated to that many (``after_step`` and
-    ``limit`` ignored). ``include_superseded`` adds the points of earlier attempts that a
-    resumed attempt trained again (sharing the page's limit and cursor). ``cap``
-    (``DDPQ_MAX_METRIC_POINTS``) bounds ``limit`` and ``max_points``.
+    ``max_points``, the steps ``from_step..to_step`` (the chart's zoom; default the whole
+    history) min/max-decimated to that many from the rollups (``curves.curve``;
+    ``after_step`` and ``limit`` ignored). ``include_superseded`` adds the points of earlier
+    attempts that a resumed attempt trained again (sharing the page's limit and cursor; with
+    ``max_points``, their whole history decimated at read time). ``cap``
+    (``DDPQ_MAX_METRIC_POINTS``) bounds ``limit`` and ``max_points``. Without ``max_points``,
+    ``from_step``/``to_step`` bound the page too.
 
     Raises:
         NotFoundError: no job ``job_id`` of ``owner`` (None: any owner).
@@ -89,16 +94,17 @@ def read_metric_page(
     with db.session(write=False) as session:
         get_job(session, job_id, owner=owner)
         if max_points is not None:
-            rows = downsample_points(session, job_id, name, max_points=min(max_points, cap))
+            rows = curve(session, job_id, name, max_points=min(max_points, cap),
+                         from_step=from_step, to_step=to_step)  # fmt: skip
             next_after = rows[-1].step if rows else after_step
             old = None
             if include_superseded:
                 old = downsample_superseded(session, job_id, name, max_points=min(max_points, cap))
             return MetricPage(name, rows, old, next_after)
+        after_step = max(after_step, from_step - 1)
         if not include_superseded:
-            rows, next_after = query_points(
-                session, job_id, name, after_step=after_step, limit=min(limit, cap)
-            )
+            rows, next_after = query_points(session, job_id, name, after_step=after_step,
+                                            limit=min(limit, cap), to_step=to_step)  # fmt: skip
             return MetricPage(name, rows, None, next_after)
         # Both kinds share the page's limit; the cursor continues through both.
         rows, old, next_after = history_page(
