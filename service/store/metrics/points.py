@@ -204,10 +204,11 @@ def record_metrics(
     same points with the same error (a refused batch stores nothing); a ``CheckedPoint``
     passes through as it is.
     Also merges each name's newest value into ``jobs.latest_metrics`` and, when given,
-    replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``). The
-    fence, the quotas, the insert and the job update run in the caller's transaction: one
-    statement on PostgreSQL (so ``Database.session(one_statement=True)`` may run it), three
-    or four on SQLite.
+    replaces ``jobs.progress`` (``{step, total_steps, epoch, samples_per_s, eta_s}``), and
+    adds the points inserted to their rollup buckets (``rollups``). The fence, the quotas,
+    the insert, the rollups and the job update run in the caller's transaction: one statement
+    on PostgreSQL (so ``Database.session(one_statement=True)`` may run it), up to six on
+    SQLite.
 
     ``quotas``: a batch that would bring the job past ``max_names`` names, or its window
     past ``per_minute`` points, is refused whole (nothing stored, progress included): a
