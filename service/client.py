@@ -248,6 +248,33 @@ class DdpqClient(WorkspaceCalls):
         ]
         return result
 
+    def sweep_trials_page(
+        self,
+        sweep_id: int,
+        *,
+        sort: str = "position",
+        order: str = "asc",
+        limit: int | None = None,
+        offset: int = 0,
+        changed_since: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of the sweep's trials table sorted on the server: ``{"trials": [...],
+        "total", "offset", "next_offset", "changed_since"}``. ``sort``: a column
+        (``position``, ``objective_value``, ``steps_done``, …, or ``overrides.<path>``),
+        ``order`` ``asc``/``desc``, missing values last; ``changed_since``: the previous
+        answer's, for only the trials that changed since (rows may repeat: dedupe by key).
+
+        Raises:
+            ApiError: 404 not your sweep; 422 naming a bad parameter.
+        """
+        params: dict[str, Any] = {"sort": sort, "order": order, "offset": offset}
+        if limit is not None:
+            params["limit"] = limit
+        if changed_since is not None:
+            params["changed_since"] = changed_since
+        result: dict[str, Any] = self._json("GET", f"/sweeps/{int(sweep_id)}/trials", params=params)
+        return result
+
     def cancel_sweep(self, sweep_id: int) -> dict[str, Any]:
         """Cancel the sweep's unfinished trials; returns the Sweep (409 if it had ended)."""
         result: dict[str, Any] = self._json("POST", f"/sweeps/{int(sweep_id)}/cancel")

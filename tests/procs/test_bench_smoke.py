@@ -15,7 +15,17 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import api, checkpoint, claims, hostile, ingest, launch, reporting, scale  # noqa: E402
+from bench import (  # noqa: E402
+    api,
+    checkpoint,
+    claims,
+    hostile,
+    ingest,
+    launch,
+    reporting,
+    rollups,
+    scale,
+)
 from bench.common import BenchResult  # noqa: E402
 
 NEEDS_PG = os.environ.get("DDPQ_TEST_SKIP_PG") == "1"
@@ -52,6 +62,17 @@ def test_claims_tiny(tmp_path: Path) -> None:
         fig = res.figures[dialect]
         assert fig["duplicates"] == 0 and fig["claims"] == res.figures["jobs"], fig
         assert fig["starting_rows"] == res.figures["jobs"], fig
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_rollups_tiny(tmp_path: Path) -> None:
+    res = rollups.run("tiny", workdir=tmp_path)
+    _measured(res, "sqlite_ingest_cost_with_vs_without", "postgresql_read_time_vs_rollups")
+    for dialect in ("sqlite", "postgresql"):
+        fig = res.figures[dialect]
+        assert 2 < fig["chart_points"] <= rollups.CHART_MAX_POINTS, fig
+        assert fig["rollup_rows"] > 0, fig
 
 
 @pytest.mark.slow
@@ -105,6 +126,20 @@ def test_sweeps_tiny(tmp_path: Path) -> None:
     res = sweeps.run("tiny", workdir=tmp_path)
     _measured(res, "sqlite_sweep_vs_single_posts", "postgresql_sweep_vs_goal")
     assert res.goals["sqlite_all_trials_stored"] and res.goals["postgresql_all_trials_stored"]
+
+
+@pytest.mark.slow
+@skip_no_pg
+def test_sweep_trials_tiny(tmp_path: Path) -> None:
+    from bench import sweep_trials
+
+    res = sweep_trials.run("tiny", workdir=tmp_path)
+    _measured(res, "sqlite_first_load_vs_old", "postgresql_poll_bytes_vs_old")
+    for db in ("sqlite", "postgresql"):
+        fig = res.figures[db]
+        # Each poll brought the running trials that reported (not the whole table).
+        assert fig["poll_changed_trials_max"] == res.figures["running_trials"], fig
+        assert fig["poll_bytes_max"] < fig["old_poll_bytes"], fig
 
 
 @pytest.mark.slow

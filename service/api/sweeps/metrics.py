@@ -25,6 +25,8 @@ router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNA
 # Points per trial when the caller does not say: 100 overlaid curves of 200 points each draw
 # as fast as one chart can, and a bucket is still narrower than a pixel column or two.
 DEFAULT_POINTS_PER_TRIAL = 200
+# Trials one request may pick by job id: a page's best N plus what its user ticked.
+MAX_PICKED_TRIALS = 200
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: ERRORS[404]}
 
 
@@ -95,13 +97,25 @@ def sweep_metrics_route(
             "histories are min/max-decimated so spikes and extremes survive.",
         ),
     ] = DEFAULT_POINTS_PER_TRIAL,
+    job_id: Annotated[
+        list[Annotated[int, Field(ge=1, le=MAX_INT64)]] | None,
+        Query(
+            max_length=MAX_PICKED_TRIALS,
+            description="Only the trials whose current job is one of these (repeat the "
+            f"parameter, at most {MAX_PICKED_TRIALS}); default: every trial.",
+        ),
+    ] = None,
 ) -> Response:
-    """The whole history of metric ``name`` of each trial's current job, downsampled per
-    trial on the server (``service.store.sweeps.metrics.sweep_curves``: one query for all
-    trials); trials that have not reported it are left out."""
+    """The whole history of metric ``name`` of each trial's current job (or of the trials
+    of ``job_id``: a page's best N and the ones its user picked), downsampled per trial on
+    the server (``service.store.sweeps.metrics.sweep_curves``: one query for all trials);
+    trials that have not reported it are left out.
+
+    Who may call it: the sweep's owner or an admin (another owner: 404); an attempt or a
+    worker token: 401. Bad parameters: 422 naming the field."""
     points = min(max_points, ctx.settings.max_metric_points)
     curves = sweeps.get_sweep_curves(
-        ctx.db, sweep_id, name, owner=ctx.owner, max_points=max(4, points)
+        ctx.db, sweep_id, name, owner=ctx.owner, max_points=max(4, points), job_ids=job_id
     )
     return Response(sweep_metrics_json(name, curves), media_type="application/json")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Path, Query, Response
+from pydantic import AwareDatetime
 
 from service.api.bodies import body_doc, json_body
 from service.api.deps import REQUIRE_CALLER, UNAUTHORIZED, ContextDep, RequestContext
@@ -19,18 +20,22 @@ from service.api.sweeps.schemas import (
     SweepOut,
     TrialListOut,
     sweep_out,
-    trial_out,
+    trial_list_out,
     trials_csv,
 )
 from service.core.errors import SweepNotFoundError
 from service.core.limits import DEFAULT_PAGE_ITEMS, MAX_IDEMPOTENCY_KEY_CHARS, MAX_PAGE_ITEMS
 from service.core.owners.rank_users import check_submitter
 from service.core.sweeps.spec import SweepExtension, SweepSpec
+from service.core.sweeps.trials import TRIAL_SORT_FIELDS, TRIAL_SORT_PATTERN
 from service.store.sweeps import service as sweeps
+from service.store.sweeps.values import TrialQuery
 
 router = APIRouter(tags=["sweeps"], dependencies=[REQUIRE_CALLER], responses=UNAUTHORIZED)
 
 
+# An override path is at most a few dotted names (the spec's depth).
+MAX_SORT_CHARS = 300
 SweepIdPath = Annotated[int, Path(ge=1, le=MAX_INT64, description="Sweep id.")]
 ERRORS: dict[int | str, dict[str, str]] = {
     404: {"description": f"No such sweep, or not yours (`code`: {SweepNotFoundError.code})"},
@@ -130,21 +135,58 @@ def get_sweep_route(sweep_id: SweepIdPath, ctx: ContextDep) -> SweepOut:
     "/sweeps/{sweep_id}/trials",
     response_model=TrialListOut,
     summary="The trials table of a sweep",
-    responses={404: ERRORS[404], 200: {"content": {"text/csv": {}}}},
+    responses={404: ERRORS[404], 422: ERRORS[422], 200: {"content": {"text/csv": {}}}},
 )
 def trials_route(
     sweep_id: SweepIdPath,
     ctx: ContextDep,
     format: Annotated[Literal["json", "csv"], Query(description="json or csv.")] = "json",
+    sort: Annotated[
+        str,
+        Query(
+            pattern=TRIAL_SORT_PATTERN,
+            max_length=MAX_SORT_CHARS,
+            description="Column to sort by: " + ", ".join(TRIAL_SORT_FIELDS) + ", or "
+            "overrides.<dotted.path>. Trials without a value come last either way; ties in "
+            "position order.",
+        ),
+    ] = "position",
+    order: Annotated[Literal["asc", "desc"], Query(description="asc or desc.")] = "asc",
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_PAGE_ITEMS, description="Page size (default: every trial)."),
+    ] = None,
+    offset: Annotated[
+        int, Query(ge=0, le=MAX_INT64, description="Rows to skip (next_offset).")
+    ] = 0,
+    changed_since: Annotated[
+        AwareDatetime | None,
+        Query(
+            description="Only trials whose job changed since this time: the changed_since "
+            "of the previous answer (a delta poll; rows may repeat, dedupe by key)."
+        ),
+    ] = None,
 ) -> Response:
     """One row per trial (newest job per key): key, overrides, job, state, outcome, attempts,
-    steps done, objective value, run time. ``format=csv``: the same as CSV, one column per
-    override path."""
-    trials = sweeps.list_trials(ctx.db, sweep_id, owner=ctx.owner)
+    steps done, objective value, run time; sorted and paged on the server (``sort``,
+    ``order``, ``offset``, ``limit``; without them every trial in position order), or with
+    ``changed_since`` only the trials whose job changed since then. ``format=csv``: the same
+    rows as CSV, one column per override path.
+
+    Who may call it: the sweep's owner or an admin (another owner: 404, as ``GET
+    /sweeps/{id}``); an attempt or a worker token: 401. Bad parameters: 422 naming the field.
+    """
+    query = TrialQuery(
+        sort=sort,
+        descending=order == "desc",
+        offset=offset,
+        limit=limit,
+        changed_since=changed_since,
+    )
+    page = sweeps.list_trial_page(ctx.db, sweep_id, query, owner=ctx.owner)
     if format == "csv":
-        return Response(trials_csv(trials), media_type="text/csv")
-    body = TrialListOut(trials=[trial_out(t) for t in trials])
-    return Response(body.model_dump_json(), media_type="application/json")
+        return Response(trials_csv(page.trials), media_type="text/csv")
+    return Response(trial_list_out(page).model_dump_json(), media_type="application/json")
 
 
 @router.post(

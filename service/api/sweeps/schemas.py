@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.core.states import SweepState, TrialOutcome
 from service.core.sweeps.spec import canonical_json
-from service.store.sweeps.values import SweepDetail, TrialView
+from service.store.sweeps.values import SweepDetail, TrialPage, TrialView
 
 
 class _Out(BaseModel):
@@ -84,9 +84,19 @@ class TrialOut(_Out):
 
 
 class TrialListOut(_Out):
-    """Every trial of a sweep, in position order."""
+    """Trials of a sweep: every one in position order, or the page the query asked for."""
 
     trials: list[TrialOut]
+    total: int = Field(
+        description="Trials the query matched before paging (all of the sweep's, or with "
+        "changed_since all that changed)."
+    )
+    offset: int
+    next_offset: int | None = Field(description="The next page's offset (null: the last).")
+    changed_since: datetime = Field(
+        description="Send as changed_since with the next delta poll: it overlaps this "
+        "answer by a few seconds, so a trial may come again (dedupe by key)."
+    )
 
 
 def sweep_out(detail: SweepDetail) -> SweepOut:
@@ -117,6 +127,17 @@ def sweep_out(detail: SweepDetail) -> SweepOut:
         created_at=sweep.created_at,
         finished_at=sweep.finished_at,
         added=detail.added,
+    )
+
+
+def trial_list_out(page: TrialPage) -> TrialListOut:
+    """A page of the trials table as the API's envelope."""
+    return TrialListOut(
+        trials=[trial_out(t) for t in page.trials],
+        total=page.total,
+        offset=page.offset,
+        next_offset=page.next_offset,
+        changed_since=page.changed_since,
     )
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import TextClause, bindparam, select, text
 from sqlalchemy.orm import Session
 
 from service.store.models import Job, SweepTrial
@@ -22,8 +22,10 @@ _SPANS = (
     "ORDER BY m.step LIMIT 1) AS lo_value, "
     "(SELECT m.value FROM metrics m WHERE m.job_id = st.job_id AND m.name = :name "
     "ORDER BY m.step DESC LIMIT 1) AS hi_value "
-    "FROM sweep_trials st WHERE st.sweep_id = :sweep_id AND st.job_id IS NOT NULL)"
+    "FROM sweep_trials st WHERE st.sweep_id = :sweep_id AND st.job_id IS NOT NULL{picked})"
 )
+# The trials whose curves a page asked for (the best N, the ones its user picked).
+_PICKED = " AND st.job_id IN :job_ids"
 # Trials short enough to come back whole, and every trial's first and last point. The joins
 # of spans to metrics are CROSS JOINs: SQLite keeps that order (each trial's points by the
 # primary key) where, after ANALYZE, it chose to scan every point of the table instead.
@@ -52,25 +54,8 @@ _SAMPLE_FROM = "s.lo + k * (s.hi - s.lo + 1) / :samples"
 # LATERAL subquery: no join of every point against the trials); ``min(ARRAY[value, step])``
 # is the (value, step) of the bucket's smallest value (arrays compare element by element),
 # so the extremes keep their own steps without a sort. NaN is stored as NULL: left out.
-# Sampled trials: the first point at or after each bucket's start, one probe each.
-_PG_CURVES = text(
-    f"WITH {_SPANS} "
-    "SELECT s.position, s.job_id, s.trial_key, x.step, x.value, 0 FROM spans s "
-    "CROSS JOIN LATERAL (SELECT "
-    "min(ARRAY[m.value, m.step]) FILTER (WHERE m.value IS NOT NULL) AS low, "
-    "max(ARRAY[m.value, m.step]) FILTER (WHERE m.value IS NOT NULL) AS high "
-    "FROM metrics m WHERE m.job_id = s.job_id AND m.name = :name "
-    f"GROUP BY {_BUCKET}) AS e "
-    "CROSS JOIN LATERAL (VALUES (CAST(e.low[2] AS bigint), e.low[1]), "
-    "(CAST(e.high[2] AS bigint), e.high[1])) AS x(step, value) "
-    f"WHERE {_EXACT} AND x.step IS NOT NULL "
-    "UNION SELECT s.position, s.job_id, s.trial_key, x.step, x.value, 1 FROM spans s "
-    "CROSS JOIN LATERAL generate_series(0, :samples - 1) AS g(k) "
-    "CROSS JOIN LATERAL (SELECT m.step, m.value FROM metrics m "
-    f"WHERE m.job_id = s.job_id AND m.name = :name AND m.step >= {_SAMPLE_FROM} "
-    f"ORDER BY m.step LIMIT 1) AS x WHERE {_SAMPLED} "
-    f"UNION {_WHOLE_AND_ENDS} ORDER BY 1, 4"
-)
+# Sampled trials: the first point at or after each bucket's start, one probe each. (The
+# statements of both dialects are built by ``_statements`` below.)
 # SQLite: a query with a single min() or max() takes its bare columns (here the step) from
 # the row holding that extreme, so the minima and the maxima are a grouped query each. The
 # points are a derived table in each, not a shared CTE: SQLite would write the shared one
@@ -90,16 +75,48 @@ _SQLITE_SAMPLES = (
     f"SELECT s.position, s.job_id, s.trial_key, (SELECT m.step {_SQLITE_PROBE}, "
     f"(SELECT m.value {_SQLITE_PROBE}, 1 FROM spans s, samples WHERE {_SAMPLED}"
 )
-_SQLITE_CURVES = text(
-    f"WITH RECURSIVE {_SPANS}, "
-    "samples(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM samples WHERE k + 1 < :samples) "
-    f"SELECT position, job_id, trial_key, step, min(value), 0 FROM {_SQLITE_POINTS} "
-    "GROUP BY job_id, bucket "
-    f"UNION SELECT position, job_id, trial_key, step, max(value), 0 FROM {_SQLITE_POINTS} "
-    "GROUP BY job_id, bucket "
-    f"UNION {_SQLITE_SAMPLES} "
-    f"UNION {_WHOLE_AND_ENDS} ORDER BY 1, 4"
-)
+
+
+def _statements(picked: bool) -> dict[str, TextClause]:
+    """The curves statement by dialect, of every trial or only of the ``:job_ids`` ones."""
+    spans = _SPANS.format(picked=_PICKED if picked else "")
+    pg = (
+        f"WITH {spans} "
+        "SELECT s.position, s.job_id, s.trial_key, x.step, x.value, 0 FROM spans s "
+        "CROSS JOIN LATERAL (SELECT "
+        "min(ARRAY[m.value, m.step]) FILTER (WHERE m.value IS NOT NULL) AS low, "
+        "max(ARRAY[m.value, m.step]) FILTER (WHERE m.value IS NOT NULL) AS high "
+        "FROM metrics m WHERE m.job_id = s.job_id AND m.name = :name "
+        f"GROUP BY {_BUCKET}) AS e "
+        "CROSS JOIN LATERAL (VALUES (CAST(e.low[2] AS bigint), e.low[1]), "
+        "(CAST(e.high[2] AS bigint), e.high[1])) AS x(step, value) "
+        f"WHERE {_EXACT} AND x.step IS NOT NULL "
+        "UNION SELECT s.position, s.job_id, s.trial_key, x.step, x.value, 1 FROM spans s "
+        "CROSS JOIN LATERAL generate_series(0, :samples - 1) AS g(k) "
+        "CROSS JOIN LATERAL (SELECT m.step, m.value FROM metrics m "
+        f"WHERE m.job_id = s.job_id AND m.name = :name AND m.step >= {_SAMPLE_FROM} "
+        f"ORDER BY m.step LIMIT 1) AS x WHERE {_SAMPLED} "
+        f"UNION {_WHOLE_AND_ENDS} ORDER BY 1, 4"
+    )
+    sqlite = (
+        f"WITH RECURSIVE {spans}, "
+        "samples(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM samples WHERE k + 1 < :samples) "
+        f"SELECT position, job_id, trial_key, step, min(value), 0 FROM {_SQLITE_POINTS} "
+        "GROUP BY job_id, bucket "
+        f"UNION SELECT position, job_id, trial_key, step, max(value), 0 FROM {_SQLITE_POINTS} "
+        "GROUP BY job_id, bucket "
+        f"UNION {_SQLITE_SAMPLES} "
+        f"UNION {_WHOLE_AND_ENDS} ORDER BY 1, 4"
+    )
+    built = {"postgresql": text(pg), "sqlite": text(sqlite)}
+    if picked:
+        built = {k: v.bindparams(bindparam("job_ids", expanding=True)) for k, v in built.items()}
+    return built
+
+
+_CURVES = {False: _statements(False), True: _statements(True)}
+
+
 # Points a request may read for exact min/max curves, by dialect; longer sweeps are sampled
 # until per-bucket aggregates are kept at write time. PostgreSQL reads them index-only
 # (~0.3 s per million on a 2-core box); SQLite's metrics index holds no values, so each
@@ -114,6 +131,7 @@ def sweep_curves(
     *,
     max_points: int,
     max_scanned_points: int | None = None,
+    job_ids: Sequence[int] | None = None,
 ) -> list[TrialCurve]:
     """The history of metric ``name`` of each trial of ``sweep_id`` (its current job), each
     in at most ``max_points`` points, in trial order; trials without a job or without a point
@@ -136,6 +154,8 @@ def sweep_curves(
         max_points: points per trial (≥ 4).
         max_scanned_points: the most points read for exact min/max curves (default:
             ``MAX_SCANNED_POINTS`` of the session's dialect).
+        job_ids: only the trials whose current job is one of these (None: every trial);
+            an id of no trial of the sweep is ignored.
     Raises:
         ValueError: ``max_points`` below 4.
     """
@@ -151,14 +171,19 @@ def sweep_curves(
         "samples": max_points - 2,
         "budget": budget if max_scanned_points is None else max_scanned_points,
     }
+    statements = _CURVES[job_ids is not None]
+    if job_ids is not None:
+        if not job_ids:
+            return []
+        params["job_ids"] = list(job_ids)
     if dialect != "postgresql":
-        return _curves(session.execute(_SQLITE_CURVES, params).all())
+        return _curves(session.execute(statements["sqlite"], params).all())
     # A million points cost enough for PostgreSQL to JIT-compile the statement: ~0.4 s of
     # compiling for a query that runs in less. Read sessions run in autocommit (no SET
     # LOCAL), so the setting is put back on the pooled connection at once.
     session.execute(text("SET jit = off"))
     try:
-        rows = session.execute(_PG_CURVES, params).all()
+        rows = session.execute(statements["postgresql"], params).all()
     finally:
         session.execute(text("RESET jit"))
     return _curves(rows)

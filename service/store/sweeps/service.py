@@ -11,6 +11,8 @@ trial a call adds counts as one job against it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy.orm import Session
 
 from service.core.config import Settings
@@ -23,11 +25,12 @@ from service.core.sweeps.spec import (
     plan_trials,
     resolve_objective,
 )
+from service.core.sweeps.trials import next_changed_since
 from service.store.auth.values import Caller
 from service.store.db import Database
 from service.store.jobs.rate_limits import check_jobs_rate
-from service.store.models import Sweep
-from service.store.sweeps import crud, metrics, progress, view
+from service.store.models import Sweep, utcnow
+from service.store.sweeps import crud, metrics, progress, table, view
 from service.store.sweeps.init_from import resolve_sweep_init_from, trial_workspaces
 from service.store.sweeps.values import (
     SubmittedSweep,
@@ -35,6 +38,8 @@ from service.store.sweeps.values import (
     SweepInfo,
     SweepPage,
     TrialCurve,
+    TrialPage,
+    TrialQuery,
     TrialView,
 )
 from service.store.workspaces.crud import use_workspaces
@@ -145,6 +150,47 @@ def list_trials(db: Database, sweep_id: int, *, owner: str | None) -> list[Trial
         return view.list_trials(session, crud.get_sweep(session, sweep_id, owner=owner))
 
 
+def list_trial_page(
+    db: Database, sweep_id: int, query: TrialQuery, *, owner: str | None
+) -> TrialPage:
+    """One page of the sweep's trials table as ``query`` says (``table.page_of``: sorted on
+    the server, missing values last), or with ``query.changed_since`` the trials whose job
+    changed since then; the page says the ``changed_since`` of the next delta poll.
+
+    Raises:
+        NotFoundError: no such sweep (or not the owner's).
+        ValueError: ``query.sort`` is not a column of the table.
+    """
+    # Taken before the read: a row stamped after this is in this answer or the next one's.
+    read_started_at = utcnow()
+    since = query.changed_since
+    with db.session(write=False) as session:
+        sweep = crud.get_sweep(session, sweep_id, owner=owner)
+        if query.sort == "position":
+            # The table's own order: the page is cut in SQL, not after reading every trial.
+            rows = view.list_trials(
+                session,
+                sweep,
+                changed_since=since,
+                descending=query.descending,
+                offset=query.offset,
+                limit=query.limit,
+            )
+            whole = query.limit is None and query.offset == 0
+            total = len(rows) if whole else view.count_trials(session, sweep, changed_since=since)
+        else:
+            trials = view.list_trials(session, sweep, changed_since=since)
+            rows, total = table.page_of(trials, query), len(trials)
+    end = query.offset + len(rows)
+    return TrialPage(
+        tuple(rows),
+        total,
+        query.offset,
+        end if end < total else None,
+        next_changed_since(read_started_at),
+    )
+
+
 def cancel_sweep(db: Database, sweep_id: int, *, owner: str | None, by: str) -> SweepDetail:
     """Cancel the sweep (``crud.cancel_sweep``: queued trials at once, started ones flagged),
     ``by`` the owner named in its stop reason. Idempotent.
@@ -211,10 +257,17 @@ def extend_sweep(
 
 
 def get_sweep_curves(
-    db: Database, sweep_id: int, name: str, *, owner: str | None, max_points: int
+    db: Database,
+    sweep_id: int,
+    name: str,
+    *,
+    owner: str | None,
+    max_points: int,
+    job_ids: Sequence[int] | None = None,
 ) -> list[TrialCurve]:
     """Metric ``name`` of each trial's current job, downsampled per trial to ``max_points``
-    (``metrics.sweep_curves``: one query for all trials); trials without it left out.
+    (``metrics.sweep_curves``: one query for all trials); trials without it left out;
+    ``job_ids``: only the trials whose current job is one of these (None: all).
 
     Raises:
         NotFoundError: no such sweep (or not the owner's).
@@ -222,7 +275,7 @@ def get_sweep_curves(
     """
     with db.session(write=False) as session:
         crud.get_sweep(session, sweep_id, owner=owner)
-        return metrics.sweep_curves(session, sweep_id, name, max_points=max_points)
+        return metrics.sweep_curves(session, sweep_id, name, max_points=max_points, job_ids=job_ids)
 
 
 def list_sweep_metric_names(db: Database, sweep_id: int, *, owner: str | None) -> list[str]:

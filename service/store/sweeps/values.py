@@ -101,3 +101,31 @@ class TrialCurve:
     steps: list[int]
     values: list[float | None]
     sampled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TrialQuery:
+    """Which rows of a sweep's trials table to return: sorted by column ``sort`` (see
+    ``service.core.sweeps.trials.TRIAL_SORT_FIELDS``; missing values last either way),
+    ``descending`` or not, from ``offset``, at most ``limit`` (None: all); with
+    ``changed_since`` (tz-aware UTC) only the trials whose job changed since then."""
+
+    sort: str = "position"
+    descending: bool = False
+    offset: int = 0
+    limit: int | None = None
+    changed_since: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrialPage:
+    """A page of a sweep's trials table: ``total`` rows matched the query before paging
+    (every trial, or every changed one), ``next_offset`` continues it (None: the last page),
+    ``changed_since`` is what the next delta poll sends (an overlapping window: rows may come
+    again, dedupe by key)."""
+
+    trials: tuple[TrialView, ...]
+    total: int
+    offset: int
+    next_offset: int | None
+    changed_since: datetime

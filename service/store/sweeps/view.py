@@ -19,13 +19,34 @@ from service.store.sweeps.values import TrialView
 OUTCOMES = tuple(o.value for o in TrialOutcome)
 
 
-def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
+def list_trials(
+    session: Session,
+    sweep: Sweep,
+    *,
+    changed_since: datetime | None = None,
+    descending: bool = False,
+    offset: int = 0,
+    limit: int | None = None,
+) -> list[TrialView]:
     """Every trial of ``sweep`` in position order, with its newest job's state, steps and
     run time, and its objective (``sweep.objective``: the metric's last value, or its best
-    over the job's points for ``at: best``; None until reported or when NaN)."""
-    rows = session.execute(
+    over the job's points for ``at: best``; None until reported or when NaN).
+
+    ``changed_since`` (tz-aware UTC): only the trials whose newest job changed at or after
+    it (``jobs.updated_at``: every state change, progress report, cancel flag; a retry's or
+    an extension's new job is new), for a delta poll. ``descending``, ``offset``, ``limit``:
+    a page of that order, cut in SQL (a page of 10,000 trials reads 50 rows).
+    """
+    # Plain columns, not the SweepTrial entity: building 10,000 ORM objects cost more than
+    # the query.
+    stmt = (
         select(
-            SweepTrial,
+            SweepTrial.trial_key,
+            SweepTrial.position,
+            SweepTrial.overrides,
+            SweepTrial.job_id,
+            SweepTrial.attempts,
+            SweepTrial.outcome,
             Job.state,
             Job.progress,
             Job.latest_metrics,
@@ -35,13 +56,18 @@ def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
         )
         .outerjoin(Job, Job.id == SweepTrial.job_id)
         .where(SweepTrial.sweep_id == sweep.id)
-        .order_by(SweepTrial.position)
-    ).all()
+        .order_by(SweepTrial.position.desc() if descending else SweepTrial.position)
+        .offset(offset)
+        .limit(limit)
+    )
+    if changed_since is not None:
+        stmt = stmt.where(*_changed(sweep, changed_since))
+    rows = session.execute(stmt).all()
     metric, mode, at = (sweep.objective[k] for k in ("metric", "mode", "at"))
     best: dict[int, float | None] = {}
     if at == "best":
         agg = func.max(Metric.value) if mode == "max" else func.min(Metric.value)
-        job_ids = [r[0].job_id for r in rows if r[0].job_id is not None]
+        job_ids = [r[3] for r in rows if r[3] is not None]  # SweepTrial.job_id
         for chunk in range(0, len(job_ids), 500):
             best.update(
                 session.execute(
@@ -52,27 +78,50 @@ def list_trials(session: Session, sweep: Sweep) -> list[TrialView]:
             )
     now = utcnow()
     views = []
-    for trial, state, progress, latest, started, finished, cancel_requested in rows:
+    # Rows unpacked as tuples: cheaper than 12 look-ups by name per row, 10,000 rows a read.
+    for (
+        key, position, overrides, job_id, attempts, outcome,
+        state, progress, latest, started_at, finished_at, cancel_requested,
+    ) in rows:  # fmt: skip
         if at == "best":
-            value = best.get(trial.job_id) if trial.job_id is not None else None
+            value = best.get(job_id) if job_id is not None else None
         else:
             value = _latest_value(latest, metric)
         views.append(
             TrialView(
-                key=trial.trial_key,
-                position=trial.position,
-                overrides=trial.overrides,
-                job_id=trial.job_id,
+                key=key,
+                position=position,
+                overrides=overrides,
+                job_id=job_id,
                 state=state,
-                outcome=trial_outcome(state, trial.outcome).value,
-                attempts=trial.attempts,
+                outcome=trial_outcome(state, outcome).value,
+                attempts=attempts,
                 steps_done=_int(progress.get("step")) if isinstance(progress, dict) else None,
                 objective_value=_finite(value),
-                run_time_s=_run_time_s(started, finished, now),
+                run_time_s=_run_time_s(started_at, finished_at, now),
                 cancel_requested=bool(cancel_requested),
             )
         )
     return views
+
+
+def _changed(sweep: Sweep, changed_since: datetime) -> tuple[Any, ...]:
+    """The filter of the trials whose job changed since ``changed_since``: the sweep's jobs
+    by ix_jobs_sweep_id_state, then their stamp."""
+    return (Job.sweep_id == sweep.id, Job.updated_at >= changed_since)
+
+
+def count_trials(session: Session, sweep: Sweep, *, changed_since: datetime | None = None) -> int:
+    """How many trials ``list_trials`` would list without a page cut."""
+    stmt = (
+        select(func.count())
+        .select_from(SweepTrial)
+        .outerjoin(Job, Job.id == SweepTrial.job_id)
+        .where(SweepTrial.sweep_id == sweep.id)
+    )
+    if changed_since is not None:
+        stmt = stmt.where(*_changed(sweep, changed_since))
+    return int(session.execute(stmt).scalar_one())
 
 
 def _latest_value(latest: Any, metric: str) -> Any:

@@ -10,7 +10,11 @@
  * dashed and grey, and points that are rank 0's own values (not the mean over ranks, e.g. the
  * flush after a rank failure) get a hollow red marker. A series whose every point is rank 0's
  * own (a job that does not average over ranks) is one curve, said so in its heading. Past
- * MAX_MARKED_POINTS points a series draws no markers (rank 0's points: a red line instead).
+ * MAX_MARKED_POINTS points a series draws no markers (rank 0's points: a red line instead),
+ * except on points no line shows (a curve of one point, e.g. an eval once per epoch): those
+ * always get a filled marker.
+ * Zooming into a step range (drag) fetches that range's own downsampled curve from the server
+ * (re-bucketed, so the range's spikes show at any zoom) and merges it in (data-zoom: "lo-hi").
  * Each chart's element also carries data-resume-steps, data-superseded-points,
  * data-rank0-points and data-rank0-only; its plot holds the uPlot instance (ddpqChart). */
 "use strict";
@@ -214,7 +218,13 @@
         }
       }
       const curve = data[(extras || []).length + 1];
-      const lines = markedPoints(curve) > MAX_MARKED_POINTS ? { points: { show: false } } : {};
+      // Points no line shows (a curve of one point, one between NaN gaps, all at one x) get
+      // a filled marker even where the series shows none (uPlot draws the filter's indices).
+      const lone = d.lonePoints(data[0], curve) !== null;
+      const loneFilter = (u, si, show) => (show ? null : d.lonePoints(u.data[0], u.data[si]));
+      const marks = lone ? { size: 7, width: 1, fill: color } : {};
+      const show = markedPoints(curve) > MAX_MARKED_POINTS ? { show: false } : {};
+      const lines = { points: { ...show, ...marks, filter: loneFilter } };
       if (state.smoothing > 0) {
         series.push(
           { label: name + " (raw)", stroke: color + "40", width: 1, spanGaps: false, value: fmtY, ...lines },
@@ -237,6 +247,7 @@
           ready: [showLatest],
           setLegend: [showLatest],
           draw: [(u) => drawResumes(u, mode)],
+          setScale: [(u, key) => (key === "x" && mode === "step" ? onZoom(name, u) : undefined)],
         },
       };
     }
@@ -327,7 +338,8 @@
       // needs its chart rebuilt.
       // Markers are set when a chart is built: crossing MAX_MARKED_POINTS rebuilds it too.
       const dense = data.slice(1).map((col) => (markedPoints(col) > MAX_MARKED_POINTS ? "d" : "s")).join("");
-      const shape = x.mode + "/" + extras.map((e) => e.kind + (e.attempt || "")).join(",") + "/" + dense;
+      const lone = d.lonePoints(data[0], values) !== null ? "/lone" : "";
+      const shape = x.mode + "/" + extras.map((e) => e.kind + (e.attempt || "")).join(",") + "/" + dense + lone;
       if (s.chart && s.chartMode !== shape) {
         s.chart.destroy();
         s.chart = null;
@@ -342,6 +354,51 @@
         s.chart.setData(data);
         showLatest(s.chart);
       }
+    }
+
+    /* A step range zoomed into (a drag on the chart): once the drag settles, the server's
+     * curve of just that range (re-bucketed from its rollups, so a million-step run shows
+     * every spike of the range) is merged into the series; double-click zooms out. */
+    function onZoom(name, u) {
+      const s = state.series.get(name);
+      if (!s || !s.steps.length) return;
+      const lo = Math.max(1, Math.floor(u.scales.x.min));
+      const hi = Math.ceil(u.scales.x.max);
+      if (!(hi >= lo) || (lo <= s.steps[0] && hi >= s.steps[s.steps.length - 1])) return;
+      if (s.zoomed === lo + "-" + hi) return; // this range is already in
+      clearTimeout(s.zoomTimer);
+      s.zoomTimer = setTimeout(() => {
+        refineRange(name, s, lo, hi).catch((err) => {
+          s.node.dataset.zoomError = String((err && err.message) || err);
+        });
+      }, 150);
+    }
+
+    async function refineRange(name, s, lo, hi) {
+      const q = new URLSearchParams({
+        name: name,
+        from_step: String(lo),
+        to_step: String(hi),
+        max_points: String(FIRST_LOAD_MAX_POINTS),
+      });
+      const res = await d.api(base + "/metrics?" + q.toString());
+      const held = new Map(s.steps.map((step, i) => [step, i]));
+      const rows = s.steps.map((step, i) => [step, s.epochs[i], s.times[i], s.raw[i], s.aggs[i]]);
+      for (const p of res.body.points || []) {
+        if (!held.has(p.step)) rows.push([p.step, p.epoch, p.time, p.value, p.agg]);
+      }
+      rows.sort((a, b) => a[0] - b[0]);
+      s.steps = rows.map((r) => r[0]);
+      s.epochs = rows.map((r) => r[1]);
+      s.times = rows.map((r) => r[2]);
+      s.raw = rows.map((r) => r[3]);
+      s.aggs = rows.map((r) => r[4]);
+      s.after = Math.max(s.after, s.steps[s.steps.length - 1]);
+      s.zoomed = lo + "-" + hi;
+      drawSeries(name, s);
+      // setData rescaled the chart to every point: back to the range zoomed into.
+      if (s.chart) s.chart.setScale("x", { min: lo, max: hi });
+      s.node.dataset.zoom = s.zoomed;
     }
 
     function resetCharts() {
@@ -372,6 +429,7 @@
         s.after = points.length ? points[points.length - 1].step : Number(res.body.next_after_step) || 0;
         s.old = all.filter(isLostPoint);
         s.loaded = true;
+        s.zoomed = null; // a range merged in before is gone with the reload
         changed = true;
       }
       // Incremental: everything after the last step we hold, a page at a time.

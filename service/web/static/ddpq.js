@@ -169,6 +169,27 @@
     return Number.isNaN(n) ? null : n;
   }
 
+  /* Indices of the points of a curve that no line segment shows, for a chart to mark with
+   * uPlot's point markers (its series.points.filter): a point with no drawn neighbour (a
+   * curve of one point, one between NaN gaps), or every point when all share one x (a
+   * line between them has no length). ``xs`` and ``ys`` alike, null for a gap. Null when
+   * the line shows every point (uPlot draws all markers for any array, even an empty one). */
+  function lonePoints(xs, ys) {
+    const lone = [];
+    let x0 = null;
+    let oneX = true;
+    for (let i = 0; i < ys.length; i += 1) {
+      if (ys[i] === null || ys[i] === undefined) continue;
+      if (x0 === null) x0 = xs[i];
+      else if (xs[i] !== x0) oneX = false;
+      const before = i > 0 && ys[i - 1] !== null && ys[i - 1] !== undefined;
+      const after = i + 1 < ys.length && ys[i + 1] !== null && ys[i + 1] !== undefined;
+      if (!before && !after) lone.push(i);
+    }
+    if (oneX && x0 !== null) return ys.map((y, i) => (y === null || y === undefined ? -1 : i)).filter((i) => i >= 0);
+    return lone.length ? lone : null;
+  }
+
   /* latest_metrics entries are either a bare value or {step, value}. */
   function latestValue(latest, name) {
     if (!latest || !(name in latest)) return undefined;
@@ -361,6 +382,7 @@
     badge: badge,
     setBadge: setBadge,
     metricNumber: metricNumber,
+    lonePoints: lonePoints,
     latestValue: latestValue,
     fmtValue: fmtValue,
     fmtDuration: fmtDuration,

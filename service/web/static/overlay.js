@@ -2,7 +2,8 @@
  * scatter of one value against another, both drawn by the vendored uPlot. Each overlaid run
  * has its own x values (uPlot's mode 2), so runs that logged at different steps need no
  * shared x table. Hovering shows the nearest run's point in a readout line (a legend of 100
- * trials would not fit). Values may be null (NaN) or "Infinity": drawn as gaps. */
+ * trials would not fit). Values may be null (NaN) or "Infinity": drawn as gaps. A point no
+ * line shows (a run of one point, one between gaps, runs all at one step) gets a marker. */
 "use strict";
 
 (function () {
@@ -146,7 +147,16 @@
             { scale: "y", auto: true },
           ],
           paths: window.uPlot.paths.linear(),
-          points: { show: false },
+          // No marker on every point of a curve (a hundred overlaid curves), but one on each
+          // point no line shows: a run of one point (an eval once per epoch, a 1-epoch trial)
+          // or one between NaN gaps. In mode 2 uPlot draws only the filter's indices.
+          points: {
+            show: false,
+            size: 5 + 2 * (run.width || 1.25),
+            width: 1,
+            fill: run.color,
+            filter: (u, si) => d.lonePoints(u.data[si][0], u.data[si][1]),
+          },
         });
       }
       plot.dataset.runs = String(runs.length);

@@ -1,7 +1,11 @@
-/* ddpq dashboard: one sweep's page (/sweeps/<id>) — facts and counts, the trials table
- * (sortable by any column, the objective's best row highlighted, states live), the chosen
- * metric's curves of every trial overlaid (downsampled per trial by the API, one call for
- * all trials) and a scatter of the objective against each axis. */
+/* ddpq dashboard: one sweep's page (/sweeps/<id>) — facts and counts, the trials table (a
+ * page at a time, sorted on the server: sweep_trials.js), the chosen metric's curves overlaid
+ * (every trial's in a small sweep; in a large one the best BEST_CURVES by the objective plus
+ * the trials the user ticks) and a scatter of the objective against each axis.
+ * The page stays usable at 10,000 trials: the first load reads the best TOP_LIMIT trials
+ * (enough for the colours, the best curves and the scatters) and one page of the table;
+ * each poll then reads the sweep (counts, best) and only the trials whose job changed since
+ * the previous answer (?changed_since=, an overlapping window: rows are deduped by key). */
 "use strict";
 
 (function () {
@@ -10,29 +14,47 @@
   const s = window.ddpqSweeps;
   const sweepId = Number(document.body.dataset.sweepId);
   const base = "sweeps/" + sweepId;
-  const POINT_BUDGET = 20000; // points of all curves together
+  const POINT_BUDGET = 20000; // points of all curves together (a small sweep's)
   const CURVE_EVERY_TICKS = 5; // curves refresh every 5th poll (10 s) while trials run
+  const ALL_CURVES_UP_TO = 100; // sweeps this small draw every trial's curve
+  const BEST_CURVES = 10; // larger ones the best this many, plus the ticked trials
+  const PICKED_POINTS = 300; // points per curve then
+  const REFRESH_AT_ONCE = 2; // changed curves fetched again per refresh (a poll's bytes)
+  const TOP_LIMIT = 500; // best trials read on the first load (the API's page limit)
   const BEST_COLOR = "#b3261e";
   const COMPARE_BEST = 5; // trials the "Compare the best" link opens
   const $ = (id) => document.getElementById(id);
 
   const view = {
     sweep: null,
-    trials: [],
-    sort: { key: "position", dir: 1 },
+    held: new Map(), // trial key → its newest row from any answer (best, page, deltas)
+    topComplete: false, // the first load read every trial (none left past TOP_LIMIT)
+    changedSince: null,
+    changedJobs: new Set(), // jobs a delta brought since their curves were read
+    picked: new Set(), // job ids whose curves the user ticked
     metric: null,
     names: [],
     curves: [],
+    curveMetric: null, // the metric and the job ids (null: all) of the curves held
+    curveJobs: null,
     ticks: 0,
     scatterKey: null,
   };
 
   /* ---------- helpers over trials ---------- */
 
+  function trials() {
+    return [...view.held.values()];
+  }
+
+  function hold(rows) {
+    for (const t of rows) view.held.set(t.key, t);
+  }
+
   function axisPaths() {
     const spec = (view.sweep && view.sweep.spec) || {};
     const paths = Object.keys(spec.axes || {});
-    for (const t of view.trials) for (const p of Object.keys(t.overrides || {})) if (!paths.includes(p)) paths.push(p);
+    for (const t of view.held.values()) for (const p of Object.keys(t.overrides || {})) if (!paths.includes(p)) paths.push(p);
     return paths;
   }
 
@@ -41,15 +63,26 @@
     return Boolean(best) && t.key === best.trial_key;
   }
 
-  /* Trial key → 0 (worst) … 1 (best) by objective value; trials without one, or that
-     cannot be best (the API's `may_be_best`, the rule of its `best`), are absent. */
+  /* Trial key → 0 (worst) … 1 (best) by objective value among the held trials; trials
+     without one, or that cannot be best (the API's `may_be_best`, the rule of its `best`),
+     are absent. */
   function objectiveRanks() {
     const mode = (view.sweep && view.sweep.objective && view.sweep.objective.mode) || "min";
-    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined && t.may_be_best);
+    const scored = trials().filter((t) => t.objective_value !== null && t.objective_value !== undefined && t.may_be_best);
     scored.sort((a, b) => (mode === "max" ? a.objective_value - b.objective_value : b.objective_value - a.objective_value));
     const ranks = new Map();
     scored.forEach((t, i) => ranks.set(t.key, scored.length > 1 ? i / (scored.length - 1) : 1));
     return ranks;
+  }
+
+  /* Job ids of the best ``n`` trials by objective (best first). */
+  function bestJobs(n) {
+    const ranks = objectiveRanks();
+    return trials()
+      .filter((t) => ranks.has(t.key) && t.job_id)
+      .sort((a, b) => ranks.get(b.key) - ranks.get(a.key))
+      .slice(0, n)
+      .map((t) => t.job_id);
   }
 
   function trialLabel(t) {
@@ -80,117 +113,51 @@
     if (sweep.stop_reason) d.setText(reason, "Stopped: " + sweep.stop_reason);
   }
 
-  /* ---------- the trials table ---------- */
-
-  function columns() {
-    const cols = [
-      { key: "position", label: "Trial", value: (t) => t.position, cell: (t) => d.el("td", { class: "num" }, t.position) },
-      {
-        key: "job",
-        label: "Job",
-        value: (t) => t.job_id,
-        cell: (t) => d.el("td", { class: "num" }, t.job_id ? d.el("a", { href: "/jobs/" + t.job_id }, "#" + t.job_id) : "–"),
-      },
-      { key: "outcome", label: "Outcome", value: (t) => t.outcome, cell: (t) => d.el("td", null, d.badge(t.outcome)) },
-    ];
-    for (const path of axisPaths()) {
-      cols.push({
-        key: "axis:" + path,
-        label: path,
-        value: (t) => (t.overrides || {})[path],
-        cell: (t) => d.el("td", { class: "num mono", "data-axis": path }, s.valueText((t.overrides || {})[path])),
-      });
-    }
-    const metric = (view.sweep && view.sweep.objective && view.sweep.objective.metric) || "objective";
-    cols.push(
-      {
-        key: "objective",
-        label: metric,
-        value: (t) => t.objective_value,
-        cell: (t) => d.el("td", { class: "num objective" }, t.objective_value === null ? "–" : d.fmtValue(t.objective_value)),
-      },
-      { key: "steps", label: "Steps", value: (t) => t.steps_done, cell: (t) => d.el("td", { class: "num" }, t.steps_done === null ? "–" : t.steps_done) },
-      { key: "attempts", label: "Jobs", value: (t) => t.attempts, cell: (t) => d.el("td", { class: "num opt" }, t.attempts) },
-      { key: "run_time", label: "Run time", value: (t) => t.run_time_s, cell: (t) => d.el("td", { class: "num opt" }, d.fmtDuration(t.run_time_s)) },
-    );
-    return cols;
-  }
-
-  /* Ascending order of two cell values; missing values go last whatever the direction. */
-  function compare(a, b, dir) {
-    const missingA = a === null || a === undefined;
-    const missingB = b === null || b === undefined;
-    if (missingA || missingB) return missingA === missingB ? 0 : missingA ? 1 : -1;
-    if (typeof a === "number" && typeof b === "number") return dir * (a - b);
-    return dir * String(a).localeCompare(String(b), undefined, { numeric: true });
-  }
-
-  function renderHead(head, cols, headKey) {
-    view.headKey = headKey;
-    const active = document.activeElement;
-    const focused = active && head.contains(active) ? active.closest("th").dataset.key : null;
-    d.clear(head);
-    for (const col of cols) {
-      const sorted = view.sort.key === col.key;
-      const th = d.el(
-        "th",
-        { "data-key": col.key, "aria-sort": sorted ? (view.sort.dir > 0 ? "ascending" : "descending") : "none" },
-        d.el("button", { type: "button", class: "sort", title: "Sort by " + col.label }, col.label),
-      );
-      if (["attempts", "run_time"].includes(col.key)) th.classList.add("opt");
-      head.append(th);
-    }
-    if (focused) {
-      const again = head.querySelector('th[data-key="' + CSS.escape(focused) + '"] button');
-      if (again) again.focus();
-    }
-  }
-
-  function renderTrials() {
-    const cols = columns();
-    const head = $("trials-head");
-    // The header is rebuilt only when its columns or the sort change, so a focused header
-    // button keeps its focus across polls (and across its own click).
-    const headKey = JSON.stringify([cols.map((c) => c.key), view.sort]);
-    if (headKey !== view.headKey) renderHead(head, cols, headKey);
-    const col = cols.find((c) => c.key === view.sort.key) || cols[0];
-    const rows = view.trials.slice();
-    rows.sort((a, b) => compare(col.value(a), col.value(b), view.sort.dir) || a.position - b.position);
-    const body = $("trials-body");
-    d.clear(body);
-    for (const t of rows) {
-      const tr = d.el("tr", { "data-key": t.key, "data-job-id": t.job_id, "data-outcome": t.outcome });
-      if (isBest(t)) {
-        tr.classList.add("best");
-        tr.title = "The best trial by the sweep's objective";
-      }
-      for (const c of cols) tr.append(c.cell(t));
-      body.append(tr);
-    }
-  }
-
   /* "Compare the best N": the compare page with the best trials by objective (up to 5). */
   function renderCompareLink() {
-    const ranks = objectiveRanks();
-    const best = view.trials
-      .filter((t) => ranks.has(t.key) && t.job_id)
-      .sort((a, b) => ranks.get(b.key) - ranks.get(a.key))
-      .slice(0, COMPARE_BEST);
+    const best = bestJobs(COMPARE_BEST);
     const link = $("compare-best");
     link.hidden = best.length < 2;
-    link.href = "/compare?jobs=" + best.map((t) => t.job_id).join(",");
+    link.href = "/compare?jobs=" + best.join(",");
     d.setText(link, "Compare the best " + best.length);
   }
 
-  $("trials-head").addEventListener("click", (ev) => {
-    const th = ev.target instanceof Element ? ev.target.closest("th[data-key]") : null;
-    if (!th) return;
-    const key = th.dataset.key;
-    view.sort = { key: key, dir: view.sort.key === key ? -view.sort.dir : 1 };
-    renderTrials();
+  /* ---------- the trials: the best on first load, then only what changed ---------- */
+
+  const table = window.ddpqSweepTrials.trialsTable({
+    base: base,
+    sweep: () => view.sweep,
+    axisPaths: axisPaths,
+    isBest: isBest,
+    held: (key) => view.held.get(key),
+    picked: view.picked,
+    onRows: hold,
+    onPick: () => refreshCurves().catch((err) => d.showBanner("Could not load curves: " + err.message, "error")),
   });
 
-  /* ---------- curves of all trials ---------- */
+  async function loadBest() {
+    const mode = (view.sweep.objective && view.sweep.objective.mode) || "min";
+    const q = new URLSearchParams({ sort: "objective_value", order: mode === "max" ? "desc" : "asc", limit: String(TOP_LIMIT) });
+    const body = (await d.api(base + "/trials?" + q.toString())).body;
+    hold(body.trials || []);
+    view.topComplete = body.next_offset === null;
+    view.changedSince = body.changed_since;
+  }
+
+  /* The trials whose job changed since the previous answer (held, newest wins), and the
+   * rows held of them before (trial key → row). */
+  async function loadChanged() {
+    const q = new URLSearchParams({ changed_since: view.changedSince });
+    const body = (await d.api(base + "/trials?" + q.toString())).body;
+    const rows = body.trials || [];
+    const before = new Map(rows.filter((t) => view.held.has(t.key)).map((t) => [t.key, view.held.get(t.key)]));
+    hold(rows);
+    view.changedSince = body.changed_since;
+    for (const t of rows) if (t.job_id) view.changedJobs.add(t.job_id);
+    return { rows: rows, before: before };
+  }
+
+  /* ---------- curves: every trial's, or the best and the ticked ones ---------- */
 
   const curves = o.overlayChart($("curves-plot"), $("curves-readout"), "step");
 
@@ -200,7 +167,7 @@
     const key = JSON.stringify([view.metric, $("log-scale").checked, view.sweep && view.sweep.best, [...ranks]]);
     if (force !== true && key === view.drawnKey) return;
     view.drawnKey = key;
-    const byJob = new Map(view.trials.map((t) => [t.job_id, t]));
+    const byJob = new Map(trials().map((t) => [t.job_id, t]));
     const runs = [];
     let best = null;
     for (const series of view.curves) {
@@ -237,18 +204,52 @@
     select.value = view.metric;
   }
 
-  async function loadCurves() {
-    const perTrial = Math.max(50, Math.min(1000, Math.floor(POINT_BUDGET / Math.max(1, view.trials.length))));
+  /* Job ids whose curves are drawn: null (every trial's) in a small sweep, else the best
+   * BEST_CURVES by objective and the ticked ones. */
+  function curveJobs() {
+    if (view.sweep.trials_total <= ALL_CURVES_UP_TO) return null;
+    return [...new Set([...bestJobs(BEST_CURVES), ...view.picked])];
+  }
+
+  async function fetchCurves(ids, perTrial) {
     const q = new URLSearchParams({ name: view.metric, max_points: String(perTrial) });
-    const res = await d.api(base + "/metrics?" + q.toString());
-    view.curves = res.body.series || [];
+    for (const id of ids || []) q.append("job_id", String(id));
+    return (await d.api(base + "/metrics?" + q.toString())).body.series || [];
+  }
+
+  /* Read the curves again. A small sweep, or another metric: all of them. Else only the
+   * curves of trials that joined the set drawn (a new best, a tick) and a few of those whose
+   * job changed since they were read, so a poll's bytes stay bounded. */
+  async function refreshCurves() {
+    const ids = curveJobs();
+    if (ids === null || view.metric !== view.curveMetric) {
+      const count = ids === null ? view.sweep.trials_total : ids.length;
+      const perTrial = ids === null ? Math.max(50, Math.min(1000, Math.floor(POINT_BUDGET / Math.max(1, count)))) : PICKED_POINTS;
+      view.curves = ids !== null && !ids.length ? [] : await fetchCurves(ids, perTrial);
+      view.changedJobs.clear();
+    } else {
+      const held = new Set(view.curveJobs || []);
+      const joined = ids.filter((id) => !held.has(id));
+      const stale = ids.filter((id) => held.has(id) && view.changedJobs.has(id)).slice(0, REFRESH_AT_ONCE);
+      const read = [...joined, ...stale];
+      const fresh = new Map((read.length ? await fetchCurves(read, PICKED_POINTS) : []).map((c) => [c.job_id, c]));
+      for (const id of read) view.changedJobs.delete(id);
+      const wanted = new Set(ids);
+      view.curves = view.curves.filter((c) => wanted.has(c.job_id) && !read.includes(c.job_id)).concat([...fresh.values()]);
+      if (!read.length && ids.length === held.size) return drawCurves();
+    }
+    view.curveMetric = view.metric;
+    view.curveJobs = ids;
+    $("curves-title").textContent =
+      ids === null ? "Curves of all trials" : "Curves of the best " + BEST_CURVES + " trials and the ones ticked below";
+    $("curves-plot").dataset.jobs = ids === null ? "all" : ids.join(",");
     drawCurves(true);
   }
 
   $("metric-name").addEventListener("change", async (ev) => {
     view.metric = ev.target.value;
     try {
-      await loadCurves();
+      await refreshCurves();
     } catch (err) {
       d.showBanner("Could not load " + view.metric + ": " + err.message, "error");
     }
@@ -258,10 +259,13 @@
   /* ---------- objective against each axis ---------- */
 
   function renderScatters() {
-    const scored = view.trials.filter((t) => t.objective_value !== null && t.objective_value !== undefined);
+    const scored = trials().filter((t) => t.objective_value !== null && t.objective_value !== undefined);
     const key = JSON.stringify([view.sweep.best, scored.map((t) => [t.key, t.objective_value])]);
     if (key === view.scatterKey) return;
     view.scatterKey = key;
+    const partial = $("scatters-partial");
+    partial.hidden = view.topComplete;
+    d.setText(partial, "The best " + scored.length + " of " + view.sweep.trials_total + " trials by the objective (and those that changed since the page opened).");
     const box = $("scatters");
     d.clear(box);
     $("scatters-empty").hidden = scored.length > 0;
@@ -305,15 +309,21 @@
       throw err;
     }
     view.sweep = sweep;
-    view.trials = (await d.api(base + "/trials")).body.trials || [];
     renderSweep(sweep);
-    renderTrials();
+    if (view.changedSince === null) {
+      // The first load (or a retry of one that failed): the best trials, then a page.
+      await loadBest();
+      await table.load();
+    } else {
+      const changed = await loadChanged();
+      await table.update(changed.rows, changed.before, sweep.trials_total);
+    }
     renderCompareLink();
     renderScatters();
-    const live = s.SWEEP_LIVE.includes(sweep.state) || view.trials.some((t) => d.LIVE_STATES.includes(t.outcome));
+    const live = s.SWEEP_LIVE.includes(sweep.state) || d.LIVE_STATES.some((state) => (sweep.counts || {})[state] > 0);
     if (view.ticks === 1 || (live && view.ticks % CURVE_EVERY_TICKS === 0)) {
       await loadNames();
-      await loadCurves();
+      await refreshCurves();
     } else {
       drawCurves(); // colours follow the objective ranks
     }
