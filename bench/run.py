@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # In the order of the task's priorities: #1, #4, #6, #3, #2, #5, then #7, #8, the sweeps', #9,
-# #10 and #11, then the hostile owner's.
+# #10 and #11, then the hostile owner's, then the charts of long runs and big sweeps.
 BENCHMARKS = (
     "reporting",
     "claims",
@@ -33,6 +33,8 @@ BENCHMARKS = (
     "followed",
     "worker_api",
     "hostile",
+    "rollups",
+    "sweep_trials",
 )
 DEFAULT_MLFLOW_SITE = "/tmp/mlflow-site"
 
