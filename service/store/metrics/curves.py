@@ -87,6 +87,40 @@ def cover(lo: int, hi: int, top: int) -> tuple[Runs, list[tuple[int, int]]]:
     return runs, raw
 
 
+def _raw_points(
+    session: Session, job_id: int, name: str, raw: list[tuple[int, int]]
+) -> list[tuple[int, float | None]]:
+    """``(step, value)`` of ``name``'s points in the step ranges ``raw``: one range scan
+    each (as one OR, PostgreSQL filtered the job's every point), fetched at once."""
+    parts = [
+        select(Metric.step, Metric.value).where(
+            Metric.job_id == job_id, Metric.name == name, Metric.step.between(a, b)
+        )
+        for a, b in raw
+    ]
+    stmt = parts[0] if len(parts) == 1 else union_all(*parts)
+    return [(int(s), v) for s, v in session.connection().execute(stmt).all()]
+
+
+def _rollups(session: Session, job_id: int, name: str, runs: Runs) -> list[Bucket]:
+    """The rollup buckets of ``runs``: one index range scan per run (at most two per
+    level)."""
+    if not runs:
+        return []
+    r = MetricRollup
+    cols = (r.count, r.min_step, r.min_value, r.max_step, r.max_value, r.first_step,
+            r.first_value, r.last_step, r.last_value)  # fmt: skip
+    parts = [
+        select(*cols).where(
+            r.job_id == job_id, r.name == name, r.level == k, r.bucket.between(a, b)
+        )
+        for k, rs in runs.items()
+        for a, b in rs
+    ]
+    stmt = parts[0] if len(parts) == 1 else union_all(*parts)
+    return [Bucket(*row) for row in session.connection().execute(stmt).all()]
+
+
 def _buckets(
     session: Session, job_id: int, name: str, shift: int, runs: Runs, raw: list[tuple[int, int]]
 ) -> dict[int, Bucket]:
@@ -94,38 +128,15 @@ def _buckets(
     raw points of ``raw``: ``{display bucket: Bucket}``."""
     merged: dict[int, Bucket] = {}
     if raw:
-        # One range scan each (as one OR, PostgreSQL filtered the job's every point).
-        parts = [
-            select(Metric.step, Metric.value).where(
-                Metric.job_id == job_id, Metric.name == name, Metric.step.between(a, b)
-            )
-            for a, b in raw
-        ]
-        stmt = parts[0] if len(parts) == 1 else union_all(*parts)
-        points = session.connection().execute(stmt).all()  # one fetch, not row by row
-        folded = aggregate(((name, int(s), v) for s, v in points), (shift,))
+        folded = aggregate(((name, s, v) for s, v in _raw_points(session, job_id, name, raw)),
+                           (shift,))  # fmt: skip
         merged = {bucket: b for (_, _, bucket), b in folded.items()}
-    if runs:
-        r = MetricRollup
-        cols = (r.count, r.min_step, r.min_value, r.max_step, r.max_value, r.first_step,
-                r.first_value, r.last_step, r.last_value)  # fmt: skip
-        # One index range scan per run (at most two per level), as for the raw ranges.
-        parts = [
-            select(*cols).where(
-                r.job_id == job_id, r.name == name, r.level == k, r.bucket.between(a, b)
-            )
-            for k, rs in runs.items()
-            for a, b in rs
-        ]
-        stmt = parts[0] if len(parts) == 1 else union_all(*parts)
-        rows = session.connection().execute(stmt).all()
-        for row in rows:
-            b = Bucket(*row)
-            key = b.first_step >> shift
-            if key in merged:
-                merged[key].add(b)
-            else:
-                merged[key] = b
+    for b in _rollups(session, job_id, name, runs):
+        key = b.first_step >> shift
+        if key in merged:
+            merged[key].add(b)
+        else:
+            merged[key] = b
     return merged
 
 
