@@ -42,7 +42,7 @@ from service.core.wire.attempt import UPLOAD_CHUNK_PATH
 from service.core.wire.workspace import FILE_CHUNK_PATH, FILES_BATCH_PATH, WORKSPACES_PATH
 from service.store.checkpoints.stores import make_stores
 from service.store.db import Database, redact_url
-from service.store.jobs.service import has_claimable_job
+from service.store.jobs.service import count_claimable_jobs
 from service.store.migrate import check_database
 from service.store.reaper import reap_forever
 from service.store.workspaces.stores import make_workspace_stores
@@ -141,7 +141,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.checkpoint_stores = stores
     app.state.workspace_stores = workspace_stores
     app.state.claim_waits = ClaimWaits(
-        lambda launcher, gpus: has_claimable_job(db, launcher=launcher, max_gpus_per_node=gpus)
+        lambda launcher, gpus, limit: count_claimable_jobs(
+            db, launcher=launcher, max_gpus_per_node=gpus, limit=limit
+        )
     )
     install_error_handlers(app)
     manifest_bytes = settings.max_body_bytes + settings.workspace_max_files * (

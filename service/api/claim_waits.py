@@ -4,12 +4,15 @@ claim may exist, without holding a database connection while they wait.
 Two things wake a waiting claim: a submission through this API process (``notify``, at
 once), and a probe that runs while claims wait: every ``PROBE_S`` seconds, one read per
 distinct (launcher, GPUs) among the waiting claims, the same claim predicate the claim
-itself and the queue explanation use (``has_claimable_job``). The probe finds what another
+itself and the queue explanation use (``count_claimable_jobs``). The probe finds what another
 API process queued, a requeue by the reaper, a sweep slot freed. A submission wakes one
 claim per key, and a woken claim that got a job wakes the next (``pass_on``): one claim
-transaction per job queued here, however many workers wait. A job the probe still finds
-claimable (a wake-up gone astray, a job queued by another process) wakes every claim waiting
-for its key. The database sees at most one probe per key per ``PROBE_S`` per process.
+transaction per job queued here, however many workers wait. Jobs the probe still finds
+claimable (a wake-up gone astray, jobs queued by another process) wake as many claims
+waiting for their key as there are such jobs, not all of them: with 100 workers waiting on
+each of two processes, a probe that saw a job submitted to the other process before its
+claim committed ran 100 claim transactions for that one job. The database sees at most one
+probe per key per ``PROBE_S`` per process.
 
 A claim that arrives while the last probe for its key found nothing (within two probe
 periods, and no submission here since) waits at once, without a claim transaction of its
@@ -44,15 +47,17 @@ class ClaimWaits:
     usually one job, and every woken claim runs a claim transaction. A woken claim that got a
     job passes the wake-up on (``pass_on``), so a burst of jobs fans out to as many waiting
     claims as it needs; one that found nothing waits again. The probe, which sees what is
-    still claimable ``probe_s`` later, wakes every claim waiting for that key.
+    still claimable ``probe_s`` later, wakes as many claims waiting for that key as it found
+    claimable jobs.
 
     Args:
-        probe: ``probe(launcher, max_gpus_per_node)`` → whether such a claim could find a job
-            (blocking; run in the threadpool). An error there is logged and counts as "no".
+        probe: ``probe(launcher, max_gpus_per_node, limit)`` → how many jobs such a claim
+            could find, counting at most ``limit`` (the claims waiting for the key; blocking,
+            run in the threadpool). An error there is logged and counts as "none known".
         probe_s: seconds between probes while claims wait.
     """
 
-    def __init__(self, probe: Callable[[str, int], bool], probe_s: float = PROBE_S) -> None:
+    def __init__(self, probe: Callable[[str, int, int], int], probe_s: float = PROBE_S) -> None:
         self._probe = probe
         self._probe_s = probe_s
         self._waiting: dict[Key, deque[asyncio.Future[None]]] = {}
@@ -133,22 +138,25 @@ class ClaimWaits:
             await asyncio.sleep(self._probe_s)
             for key in list(self._waiting):
                 probed_at = asyncio.get_running_loop().time()
-                found: bool | None
+                waiting = len(self._waiting.get(key, ()))
+                if not waiting:
+                    continue
+                found: int | None
                 try:
-                    found = await run_in_threadpool(self._probe, *key)
+                    found = await run_in_threadpool(self._probe, *key, waiting)
                 except Exception as exc:  # a database outage: the claims time out instead
                     log.debug("claim probe failed: %s", exc)
                     found = None
-                if found is False:
+                if found == 0:
                     self._empty_at[key] = probed_at
                     continue
                 self._empty_at.pop(key, None)
-                if found:
-                    # Still claimable a probe later: a wake-up went astray (its claim's
-                    # client left, it lost a race) or the job came from another process.
-                    # Every claim waiting for the key looks now.
-                    while self._wake(key):
-                        pass
+                # Still claimable a probe later: a wake-up went astray (its claim's client
+                # left, it lost a race) or the jobs came from another process. One claim
+                # looks per job found; one that gets it passes the wake-up on.
+                for _ in range(found or 0):
+                    if not self._wake(key):
+                        break
 
     async def close(self) -> None:
         """Stop the probe (at the app's shutdown)."""

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import String, bindparam, insert, select
+from sqlalchemy import String, Table, bindparam, insert, select
 from sqlalchemy.orm import Session
 
 from service.core.events import EventKind, json_safe, render
@@ -80,7 +80,10 @@ def record_event(
 def record_events(session: Session, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert many rows made by ``event_values`` in one ``executemany``."""
     if rows:
-        session.execute(insert(JobEvent), list(rows))
+        # On the table, not the ORM entity: the ORM's bulk INSERT cost ~200 Python calls
+        # more per worker transition, for rows that are plain dicts either way.
+        table: Table = JobEvent.__table__  # type: ignore[assignment]
+        session.execute(insert(table), list(rows))
 
 
 # -- the claim's event, as Core statements with bound parameters ------------------------------

@@ -173,7 +173,6 @@ async def submit(
         ctx.caller,
         idempotency_key=idempotency_key,
         per_minute=per_minute,
-        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         starting_launcher=ctx.settings.expect_worker,
     )
     if submitted.created:

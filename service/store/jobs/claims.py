@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, delete, exists, func, or_, select, text, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from service.core.events import EventKind
 from service.core.holds import ClaimedJob
@@ -29,6 +29,16 @@ def has_claimable_job(session: Session, *, launcher: str, max_gpus_per_node: int
     take. One read on the claim index (no write lock, unlike the claim on SQLite): idle workers
     poll it often to start new jobs quickly, and claim only when it says yes."""
     return bool(session.scalar(select(exists().where(*_claimable(launcher, max_gpus_per_node)))))
+
+
+def count_claimable_jobs(
+    session: Session, *, launcher: str, max_gpus_per_node: int, limit: int
+) -> int:
+    """How many queued jobs ``claim_next_job`` with the same arguments could take, counting
+    at most ``limit`` (≥ 1): one read on the claim index that stops at ``limit`` rows. The
+    long poll's probe wakes that many waiting claims, not all of them."""
+    found = select(Job.id).where(*_claimable(launcher, max_gpus_per_node)).limit(limit)
+    return int(session.scalar(select(func.count()).select_from(found.subquery())) or 0)
 
 
 def _claimable(launcher: Any, max_gpus: Any) -> tuple[Any, ...]:
@@ -216,7 +226,13 @@ def claim_update_statements(picked: Any, *ctes: Any) -> tuple[Any, Any]:
     )
     claimed = claim.returning(*Job.__table__.c).cte("claimed")
     add_events = events.claim_events_from(claimed)
-    return claim.returning(Job), select(aliased(Job, claimed)).add_cte(add_events)
+    # Jobs loaded from a Core SELECT of the CTE (from_statement), not select(aliased(Job,
+    # claimed)): an aliased entity adapts its columns lazily, on the shared statement, and
+    # threads compiling it for the first time at once (a fresh API process taking its first
+    # claims) could compile "SELECT claimed.id, …, jobs.attempt, … FROM claimed, jobs": one
+    # row per job in the table, most columns from other jobs' rows, cached for the process.
+    returned = select(Job).from_statement(select(*claimed.c).add_cte(add_events))
+    return claim.returning(Job), returned
 
 
 def claimed_job(job: Job) -> ClaimedJob:

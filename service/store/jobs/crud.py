@@ -20,7 +20,7 @@ from service.core.events import EventKind
 from service.core.holds import Transition
 from service.core.spec.model import JobSpec
 from service.core.states import ACTIVE_STATES, TERMINAL_STATES, JobState, check_transition
-from service.store.events import record_event
+from service.store.events import event_values, record_event, record_events
 from service.store.jobs.filters import has_tag, name_or_tag
 from service.store.models import Job, JobEvent, utcnow
 
@@ -245,23 +245,27 @@ def _compare_and_set(
     if error is not None:
         vals["error"] = error
     vals.update(values or {})
-    row = session.execute(
+    # The job comes back from the UPDATE itself and its event is a Core INSERT: a reload
+    # and a unit-of-work flush after it were most of a worker's transition request's CPU.
+    job = session.scalars(
         update(Job)
         .where(Job.id == t.job_id, Job.state == t.expected.value, *where)
         .values(**vals)
-        .returning(Job.attempt)
-        .execution_options(synchronize_session=False)
+        .returning(Job),
+        execution_options={"synchronize_session": False, "populate_existing": True},
     ).one_or_none()
-    if row is None:
+    if job is None:
         return None
     kind, data = t.event()
-    record_event(
-        session, t.job_id, row.attempt, kind, data, from_state=t.expected.value,
-        to_state=t.target.value, worker_id=worker_id,
+    record_events(
+        session,
+        [
+            event_values(
+                t.job_id, job.attempt, kind, data, from_state=t.expected.value,
+                to_state=t.target.value, worker_id=worker_id,
+            )
+        ],
     )  # fmt: skip
-    session.flush()
-    job = session.get(Job, t.job_id, populate_existing=True)
-    assert job is not None
     return job
 
 

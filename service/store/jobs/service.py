@@ -55,16 +55,14 @@ def submit_job(
     *,
     idempotency_key: str | None = None,
     per_minute: int | None = None,
-    heartbeat_interval_s: float,
     starting_launcher: str | None = None,
 ) -> Submitted:
     """Queue a validated ``spec`` for ``caller``, in one transaction. A replayed
     ``idempotency_key`` returns the earlier job and must come with the same spec. A new job
     counts against the owner's ``per_minute`` submissions (a replay does not; None: no
     limit). An ``init_from`` is resolved to one committed checkpoint of a job the caller may
-    read. A new job no registered worker could ever run comes with a warning (workers of
-    that launcher are live, silent or stopped: ``heartbeat_interval_s`` says which are live;
-    ``starting_launcher``: see ``queue.submit_warnings``).
+    read. A new job no registered worker (live, silent or stopped) could ever run comes with
+    a warning (``starting_launcher``: see ``queue.submit_warnings``).
 
     Raises:
         SpecValidationError: (422) the key was used before for a different spec; the
@@ -92,12 +90,7 @@ def submit_job(
         if created:
             r = spec.resources
             shape = JobShape(spec.launcher, r.gpus_per_node, r.nproc_per_node, spec.priority)
-            warnings = submit_warnings(
-                session,
-                shape,
-                heartbeat_interval_s=heartbeat_interval_s,
-                starting_launcher=starting_launcher,
-            )
+            warnings = submit_warnings(session, shape, starting_launcher=starting_launcher)
         return Submitted(JobView.of(job), created, tuple(warnings))
 
 
@@ -247,12 +240,7 @@ def plan_submission(
             heartbeat_interval_s=heartbeat_interval_s,
             max_gpus_per_node=max_gpus_per_node,
         )
-        warnings = submit_warnings(
-            session,
-            shape,
-            heartbeat_interval_s=heartbeat_interval_s,
-            starting_launcher=starting_launcher,
-        )
+        warnings = submit_warnings(session, shape, starting_launcher=starting_launcher)
     return SubmissionPlan(spec, attempt, resume, explanation, tuple(warnings))
 
 
@@ -290,12 +278,13 @@ def read_job_log(
 # -- the worker's (``worker.control.records.DatabaseRecords``) ------------------------------------
 
 
-def has_claimable_job(db: Database, *, launcher: str, max_gpus_per_node: int) -> bool:
-    """Whether a job a worker of ``launcher`` with ``max_gpus_per_node`` free GPUs could claim
-    is queued: one indexed read, no write lock (idle workers poll it)."""
+def count_claimable_jobs(db: Database, *, launcher: str, max_gpus_per_node: int, limit: int) -> int:
+    """How many queued jobs a worker of ``launcher`` with ``max_gpus_per_node`` free GPUs
+    could claim, counting at most ``limit`` (≥ 1): one indexed read, no write lock (the long
+    poll's probe)."""
     with db.session(write=False) as session:
-        return claims.has_claimable_job(
-            session, launcher=launcher, max_gpus_per_node=max_gpus_per_node
+        return claims.count_claimable_jobs(
+            session, launcher=launcher, max_gpus_per_node=max_gpus_per_node, limit=limit
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import Connection, and_, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import NotHeldError, WorkerTokenRefusedError
@@ -26,13 +26,15 @@ from service.store.workers.values import WorkerCaller
 _ACTIVE = [s.value for s in ACTIVE_STATES]
 
 
-def find_worker_caller(session: Session, token: str, worker_id: str) -> WorkerCaller | None:
+def find_worker_caller(
+    conn: Session | Connection, token: str, worker_id: str
+) -> WorkerCaller | None:
     """Who calls the worker API: the live worker token ``token`` and the row of
     ``worker_id`` (if registered; its launcher and the token it registered with). None for an
     unknown, revoked, malformed or non-worker token. One indexed statement, no cache."""
     if not token or len(token) > MAX_TOKEN_CHARS:
         return None
-    row = session.execute(
+    row = conn.execute(
         select(ApiToken.id, Worker.id.label("worker"), Worker.token_id, Worker.launcher)
         .select_from(ApiToken)
         .outerjoin(Worker, Worker.id == worker_id)

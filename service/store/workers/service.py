@@ -52,8 +52,8 @@ def find_worker_caller(db: Database, token: str, worker_id: str) -> WorkerCaller
     Raises:
         DatabaseUnavailableError: the token could not be looked up (503).
     """
-    with db.session(write=False) as session:
-        return held.find_worker_caller(session, token, worker_id)
+    # A Core read (no ORM session): it runs before every worker request.
+    return db.read(lambda conn: held.find_worker_caller(conn, token, worker_id))
 
 
 def claim_for_worker(
