@@ -127,6 +127,8 @@ class Job(Base):
         Index("ix_jobs_init_from_job_id", "init_from_job_id"),
         Index("ix_jobs_owner_id", "owner", "id"),
         Index("ix_jobs_worker_id", "worker_id"),
+        # A sweep's jobs that changed since a time: the trials table's delta poll.
+        Index("ix_jobs_sweep_id_updated_at", "sweep_id", "updated_at"),
         # AUTOINCREMENT: SQLite never hands out an id again, even after the newest job is
         # deleted, so a new job never meets an old job's artifacts (jobs/<id>/…).
         {"sqlite_autoincrement": True},

@@ -100,8 +100,8 @@ class TrialListOut(_Out):
 
 
 def sweep_out(detail: SweepDetail) -> SweepOut:
-    """A sweep with its trials as the API's Sweep."""
-    sweep, trials, best = detail.sweep, detail.trials, detail.best
+    """A sweep with its counts and best trial as the API's Sweep."""
+    sweep, best = detail.sweep, detail.best
     return SweepOut(
         id=sweep.id,
         name=sweep.name,
@@ -111,7 +111,7 @@ def sweep_out(detail: SweepDetail) -> SweepOut:
         spec=sweep.spec,
         objective=sweep.objective,
         counts=detail.counts,
-        trials_total=len(trials),
+        trials_total=detail.trials_total,
         best=None
         if best is None or best.objective_value is None
         else BestTrialOut(

@@ -62,12 +62,12 @@ class TrialView:
 
 @dataclass(frozen=True, slots=True)
 class SweepDetail:
-    """A sweep with its trials (position order), the best trial so far (None: none has an
+    """A sweep with how many trials it has, the best trial so far (None: none has an
     objective value that may count), its trials counted by outcome (every outcome, zeros
     too) and, after an extend or a retry, how many trials it added (else None)."""
 
     sweep: SweepInfo
-    trials: tuple[TrialView, ...]
+    trials_total: int
     best: TrialView | None
     counts: dict[str, int]
     added: int | None = None
