@@ -173,6 +173,56 @@ def test_corrupt_or_missing_newest_is_skipped_on_resume(
     assert [c.step for c in live(db, job_id)] == [10], "bad ones must be marked deleted"
 
 
+def test_a_slow_recorder_keeps_every_checkpoint_and_an_outage_only_the_newest_few(
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    """Checkpoints written while the first one waits for its points (the API slow, a loaded
+    box) are all kept once the points go through; only one with MAX_NEWER_WAITING newer ones
+    behind it (an outage's backlog) is given up."""
+    job_id, attempt = job
+    gate = threading.Event()
+    sink_client = client_for(db, api, job)
+    send = sink_client.send_metrics
+
+    def held_send(batch: MetricBatch) -> MetricBatchAck:
+        gate.wait(30)
+        return send(batch)
+
+    sink_client.send_metrics = held_send  # type: ignore[method-assign]
+    sink = ApiSink(None, sink_client)
+    ckpt = Checkpointer(
+        client_for(db, api, job), artifact_dir, job_id, attempt, keep=10, points=sink
+    )
+    try:
+        for step in range(1, 6):
+            sink.report(step, 0, torch.tensor(float(step)))
+        sink.flush(Progress(5, 10, 0, None, None))
+        ckpt.save(5, 0, lambda: state_of(tiny_model(), 5))
+        time.sleep(1.0)  # 5 is waiting for its points now
+        ckpt.save(6, 0, lambda: state_of(tiny_model(), 6))
+        ckpt.save(7, 0, lambda: state_of(tiny_model(), 7))
+        gate.set()
+        ckpt.wait()
+        assert sorted(c.step for c in live(db, job_id)) == [5, 6, 7], "a slow API lost one"
+
+        gate.clear()
+        for step in range(8, 10):
+            sink.report(step, 0, torch.tensor(float(step)))
+        sink.flush(Progress(9, 10, 0, None, None))
+        ckpt.save(9, 0, lambda: state_of(tiny_model(), 9))
+        time.sleep(1.0)  # 9 waits; 10, 11 and 12 are written behind it
+        for step in (10, 11, 12):
+            ckpt.save(step, 0, lambda step=step: state_of(tiny_model(), step))  # type: ignore[misc]
+        gate.set()
+        ckpt.wait()
+        kept = sorted(c.step for c in live(db, job_id) if c.step > 7)
+        assert kept == [9, 11, 12], f"10 (two newer behind it) given up, no other: {kept}"
+    finally:
+        gate.set()
+        ckpt.close()
+        sink.close()
+
+
 def test_a_checkpoint_counts_only_once_the_points_before_it_are_stored(
     db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
 ) -> None:

@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 # writer stores them within a flush normally; longer means the API is out of reach, and the
 # checkpoint's own recording would wait as long.
 POINTS_WAIT_S = 30.0
+# A checkpoint waiting for its points is given up once this many newer ones wait behind it
+# (an API outage): bounds the recorder's queue and the temp files on disk.
+MAX_NEWER_WAITING = 2
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ class Checkpointer(NullCheckpointer):
         # the next save never waits on the points (an API outage holds them back).
         self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddpq-ckpt-rec")
         self._recorded: Future[None] | None = None
-        self._newest_written: int | None = None  # the step of the newest file written
+        self._waiting: list[int] = []  # steps written, handed to the recorder, not yet done
         self._stale = threading.Event()
         self._pool = SnapshotPool()
         self.last_step: int | None = None
@@ -319,7 +322,7 @@ class Checkpointer(NullCheckpointer):
         if self._points is None:
             self._keep(written, tmp)
         else:
-            self._newest_written = step
+            self._waiting.append(step)
             try:
                 self._recorded = self._recorder.submit(self._keep_after_points, written, tmp, mark)
             except RuntimeError:  # the interpreter is exiting (a save in an atexit hook)
@@ -327,19 +330,24 @@ class Checkpointer(NullCheckpointer):
 
     def _keep_after_points(self, written: UploadItem, tmp: Path, mark: int) -> None:
         """``_keep`` once the sink stored the ``mark`` points handed before the save. A
-        checkpoint a newer one was written behind while it waited is skipped (its temp file
-        removed): during an API outage only the newest waits, so the queue and the disk hold
-        at most a couple of them."""
+        checkpoint with ``MAX_NEWER_WAITING`` newer ones written behind it while it waited is
+        skipped (its temp file removed): during an API outage only the newest few wait, so
+        the queue and the disk hold a bounded number of them, while a recorder that is merely
+        slow (a loaded box, a slow API) still keeps every checkpoint."""
         assert self._points is not None
-        if written.step != self._newest_written:
-            tmp.unlink(missing_ok=True)
-            log.info("checkpoint step=%d skipped: step %d was written meanwhile",
-                     written.step, self._newest_written)  # fmt: skip
-            return
-        if not self._points.wait_written(mark, POINTS_WAIT_S):
-            log.warning("metric points before step %d not all stored after %.0f s; "
-                        "checkpointing anyway", written.step, POINTS_WAIT_S)  # fmt: skip
-        self._keep(written, tmp)
+        try:
+            newer = [s for s in list(self._waiting) if s > written.step]
+            if len(newer) >= MAX_NEWER_WAITING:
+                tmp.unlink(missing_ok=True)
+                log.info("checkpoint step=%d skipped: steps %s were written meanwhile",
+                         written.step, newer)  # fmt: skip
+                return
+            if not self._points.wait_written(mark, POINTS_WAIT_S):
+                log.warning("metric points before step %d not all stored after %.0f s; "
+                            "checkpointing anyway", written.step, POINTS_WAIT_S)  # fmt: skip
+            self._keep(written, tmp)
+        finally:
+            self._waiting.remove(written.step)
 
     def _keep(self, written: UploadItem, tmp: Path) -> None:
         """The written temp file ``tmp`` (durable, hashed) becomes the checkpoint ``written``:
