@@ -173,13 +173,9 @@ def test_corrupt_or_missing_newest_is_skipped_on_resume(
     assert [c.step for c in live(db, job_id)] == [10], "bad ones must be marked deleted"
 
 
-def test_a_slow_recorder_keeps_every_checkpoint_and_an_outage_only_the_newest_few(
-    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
-) -> None:
-    """Checkpoints written while the first one waits for its points (the API slow, a loaded
-    box) are all kept once the points go through; only one with MAX_NEWER_WAITING newer ones
-    behind it (an outage's backlog) is given up."""
-    job_id, attempt = job
+def _held_sink(db: Database, api: LiveApi, job: tuple[int, int]) -> tuple[threading.Event, ApiSink]:
+    """A rank-0 sink whose batches wait (up to 30 s) until the returned gate is set: the API
+    slow to take the points."""
     gate = threading.Event()
     sink_client = client_for(db, api, job)
     send = sink_client.send_metrics
@@ -189,7 +185,17 @@ def test_a_slow_recorder_keeps_every_checkpoint_and_an_outage_only_the_newest_fe
         return send(batch)
 
     sink_client.send_metrics = held_send  # type: ignore[method-assign]
-    sink = ApiSink(None, sink_client)
+    return gate, ApiSink(None, sink_client)
+
+
+def test_a_slow_recorder_keeps_every_checkpoint_and_an_outage_only_the_newest_few(
+    db: Database, api: LiveApi, job: tuple[int, int], artifact_dir: Path
+) -> None:
+    """Checkpoints written while the first one waits for its points (the API slow, a loaded
+    box) are all kept once the points go through; only one with MAX_NEWER_WAITING newer ones
+    behind it (an outage's backlog) is given up."""
+    job_id, attempt = job
+    gate, sink = _held_sink(db, api, job)
     ckpt = Checkpointer(
         client_for(db, api, job), artifact_dir, job_id, attempt, keep=10, points=sink
     )
@@ -230,16 +236,7 @@ def test_a_checkpoint_counts_only_once_the_points_before_it_are_stored(
     to it must be stored before it is recorded: else a rank killed right after the save
     leaves those steps without a point for good."""
     job_id, attempt = job
-    gate = threading.Event()
-    sink_client = client_for(db, api, job)
-    send = sink_client.send_metrics
-
-    def held_send(batch: MetricBatch) -> MetricBatchAck:  # the API slow to take the points
-        gate.wait(30)
-        return send(batch)
-
-    sink_client.send_metrics = held_send  # type: ignore[method-assign]
-    sink = ApiSink(None, sink_client)
+    gate, sink = _held_sink(db, api, job)
     ckpt = Checkpointer(
         client_for(db, api, job), artifact_dir, job_id, attempt, keep=2, points=sink
     )
