@@ -269,12 +269,12 @@ def test_claim_holds_max_concurrent(api: TestClient, db: Database) -> None:
     assert got[2] == plain, "the third claim skips the full sweep and takes the plain job"
     assert claim() is None
     with db.session(write=False) as s:
-        assert not claims.has_claimable_job(s, launcher="local", max_gpus_per_node=0)
+        assert not claims.count_claimable_jobs(s, launcher="local", max_gpus_per_node=0, limit=1)
     with db.session() as s:
         jobs.apply_transition(s, jobs.Transition(got[0], JobState.STARTING, JobState.SUCCEEDED))
         assert s.scalar(select(func.count()).where(JobEvent.job_id == got[0])) == 3
     with db.session(write=False) as s:
-        assert claims.has_claimable_job(s, launcher="local", max_gpus_per_node=0)
+        assert claims.count_claimable_jobs(s, launcher="local", max_gpus_per_node=0, limit=1)
     assert claim() is not None and claim() is None
     assert sweep["max_concurrent"] == 2
 

@@ -504,11 +504,11 @@ def test_idle_pause_claims_a_job_submitted_meanwhile(settings: Settings, db: Dat
     assert not pause.is_alive(), "stop must end the pause at once"
 
 
-def test_has_claimable_job_matches_the_claim(settings: Settings, db: Database) -> None:
+def test_the_claimable_count_matches_the_claim(settings: Settings, db: Database) -> None:
     with db.session(write=False) as s:
-        assert not claims.has_claimable_job(s, launcher="local", max_gpus_per_node=0)
+        assert not claims.count_claimable_jobs(s, launcher="local", max_gpus_per_node=0, limit=1)
     _submit(db, resources={"gpus_per_node": 2})
     with db.session(write=False) as s:
-        assert not claims.has_claimable_job(s, launcher="local", max_gpus_per_node=1)
-        assert claims.has_claimable_job(s, launcher="local", max_gpus_per_node=2)
-        assert not claims.has_claimable_job(s, launcher="slurm", max_gpus_per_node=8)
+        assert not claims.count_claimable_jobs(s, launcher="local", max_gpus_per_node=1, limit=1)
+        assert claims.count_claimable_jobs(s, launcher="local", max_gpus_per_node=2, limit=1)
+        assert not claims.count_claimable_jobs(s, launcher="slurm", max_gpus_per_node=8, limit=1)

@@ -6,18 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.states import JobState
-from service.core.wire import API_PREFIX
-from service.store import migrate
 from service.store.auth.tokens import create_token
-from service.store.db import Database
-from tests.live import serve_app
-from tests.web.conftest import LiveServer, WatchedPage
+from tests.web.conftest import LiveServer, WatchedPage, served
 
 UNAUTHORIZED = r"status of 401"
 NOT_FOUND = r"status of 404"
@@ -26,22 +19,8 @@ NOT_FOUND = r"status of 404"
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """Like the shared fixture, but with auth on (a module that imports it gets it)."""
-    root = tmp_path_factory.mktemp("web-auth")
-    settings = Settings(
-        home=root / ".ddpq",
-        database_url=f"sqlite:///{root / 'ddpq.db'}",
-        artifact_dir=root / "artifacts",
-        auth="on",
-    )
-    db = Database.from_url(settings.resolved_database_url)
-    migrate.upgrade(db.engine)
-    with serve_app(create_app(settings)) as url:
-        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
-        try:
-            yield LiveServer(url=url, settings=settings, db=db, api=api)
-        finally:
-            api.close()
-            db.dispose()
+    with served(tmp_path_factory.mktemp("web-auth"), auth="on") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

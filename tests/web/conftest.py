@@ -4,6 +4,7 @@ console error, page error and dialog so a test can fail on any of them."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -185,28 +186,36 @@ class LiveServer:
         return job
 
 
+@contextlib.contextmanager
+def served(root: Path, **settings: Any) -> Iterator[LiveServer]:
+    """A fresh SQLite database under ``root`` migrated to head, served by uvicorn, with the
+    given ``Settings`` fields (e.g. ``auth="on"``)."""
+    from service.app import create_app
+
+    config = Settings(
+        home=root / ".ddpq",
+        database_url=f"sqlite:///{root / 'ddpq.db'}",
+        artifact_dir=root / "artifacts",
+        **settings,
+    )
+    db = Database.from_url(config.resolved_database_url)
+    migrate.upgrade(db.engine)
+    with serve_app(create_app(config)) as url:
+        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
+        try:
+            yield LiveServer(url=url, settings=config, db=db, api=api)
+        finally:
+            api.close()
+            db.dispose()
+
+
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A fresh SQLite database migrated to head, served by uvicorn for one test module."""
     if importlib.util.find_spec("service.app") is None:
         pytest.skip("service.app (the REST API) is not there yet")
-    root = tmp_path_factory.mktemp("web")
-    settings = Settings(
-        home=root / ".ddpq",
-        database_url=f"sqlite:///{root / 'ddpq.db'}",
-        artifact_dir=root / "artifacts",
-    )
-    db = Database.from_url(settings.resolved_database_url)
-    migrate.upgrade(db.engine)
-    from service.app import create_app
-
-    with serve_app(create_app(settings)) as url:
-        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
-        try:
-            yield LiveServer(url=url, settings=settings, db=db, api=api)
-        finally:
-            api.close()
-            db.dispose()
+    with served(tmp_path_factory.mktemp("web")) as server:
+        yield server
 
 
 @dataclass

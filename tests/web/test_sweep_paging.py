@@ -8,21 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import update
 
-from service.app import create_app
-from service.core.config import Settings
 from service.core.states import JobState
-from service.core.wire import API_PREFIX
-from service.store import migrate
-from service.store.db import Database
 from service.store.metrics.points import MetricPoint, record_metrics
 from service.store.models import Job
-from tests.live import serve_app
 from tests.web.auth_pages import bearer, sign_in, tokens
-from tests.web.conftest import LiveServer, OpenPage
+from tests.web.conftest import LiveServer, OpenPage, served
 from tests.web.test_sweeps_pages import expect_column
 
 try:
@@ -40,22 +33,8 @@ pytestmark = pytest.mark.slow
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """As ``auth_pages.live_server`` (auth on), with room for a 120-trial sweep in a minute."""
     root = tmp_path_factory.mktemp("web-paging")
-    settings = Settings(
-        home=root / ".ddpq",
-        database_url=f"sqlite:///{root / 'ddpq.db'}",
-        artifact_dir=root / "artifacts",
-        auth="on",
-        submissions_per_minute=1000,
-    )
-    db = Database.from_url(settings.resolved_database_url)
-    migrate.upgrade(db.engine)
-    with serve_app(create_app(settings)) as url:
-        api = httpx.Client(base_url=f"{url}{API_PREFIX}", timeout=30)
-        try:
-            yield LiveServer(url=url, settings=settings, db=db, api=api)
-        finally:
-            api.close()
-            db.dispose()
+    with served(root, auth="on", submissions_per_minute=1000) as server:
+        yield server
 
 
 LRS = [round(0.001 * (i + 1), 4) for i in range(12)]

@@ -9,7 +9,7 @@ import functools
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, exists, func, or_, select, text, update
+from sqlalchemy import bindparam, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from service.core.events import EventKind
@@ -22,13 +22,6 @@ from service.store.models import Job, JobEvent, Sweep, UTCDateTime, utcnow
 HOLDING_STATES = (JobState.STARTING.value, JobState.RUNNING.value)
 # Advisory-lock class of the per-sweep claim lock (PostgreSQL; any constant of our own).
 SWEEP_CLAIM_LOCK_CLASS = 0x5357
-
-
-def has_claimable_job(session: Session, *, launcher: str, max_gpus_per_node: int) -> bool:
-    """True when a queued job exists that ``claim_next_job`` with the same arguments could
-    take. One read on the claim index (no write lock, unlike the claim on SQLite): idle workers
-    poll it often to start new jobs quickly, and claim only when it says yes."""
-    return bool(session.scalar(select(exists().where(*_claimable(launcher, max_gpus_per_node)))))
 
 
 def count_claimable_jobs(
