@@ -63,7 +63,9 @@ def expect_column(page: Any, key: str, texts: list[str]) -> None:
     """Wait until column ``key`` reads ``texts`` (a sort loads its page from the server)."""
     heads = page.locator("#trials-head th").evaluate_all("ths => ths.map(th => th.dataset.key)")
     index = heads.index(key) + 1
-    expect(page.locator(f"#trials-body tr td:nth-child({index})")).to_have_text(texts)
+    # 15 s, not Playwright's 5: on a loaded 2-core box the server's sort can take seconds.
+    cells = page.locator(f"#trials-body tr td:nth-child({index})")
+    expect(cells).to_have_text(texts, timeout=15_000)
 
 
 def test_sweep_list_and_page_show_trials_curves_and_the_best(
