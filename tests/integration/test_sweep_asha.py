@@ -15,6 +15,7 @@ from service.core.states import JobState
 from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
 from service.store.jobs import crud as jobs
+from service.store.metrics import rollups
 from service.store.models import Job, JobEvent, Metric, SweepTrial, utcnow
 from service.store.reaper import reap_once
 from service.store.sweeps.crud import get_sweep, submit_sweep
@@ -80,6 +81,7 @@ def test_asha_stops_the_worse_trials_at_the_rungs(db: Database, settings: Settin
             )
         with db.session() as s:
             s.execute(insert(Metric), rows)
+            rollups.rebuild(s, job_ids[pos], "loss")  # written around the ingest: its rollups too
         reported[pos] = upto
 
     def honour_cancels() -> None:  # what the worker does with a flagged job

@@ -20,6 +20,7 @@ from service.core.config import Settings
 from service.core.states import JobState
 from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
+from service.store.metrics import rollups
 from service.store.models import Job, Metric, Sweep, SweepTrial, utcnow
 from service.store.sweeps import columns, table, view
 from service.store.sweeps.crud import submit_sweep
@@ -89,6 +90,7 @@ def seed(db: Database, settings: Settings, objective: dict[str, str], rng: rando
                         job_id=job_id, name=metric, step=step, attempt=1, value=value, time=now
                     )
                 )
+            rollups.rebuild_job(s, job_id)  # written around the ingest: its rollups too
             s.execute(
                 update(SweepTrial)
                 .where(SweepTrial.id == trial_id)

@@ -12,7 +12,8 @@ from sqlalchemy import Numeric, String, and_, case, cast, func, literal_column, 
 from sqlalchemy.sql.elements import ColumnElement
 
 from service.core.states import TrialOutcome
-from service.store.models import Job, Metric, Sweep, SweepTrial
+from service.store.metrics import rollups
+from service.store.models import Job, MetricRollup, Sweep, SweepTrial
 
 # Columns whose SQL order equals ``table.sort_trials``'s (numbers, or outcomes ranked as
 # Python orders their text); ties in position order, missing values last either way.
@@ -53,19 +54,27 @@ def may_be_best() -> ColumnElement[bool]:
 
 def objective(sweep: Sweep, dialect: str) -> ColumnElement[Any]:
     """The trial's objective value as ``view.list_trials`` reads it: ``at: best`` the
-    minimum or maximum (by ``mode``) of the metric's current points, NULL when none or not
-    finite; else the metric's entry in ``jobs.latest_metrics`` (``{"step", "value"}``, or a
-    bare number in rows stored before), NULL unless a JSON number (not a bool). Units: the
-    metric's. ``dialect``: ``postgresql`` or ``sqlite``."""
+    minimum or maximum (by ``mode``) of the metric's current points (read from its coarsest
+    rollups), NULL when none or not finite; else the metric's entry in ``jobs.latest_metrics``
+    (``{"step", "value"}``, or a bare number in rows stored before), NULL unless a JSON number
+    (not a bool). Units: the metric's. ``dialect``: ``postgresql`` or ``sqlite``."""
     metric, mode, at = (sweep.objective[k] for k in ("metric", "mode", "at"))
     if at == "best":
-        agg = func.max(Metric.value) if mode == "max" else func.min(Metric.value)
+        # The coarsest rollups hold every current point's extremes (NaN, stored NULL, ranks
+        # after every number, as min()/max() skip it): a trial of a million points is a
+        # handful of buckets, not a scan of its points, on every poll of the sweep page.
+        extreme = MetricRollup.max_value if mode == "max" else MetricRollup.min_value
+        agg = func.max(extreme) if mode == "max" else func.min(extreme)
         # ±inf points are stored as such and the view shows them as None: filtered inside the
         # subquery, so the aggregate is computed once per trial.
         finite = case((agg.between(-_MAX, _MAX), agg))
         return (
             select(finite)
-            .where(Metric.job_id == SweepTrial.job_id, Metric.name == metric)
+            .where(
+                MetricRollup.job_id == SweepTrial.job_id,
+                MetricRollup.name == metric,
+                MetricRollup.level == rollups.LEVELS[-1],
+            )
             .scalar_subquery()
         )
     # No finiteness test here: the ingest writes only finite numbers (json_safe turns ±inf
