@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from service.core.config import Settings
-from service.core.metrics.points import MetricPoint
+from service.core.metrics.points import MetricPoint, checked_point
 from service.core.states import JobState
 from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
 from service.store.db import Database
@@ -55,13 +55,15 @@ def _sweep(db: Database, settings: Settings, mode: str) -> int:
 def _run_trials(db: Database, sweep_id: int) -> list[int]:
     """Claim each trial's job, make it running and send its history; the jobs by position."""
     with db.session() as s:
-        job_ids = list(
-            s.scalars(
+        job_ids = [
+            j
+            for j in s.scalars(
                 select(SweepTrial.job_id)
                 .where(SweepTrial.sweep_id == sweep_id)
                 .order_by(SweepTrial.position)
             )
-        )
+            if j is not None
+        ]
     for _ in job_ids:
         with db.session() as s:
             job = claims.claim_next_job(
@@ -71,7 +73,7 @@ def _run_trials(db: Database, sweep_id: int) -> list[int]:
             jobs.apply_transition(s, jobs.Transition(job.id, JobState.STARTING, JobState.RUNNING))
             attempt = int(job.attempt)
         position = job_ids.index(job.id)
-        points = [MetricPoint("loss", k, v) for k, v in HISTORIES[position].items()]
+        points = [checked_point(MetricPoint("loss", k, v)) for k, v in HISTORIES[position].items()]
         with db.session(one_statement=True) as s:
             record_metrics(s, job.id, attempt, points)
     return job_ids
