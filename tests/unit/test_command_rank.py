@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from service.workspaces.command import RunCommandError, check_script
-from worker.runtime.script.run import parse_traceback
+from worker.runtime.script.run import LAST_LINE_CHARS, _failure, parse_traceback
 
 TORCH_PREFIXED = """\
 some output
@@ -60,3 +60,22 @@ def test_a_script_typed_with_a_leading_dot_slash_is_kept_normalised(tmp_path: Pa
     assert check_script(["src/./t.py"], {"src/t.py"}, tmp_path) == ["src/t.py"]
     with pytest.raises(RunCommandError, match="not among the files shipped"):
         check_script(["../train.py"], {"train.py"}, tmp_path)
+
+
+def test_an_exit_without_a_traceback_quotes_the_scripts_last_stderr_line() -> None:
+    # What argparse prints for a flag the script does not know: the job's error must say it,
+    # not only the exit code (else the cause is only in the rank's log).
+    usage = "usage: train.py [-h] [--steps STEPS]\ntrain.py: error: unrecognized arguments: -x\n\n"
+    err = _failure(2, usage)
+    assert err.exc_type == "ScriptExit"
+    assert err.message == (
+        "the script exited with code 2 without a Python traceback; its last line on stderr: "
+        "train.py: error: unrecognized arguments: -x"
+    )
+    assert err.traceback_text == usage.rstrip()
+
+
+def test_an_exit_without_output_says_only_how_it_ended_and_a_long_line_is_cut() -> None:
+    assert _failure(-9, "").message == "the script was killed by SIGKILL without a Python traceback"
+    said = _failure(1, "x" * 1000).message.split("stderr: ", 1)[1]
+    assert len(said) == LAST_LINE_CHARS and said.endswith("…")

@@ -62,6 +62,8 @@ RELAY_WAIT_S = 2.0
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 # Lines of the script's output kept as the "traceback" of an exit without one.
 LAST_LINES = 20
+# The most of the script's last stderr line the error message quotes (characters).
+LAST_LINE_CHARS = 300
 _EXCEPTION_RE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 # torch.distributed prefixes an uncaught exception's lines with the rank (``[rank1]: ``).
 _RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]: ?", re.M)
@@ -264,5 +266,13 @@ def _failure(code: int, output: str) -> ScriptFailedError:
         how = f"the script was killed by {name}"
     else:
         how = f"the script exited with code {code}"
-    last = "\n".join(output.rstrip().splitlines()[-LAST_LINES:])
-    return ScriptFailedError("ScriptExit", f"{how} without a Python traceback", last)
+    lines = output.rstrip().splitlines()
+    last = "\n".join(lines[-LAST_LINES:])
+    message = f"{how} without a Python traceback"
+    # The job's error is all most users read: an argparse usage error or a shell's "command
+    # not found" is in the script's last stderr line, and would else be only in its log.
+    said = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    if said:
+        cut = said if len(said) <= LAST_LINE_CHARS else said[: LAST_LINE_CHARS - 1] + "…"
+        message += f"; its last line on stderr: {cut}"
+    return ScriptFailedError("ScriptExit", message, last)
