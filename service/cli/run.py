@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from service.cli.common import (
     app,
@@ -58,11 +59,43 @@ def parse_env(assignments: list[str]) -> dict[str, str]:
     return env
 
 
+# ddpq run's flags that change what happens (a real job instead of a plan, a wait, the output
+# format): after the script, without `--`, they are the script's, which is rarely meant.
+_OWN_FLAGS = ("--dry-run", "--wait", "--json")
+_SEPARATED = "ddpq_run_separated"
+
+
+class _RunCommand(TyperCommand):
+    """``ddpq run``'s command, noting whether its arguments hold ``--`` (click drops it)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored click
+        ctx.meta[_SEPARATED] = "--" in args
+        return super().parse_args(ctx, args)
+
+
+def check_flag_placement(command: list[str], *, separated: bool) -> None:
+    """Exit 2 when one of ``_OWN_FLAGS`` follows the script without a ``--`` having said
+    where ddpq run's options end (``ddpq run -n 2 train.py --dry-run`` would else upload and
+    queue a real job, handing ``--dry-run`` to the script)."""
+    misplaced = [a for a in command[1:] if a in _OWN_FLAGS]
+    if separated or not misplaced:
+        return
+    flags = " ".join(misplaced)
+    fail(
+        f"{flags} comes after the script {command[0]!r}, so it is the script's argument, not "
+        "ddpq run's; nothing was sent",
+        f"put ddpq run's options before the script (ddpq run {flags} … {command[0]} …), or, "
+        f"if the script takes {flags} itself, write the command after `--`",
+    )
+
+
 @app.command(
     "run",
+    cls=_RunCommand,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 def run_command(
+    ctx: typer.Context,
     command: Annotated[
         list[str] | None, typer.Argument(metavar="COMMAND", help=COMMAND_HELP, show_default=False)
     ] = None,
@@ -127,6 +160,7 @@ def run_command(
     E.g. `ddpq run -n 2 -- train.py --epochs 3`. With --wait: exit 0 if it succeeds, 1 if
     not."""
     console = err if as_json else out  # with --json, stdout is the API's answer alone
+    check_flag_placement(command or [], separated=bool(ctx.meta.get(_SEPARATED)))
     settings = load_settings()
     with friendly_errors():
         plan = plan_command(

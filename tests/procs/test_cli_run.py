@@ -205,3 +205,21 @@ def test_a_workspace_over_the_limit_exits_2_before_sending(
     assert "(DDPQ_WORKSPACE_MAX_BYTES); its largest files: 5.9 KiB data.csv" in text
     assert "fix: exclude what the job does not need (list them in .gitignore)" in text
     assert api.requests == []
+
+
+@pytest.mark.parametrize("flag", ["--dry-run", "--wait", "--json"])
+def test_a_ddpq_flag_after_the_script_is_refused_unless_after_dashdash(
+    api: FakeWorkspaceApi, repo: Path, flag: str
+) -> None:
+    # Typed after the script, --dry-run would go to the script and a real job would run.
+    result = invoke(["--workdir", str(repo), "-n", "2", "train.py", "--steps", "5", flag])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert f"{flag} comes after the script 'train.py'" in said and "nothing was sent" in said
+    assert api.requests == [] and api.jobs == {}
+
+    # After `--` the user said it is the script's own flag.
+    meant = invoke(["--workdir", str(repo), "--", "train.py", flag])
+    assert meant.exit_code == 0, meant.output
+    (job,) = api.jobs.values()
+    assert job["spec"]["command"] == ["train.py", flag]
