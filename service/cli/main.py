@@ -167,6 +167,27 @@ def auth_note(settings: Settings) -> str:
     )
 
 
+def database_note(settings: Settings, *, new: bool) -> str:
+    """One line naming the database `ddpq up` serves (password hidden), and, for an embedded
+    file it has just created, that it starts empty: ``DDPQ_HOME`` (default ``.ddpq`` in the
+    current directory) picks the file, so `ddpq up` in another directory has other jobs."""
+    from service.store.db import redact_url
+
+    line = f"database: {redact_url(settings.resolved_database_url)}"
+    if new:
+        line += (
+            " (new, empty: the embedded database lives in DDPQ_HOME, here "
+            f"{settings.home}; start `ddpq up` from the directory you used before to see "
+            "its jobs)"
+        )
+    return line
+
+
+def _embedded_file_missing(settings: Settings) -> bool:
+    """Whether the database is the embedded SQLite file and that file does not exist yet."""
+    return settings.database_url is None and not (settings.home / "ddpq.db").exists()
+
+
 def parse_gpus(value: str | None) -> list[int] | None:
     """``"0,1"`` → ``[0, 1]``; ``"none"`` → ``[]`` (no GPUs); unset → None (worker decides).
 
@@ -242,7 +263,9 @@ def up(
         # Before the token: minting it revokes the one a running `ddpq up` (on this port,
         # say) gave its worker, which would then be refused while this one fails to bind.
         check_port_free(settings.host, settings.port)
+        new = _embedded_file_missing(settings)
         token = _prepare_up(settings)
+        out.print(database_note(settings, new=new), soft_wrap=True)
         run_up(settings, worker_token=token)
 
 

@@ -104,6 +104,9 @@ def test_up_serves_then_stops_with_no_child_left(tmp_path: Path) -> None:
             time.sleep(0.2)
             output = log_path.read_text()
         assert f"{url}/" in output, output
+        # It names the database it serves, and that this one is new (a fresh DDPQ_HOME).
+        db_file = (tmp_path / ".ddpq" / "ddpq.db").resolve()
+        assert f"database: sqlite:///{db_file} (new, empty" in " ".join(output.split()), output
         children = _descendants(up.pid)
         assert len(children) >= 2, f"expected an API and a worker process, got {children}"
         worker = [pid for pid in children if b"worker.main" in _read(f"/proc/{pid}/cmdline")]

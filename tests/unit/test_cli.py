@@ -205,3 +205,22 @@ def test_submit_help_shows_flags_as_flags() -> None:
     assert re.search(r"^\s*--poll-s <float", text, re.M), "valued options keep their type"
     up = invoke(["up", "--help"]).output
     assert "--host" in up and "--port" in up, up
+
+
+def test_up_names_its_database_hides_a_password_and_says_when_it_is_new(tmp_path: Path) -> None:
+    from service.core.config import Settings
+
+    embedded = Settings(home=tmp_path / "h")
+    assert cli_main._embedded_file_missing(embedded)
+    note = cli_main.database_note(embedded, new=True)
+    assert note.startswith(f"database: sqlite:///{(tmp_path / 'h' / 'ddpq.db').resolve()} ")
+    assert "new, empty" in note and "DDPQ_HOME" in note
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "ddpq.db").write_bytes(b"")
+    assert not cli_main._embedded_file_missing(embedded)
+    assert "new" not in cli_main.database_note(embedded, new=False)
+
+    pg = Settings(database_url="postgresql://ddpq:s3cret@db.example:5432/ddpq")
+    assert not cli_main._embedded_file_missing(pg)
+    said = cli_main.database_note(pg, new=False)
+    assert "s3cret" not in said and "db.example:5432/ddpq" in said
