@@ -3,9 +3,10 @@
 1. Submit → claim latency of one idle worker (``ApiRecords`` over HTTP): the long poll
    (``claim(0, wait_s=1)`` in a loop, as ``worker.loop``'s ``_pause``) against the previous
    design's claim poll (``CLAIM_POLL_S`` = 0.2 s), interleaved, on SQLite and PostgreSQL.
-2. A fleet of simulated workers long-polling ``ddpq serve --workers 2`` over PostgreSQL
-   (``bench.worker_fleet``): claims/s, duplicate claims, the API's database connections
-   against its pools, and the API's CPU seconds per 1,000 claims.
+2. A fleet of simulated workers of ``FLEET_SLOTS`` slots each, long-polling ``ddpq serve
+   --workers 2`` over PostgreSQL (``bench.worker_fleet``), each claiming up to its free slots
+   per request as ``worker.loop`` does: claims/s, duplicate claims, the API's database
+   connections against its pools, and the API's CPU seconds per 1,000 claims.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ POOL_CONNECTIONS = API_WORKERS * 2 * PG_POOL_SIZE
 WARM_UP_JOBS = 40
 FLEET_TOKENS = 4  # the simulated workers' ids are spread over this many worker tokens
 FLEET_LEASE_S = "600"  # no lease of a claimed-only job lapses (and is requeued) mid-run
+# Slots of each simulated worker: a worker with free slots claims up to that many jobs per
+# request (worker.loop), so a fleet of one-slot workers would be one request per job.
+FLEET_SLOTS = 4
 # (name, simulated workers, each job run starting → running → succeeded at once)
 PHASES = (
     ("w200_lifecycle", 200, True),
@@ -256,8 +260,11 @@ def fleet_part(size: str, workdir: Path) -> dict[str, Any]:
                             with sampler:
                                 tag = f"{name}-r{rep}-{uuid.uuid4().hex[:4]}".replace("_", "-")
                                 ph, spread = asyncio.run(
-                                    run_phase(api, tokens, n_workers, jobs, lifecycle, tag, serve)
-                                )
+                                    run_phase(
+                                        api, tokens, n_workers, jobs, lifecycle, tag, serve,
+                                        FLEET_SLOTS,
+                                    )
+                                )  # fmt: skip
                         finally:
                             sampler.close()
                         fig = phase_figures(ph, n_workers, lifecycle, jobs)
@@ -276,7 +283,9 @@ def fleet_part(size: str, workdir: Path) -> dict[str, Any]:
                 for name, n_workers, _ in phases[:2]:
                     tag = f"idle-{n_workers}-{uuid.uuid4().hex[:4]}"
                     idle[name.split("_")[0]] = asyncio.run(
-                        idle_fleet(api, tokens, n_workers, tag, serve, idle_s, submits, rng)
+                        idle_fleet(
+                            api, tokens, n_workers, tag, serve, idle_s, submits, rng, FLEET_SLOTS
+                        )
                     )
         finally:
             db.dispose()
@@ -318,6 +327,7 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
     latency = latency_part(size, workdir)
     fleet = fleet_part(size, workdir)
     res.figures = {
+        "fleet_slots_per_worker": FLEET_SLOTS,
         "latency": latency,
         "fleet": fleet,
         "cpus": os.cpu_count(),
@@ -369,8 +379,9 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
         "the other process, whose waiting claim only the 0.1 s probe wakes.",
         "fleet: one asyncio process, one keep-alive HTTP/1.1 connection per simulated worker "
         f"(a bare client: httpx's CPU would come off the server's 2 cores), ids over "
-        f"{FLEET_TOKENS} worker tokens, each looping claim(wait_s=1); *_lifecycle: each job "
-        "then starting -> running -> succeeded (3 requests per job), *_claim_only: claims "
+        f"{FLEET_TOKENS} worker tokens, each of {FLEET_SLOTS} slots looping "
+        f"claim(limit={FLEET_SLOTS}, wait_s=1); *_lifecycle: each job claimed then starting "
+        "-> running -> succeeded (2 requests per job besides the claim), *_claim_only: claims "
         f"alone. Leases {FLEET_LEASE_S} s. claims/s over first release -> last claim answered. "
         "Connections: pg_stat_activity rows of the API's application_name, sampled every "
         f"50 ms; pools = {API_WORKERS} processes x (pool_size + max_overflow = "

@@ -40,7 +40,12 @@ from service.store.db import Database
 CLAIM_WAIT_S = 1.0  # each claim's long poll, as worker.loop's MAX_CLAIM_WAIT_S
 SAMPLE_EVERY_S = 0.05  # pg_stat_activity sampling period
 ERROR_BACKOFF_S = 0.1
-CLAIM_BODY = ClaimIn(max_gpus_per_node=0, wait_s=CLAIM_WAIT_S).model_dump_json().encode()
+
+
+def claim_body(slots: int) -> bytes:
+    """A simulated worker's claim: every slot free (its jobs end as soon as they start), so
+    up to ``slots`` jobs per request, as ``worker.loop`` asks with that many free slots."""
+    return ClaimIn(max_gpus_per_node=0, limit=slots, wait_s=CLAIM_WAIT_S).model_dump_json().encode()
 
 
 class HttpError(RuntimeError):
@@ -127,15 +132,17 @@ def _transition_body(job_id: int, expected: JobState, target: JobState) -> bytes
 
 
 async def simulated_worker(
-    conn: Connection, ph: Phase, target: int, lifecycle: bool, deadline: float
+    conn: Connection, ph: Phase, target: int, lifecycle: bool, deadline: float, slots: int = 1
 ) -> None:
-    """Claim (a 1 s long poll) until ``target`` jobs are claimed fleet-wide and a poll comes
-    back empty (or ``deadline``); with ``lifecycle``, each job goes starting → running →
-    succeeded at once, as a job that ends the moment it starts."""
+    """Claim up to ``slots`` jobs at a time (a 1 s long poll) until ``target`` jobs are
+    claimed fleet-wide and a poll comes back empty (or ``deadline``); with ``lifecycle``,
+    each job goes starting → running → succeeded at once, as a job that ends the moment it
+    starts (its slot free again for the next claim)."""
     steps = ((JobState.STARTING, JobState.RUNNING), (JobState.RUNNING, JobState.SUCCEEDED))
+    claim = claim_body(slots)
     while time.perf_counter() < deadline:
         try:
-            status, body = await conn.call("POST", CLAIM_PATH, CLAIM_BODY)
+            status, body = await conn.call("POST", CLAIM_PATH, claim)
             ph.requests += 1
             if status != 200:
                 ph.errors.append(f"claim {status} {body[:200]!r}")
@@ -147,17 +154,19 @@ async def simulated_worker(
                 if len(ph.claimed) >= target:
                     return
                 continue
-            job_id = int(jobs[0]["job_id"])
-            ph.claimed.append(job_id)
+            job_ids = [int(j["job_id"]) for j in jobs]
+            before = len(ph.claimed)
+            ph.claimed.extend(job_ids)
             ph.last_claim_at = time.perf_counter()
-            if len(ph.claimed) == target:
+            if before < target <= len(ph.claimed):
                 ph.cpu1 = cpu_snapshot(ph.serve)
-            for expected, next_state in steps if lifecycle else ():
-                body_t = _transition_body(job_id, expected, next_state)
-                status, body = await conn.call("POST", TRANSITIONS_PATH, body_t)
-                ph.requests += 1
-                if status != 200:
-                    ph.errors.append(f"transition {status} {body[:200]!r}")
+            for job_id in job_ids if lifecycle else ():
+                for expected, next_state in steps:
+                    body_t = _transition_body(job_id, expected, next_state)
+                    status, body = await conn.call("POST", TRANSITIONS_PATH, body_t)
+                    ph.requests += 1
+                    if status != 200:
+                        ph.errors.append(f"transition {status} {body[:200]!r}")
         except (OSError, asyncio.IncompleteReadError, HttpError) as exc:
             ph.errors.append(f"transport {type(exc).__name__}: {exc}")
             await asyncio.sleep(ERROR_BACKOFF_S)
@@ -239,8 +248,8 @@ def api_sockets_per_pid(port: int, pids: list[int]) -> dict[int, int]:
     return out
 
 
-async def _register(conns: list[Connection]) -> None:
-    body = RegisterIn(host="bench", pid=0, launcher="local", capacity=Capacity(slots=1))
+async def _register(conns: list[Connection], slots: int) -> None:
+    body = RegisterIn(host="bench", pid=0, launcher="local", capacity=Capacity(slots=slots))
     data = body.model_dump_json().encode()
     answers = await asyncio.gather(*(c.call("PUT", REGISTER_PATH, data) for c in conns))
     bad = [(s, b[:200]) for s, b in answers if s != 200]
@@ -262,23 +271,25 @@ def connections(api_url: str, tokens: list[str], n_workers: int, tag: str) -> li
 
 async def run_phase(
     api_url: str, tokens: list[str], n_workers: int, jobs: int, lifecycle: bool, tag: str,
-    serve: list[int],
+    serve: list[int], slots: int = 1,
 ) -> tuple[Phase, dict[int, int]]:  # fmt: skip
-    """Register ``n_workers`` simulated workers, then release them together on ``jobs``
-    queued jobs; ``serve``: the API's pids.
+    """Register ``n_workers`` simulated workers of ``slots`` slots each, then release them
+    together on ``jobs`` queued jobs; ``serve``: the API's pids.
 
     Returns:
         What the phase saw, and pid → the API's sockets per process after registration.
     """
     conns = connections(api_url, tokens, n_workers, tag)
     try:
-        await _register(conns)
+        await _register(conns, slots)
         port = conns[0].port
         spread = api_sockets_per_pid(port, common.serve_pids(port))
         ph = Phase(serve=serve, cpu0=cpu_snapshot(serve), first_at=time.perf_counter())
         # Generous: 20 claims/s would be far below any box this runs on.
         deadline = ph.first_at + 30.0 + jobs / 20.0
-        await asyncio.gather(*(simulated_worker(c, ph, jobs, lifecycle, deadline) for c in conns))
+        await asyncio.gather(
+            *(simulated_worker(c, ph, jobs, lifecycle, deadline, slots) for c in conns)
+        )
     finally:
         for c in conns:
             c.close()
@@ -287,7 +298,7 @@ async def run_phase(
 
 async def idle_fleet(
     api_url: str, tokens: list[str], n_workers: int, tag: str, serve: list[int],
-    idle_s: float, submits: int, rng: random.Random,
+    idle_s: float, submits: int, rng: random.Random, slots: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """``n_workers`` simulated workers long-poll an empty queue: what their waiting costs the
     API for ``idle_s`` seconds, then ``submits`` jobs ``POST``ed one at a time, each at a
@@ -302,10 +313,12 @@ async def idle_fleet(
     ph = Phase(serve=serve)
     stopping = asyncio.Event()
 
+    claim = claim_body(slots)
+
     async def wait_for_jobs(conn: Connection) -> None:
         while not stopping.is_set():
             try:
-                status, body = await conn.call("POST", CLAIM_PATH, CLAIM_BODY)
+                status, body = await conn.call("POST", CLAIM_PATH, claim)
             except (OSError, asyncio.IncompleteReadError, HttpError) as exc:
                 ph.errors.append(f"transport {type(exc).__name__}: {exc}")
                 await asyncio.sleep(ERROR_BACKOFF_S)
@@ -321,7 +334,7 @@ async def idle_fleet(
     latencies: list[float] = []
     posts: list[float] = []  # the submit's own answer time (seconds)
     try:
-        await _register(conns)
+        await _register(conns, slots)
         tasks = [asyncio.create_task(wait_for_jobs(c)) for c in conns]
         await asyncio.sleep(2 * CLAIM_WAIT_S)  # every worker in its long poll
         cpu0, requests0 = cpu_snapshot(serve), ph.requests

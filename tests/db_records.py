@@ -62,16 +62,23 @@ class DatabaseRecords:
         got = self.claim_batch(max_gpus_per_node, 1, wait_s, batch=False)
         return got.jobs[0] if got is not None else None
 
+    def claim_many(
+        self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
+    ) -> list[ClaimedJob]:
+        """See ``WorkerRecords.claim_many``."""
+        got = self.claim_batch(max_gpus_per_node, limit, wait_s, batch=False)
+        return list(got.jobs) if got is not None else []
+
     def claim_batch(
         self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0, *, batch: bool = True
     ) -> ClaimedJobs | None:
-        """See ``WorkerRecords.claim_batch``."""
+        """See ``WorkerRecords.claim_batch`` (``batch`` False: ``claim_many``'s jobs)."""
         deadline = time.monotonic() + wait_s
         while True:
             got = workers.claim_for_worker(
                 self.db, worker_id=self.worker_id, launcher=self.launcher,
                 max_gpus_per_node=max_gpus_per_node, lease_s=self.lease_s,
-                batch_limit=limit if batch else None,
+                batch_limit=limit if batch else None, limit=1 if batch else limit,
             )  # fmt: skip
             if got is not None or time.monotonic() >= deadline:
                 return got

@@ -50,6 +50,7 @@ from service.core.wire.worker import (
     CLAIM_PATH,
     HANDLES_PATH,
     HEARTBEAT_PATH,
+    MAX_BATCH,
     MAX_CLAIM_WAIT_S,
     NOTES_PATH,
     PENDING_PATH,
@@ -157,6 +158,15 @@ class ApiRecords:
         out = self._claim(ClaimIn(max_gpus_per_node=max_gpus_per_node, wait_s=_wait(wait_s)))
         return out.jobs[0] if out.jobs else None
 
+    def claim_many(
+        self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
+    ) -> list[ClaimedJob]:
+        """See ``WorkerRecords.claim_many``."""
+        body = ClaimIn(
+            max_gpus_per_node=max_gpus_per_node, limit=_limit(limit), wait_s=_wait(wait_s)
+        )
+        return self._claim(body).jobs
+
     def claim_batch(
         self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
     ) -> ClaimedJobs | None:
@@ -254,6 +264,10 @@ class ApiRecords:
 
 def _wait(wait_s: float) -> float:
     return max(0.0, min(wait_s, MAX_CLAIM_WAIT_S))
+
+
+def _limit(limit: int) -> int:
+    return max(1, min(limit, MAX_BATCH))
 
 
 def _error(response: httpx.Response) -> DdpqError:

@@ -38,6 +38,7 @@ from service.core.errors import (
     WorkerTokenMismatchError,
     WorkerTokenRefusedError,
 )
+from service.core.holds import ClaimedJob, ClaimedJobs
 from service.core.launchers import launcher_traits
 from worker.attempt_notes import PendingReasons, post_status_notes, usable_cpus
 from worker.control.fences import LeaseFence
@@ -370,17 +371,21 @@ class WorkerLoop:
 
     def _claim_and_launch(self, wait_s: float = 0.0) -> None:
         """Claim and start jobs while slots are free: a launcher that starts arrays takes a
-        sweep's trials in batches (one claim, one array per batch), others one job a time.
-        The first claim may wait up to ``wait_s`` seconds for a job (a long poll)."""
+        sweep's trials in batches (one claim, one array per batch), others as many jobs as
+        ``_claim_limit`` allows per claim, each started on its own. The first claim may wait
+        up to ``wait_s`` seconds for a job (a long poll)."""
         while len(self.runs) < self.slots:
             free = self.slots - len(self.runs)
             sent = self.clock()  # a claim leases its jobs for lease_s from a moment after this
+            batch: ClaimedJobs | None = None
             if isinstance(self.launcher, ArrayStarter):
                 batch = self.records.claim_batch(self._max_gpus, free, wait_s)
-                jobs = batch.jobs if batch is not None else ()
+                jobs: tuple[ClaimedJob, ...] = batch.jobs if batch is not None else ()
+            elif (limit := self._claim_limit(free)) > 1:
+                jobs = tuple(self.records.claim_many(self._max_gpus, limit, wait_s))
             else:
                 one = self.records.claim(self._max_gpus, wait_s)
-                batch, jobs = None, (one,) if one is not None else ()
+                jobs = (one,) if one is not None else ()
             if not jobs:
                 return
             wait_s = 0.0  # a job came: take what else is queued without waiting
@@ -390,10 +395,17 @@ class WorkerLoop:
             if batch is not None and batch.sweep_id is not None:
                 self.launches.start_arrays(claimed, parallelism=batch.max_concurrent)
             else:
-                self.launches.start_one(*claimed[0])
+                for run, spec in claimed:
+                    self.launches.start_one(run, spec)
             for run, _ in claimed:
                 if self.runs.get(run.job_id) is run:
                     self._watch(run)
+
+    def _claim_limit(self, free: int) -> int:
+        """Jobs one claim may take with ``free`` slots: all of them, unless this worker hands
+        out its own GPUs and has some free: each job claimed may ask for every free GPU, so
+        two claimed at once could need more than there are."""
+        return 1 if self.host_gpus and self.pool.free > 0 else free
 
     def _hold(self, run: HeldRun) -> None:
         """Take a claimed run into ``runs`` (stopping a stale copy of the job, if any)."""

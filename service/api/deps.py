@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -25,7 +26,12 @@ from service.core.config import Settings
 from service.core.tokens import hash_token
 from service.core.wire import API_PREFIX
 from service.core.wire.attempt import ATTEMPT_PREFIX, ATTEMPT_TOKEN_PREFIX
-from service.core.wire.worker import WORKER_ID_HEADER, WORKER_PREFIX, WORKER_TOKEN_PREFIX
+from service.core.wire.worker import (
+    REVOKED_TOKEN_GRACE_S,
+    WORKER_ID_HEADER,
+    WORKER_PREFIX,
+    WORKER_TOKEN_PREFIX,
+)
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef
 from service.store.auth import service as auth
@@ -215,9 +221,11 @@ async def get_worker(
 ) -> WorkerCaller:
     """The worker calling (``Authorization: Bearer ddpqw_…`` and the ``Ddpq-Worker-Id``
     header): the only way into the worker routes, whether auth is on or off. The token is
-    looked up on every request (one indexed statement with the worker's row, no cache), so a
-    revoked token's worker is refused from its next call. Whether the id is registered (and
-    by this token) is the route's to check: registration is how a worker gets a row.
+    looked up with the worker's row (one indexed statement) and, once the id is registered
+    with it, remembered for ``REVOKED_TOKEN_GRACE_S`` seconds (``_worker_cache``): a revoked
+    token's worker is refused from its next claim or heartbeat (they check the token in
+    their own transaction) and from any call after that grace. Whether the id is registered
+    (and by this token) is the route's to check: registration is how a worker gets a row.
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer`` for a missing token, one that is
@@ -243,11 +251,46 @@ async def get_worker(
         raise HTTPException(
             422, f"send the {WORKER_ID_HEADER} header: 1–128 letters, digits or ._:@+-"
         )
+    cache = _worker_cache(request)
+    key = request.state.worker_cache_key = (hash_token(token), worker_id)
+    now = time.monotonic()
+    hit = cache.get(key)
+    if hit is not None and hit[0] > now:
+        return hit[1]
     db: Database = request.app.state.db
     caller = await run_in_threadpool(workers.find_worker_caller, db, token, worker_id)
     if caller is None:
         raise _unauthorized("unknown or revoked worker token", "invalid_token")
+    if caller.owns_row:  # a caller still to register (or refused) is looked up each time
+        if len(cache) >= MAX_CACHED_WORKERS:
+            cache.clear()  # rare (that many workers per process): start over, stay bounded
+        cache[key] = (now + REVOKED_TOKEN_GRACE_S, caller)
     return caller
+
+
+def forget_worker(request: Request) -> None:
+    """Drop what this process remembers of the request's worker caller (``get_worker``): its
+    registration just changed."""
+    key: tuple[str, str] | None = getattr(request.state, "worker_cache_key", None)
+    if key is not None:
+        _worker_cache(request).pop(key, None)
+
+
+# Worker callers this process verified, by (token hash, worker id), until the time (monotonic
+# seconds) they must be looked up again: every request of every worker would otherwise start
+# with a database round trip and a threadpool hop. Only callers that registered their id with
+# their token are kept. A revocation still stops a claim and a heartbeat at once (each checks
+# the token in its own transaction), every other route within REVOKED_TOKEN_GRACE_S.
+MAX_CACHED_WORKERS = 10_000
+
+
+def _worker_cache(request: Request) -> dict[tuple[str, str], tuple[float, WorkerCaller]]:
+    cache: dict[tuple[str, str], tuple[float, WorkerCaller]] | None = getattr(
+        request.app.state, "worker_callers", None
+    )
+    if cache is None:
+        cache = request.app.state.worker_callers = {}
+    return cache
 
 
 WORKER_ID_RE = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")

@@ -93,9 +93,10 @@ class ClaimedJob:
 
 @dataclass(frozen=True, slots=True)
 class ClaimedJobs:
-    """One batch claim: ``jobs`` (best first, never empty), all trials of sweep ``sweep_id``,
-    or one plain job (``sweep_id`` None); ``max_concurrent`` is that sweep's limit (None: no
-    limit), which a launcher passes on (Slurm's array parallelism)."""
+    """What one claim took: ``jobs`` (best first, never empty), all trials of sweep
+    ``sweep_id`` (a batch claim), or jobs of any kinds (``sweep_id`` None: one claim for a
+    worker's free slots); ``max_concurrent`` is that sweep's limit (None: no limit), which a
+    launcher passes on (Slurm's array parallelism)."""
 
     jobs: tuple[ClaimedJob, ...]
     sweep_id: int | None

@@ -131,6 +131,12 @@ class FakeRecords:
         self.held[job.job_id] = HeldJob(job.job_id, job.attempt, JobState.STARTING, False)
         return job
 
+    def claim_many(
+        self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
+    ) -> list[ClaimedJob]:
+        job = self.claim(max_gpus_per_node, wait_s)
+        return [job] if job is not None else []
+
     def claim_batch(
         self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
     ) -> ClaimedJobs | None:

@@ -76,6 +76,15 @@ class WorkerRecords(Protocol):
         long poll); None when none came."""
         ...
 
+    def claim_many(
+        self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
+    ) -> list[ClaimedJob]:
+        """Claim up to ``limit`` of the next jobs (each needing at most ``max_gpus_per_node``
+        GPUs per node; a worker with that many free slots), each as ``claim``'s, best first;
+        waits like ``claim`` but answers with what it found, never waiting for more; empty
+        when none came."""
+        ...
+
     def claim_batch(
         self, max_gpus_per_node: int, limit: int, wait_s: float = 0.0
     ) -> ClaimedJobs | None:

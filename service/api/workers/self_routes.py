@@ -19,7 +19,13 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.bodies import body_doc, json_body
 from service.api.claim_waits import claim_waits
-from service.api.deps import REQUIRE_WORKER, WORKER_UNAUTHORIZED, SettingsDep, WorkerDep
+from service.api.deps import (
+    REQUIRE_WORKER,
+    WORKER_UNAUTHORIZED,
+    SettingsDep,
+    WorkerDep,
+    forget_worker,
+)
 from service.api.http import ERRORS
 from service.core.errors import NotFoundError, SpecValidationError, WorkerTokenMismatchError
 from service.core.events import EventKind
@@ -111,6 +117,7 @@ async def register(
             token_id=caller.token_id,
         )
     )  # fmt: skip
+    forget_worker(request)  # its launcher may have changed
     return WorkerAck(worker_id=caller.worker_id, lease_s=settings.lease_s)
 
 
@@ -118,10 +125,13 @@ async def register(
 async def heartbeat(request: Request, caller: WorkerDep, settings: SettingsDep) -> HeartbeatOut:
     """Stamp the worker alive and renew the leases of the jobs it holds (``lease_s`` seconds
     from now); the jobs it holds, each with its state and whether a cancel was requested.
-    404 when the worker is not registered (register again)."""
+    404 when the worker is not registered (register again); 401 when its token was revoked
+    (checked in the heartbeat's transaction: no lease of a revoked token is renewed)."""
     _registered(caller)
     held = await run_in_threadpool(
-        workers.record_heartbeat, _db(request), caller.worker_id, lease_s=settings.lease_s
+        lambda: workers.record_heartbeat(
+            _db(request), caller.worker_id, lease_s=settings.lease_s, token_id=caller.token_id
+        )
     )
     return HeartbeatOut(jobs=held, lease_s=settings.lease_s)
 
@@ -146,15 +156,16 @@ async def claim(
     caller: WorkerDep,
     settings: SettingsDep,
 ) -> ClaimOut:
-    """Claim the next job this worker can run (or, with ``batch``, up to ``limit`` trials of
-    one sweep), each now ``starting``, leased to it, with its spec and a new attempt token
-    for its ranks. With nothing claimable, wait up to ``wait_s`` seconds for a job to become
-    claimable (a submission here wakes the claim at once; one in another API process, a
-    requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer with no job.
+    """Claim the next ``limit`` jobs this worker can run (or, with ``batch``, up to ``limit``
+    trials of one sweep), each now ``starting``, leased to it, with its spec and a new
+    attempt token for its ranks. With nothing claimable, wait up to ``wait_s`` seconds for a
+    job to become claimable (a submission here wakes the claim at once; one in another API
+    process, a requeue or a freed sweep slot within ``claim_waits.PROBE_S``), then answer
+    with no job.
     The wait holds no database connection. A client that went away meanwhile claims nothing,
     and a worker token revoked meanwhile is 401 when a claim is tried (each try checks it in
     its transaction); a wait that ends with nothing tried answers no job, and the worker's
-    next call is refused."""
+    next claim or heartbeat is refused."""
     launcher = _registered(caller)
     db = _db(request)
     waits = claim_waits(request.app)
@@ -177,6 +188,7 @@ async def claim(
                 db, worker_id=caller.worker_id, launcher=launcher,
                 max_gpus_per_node=body.max_gpus_per_node, lease_s=settings.lease_s,
                 batch_limit=body.limit if body.batch else None, token_id=caller.token_id,
+                limit=1 if body.batch else body.limit,
             )
         )  # fmt: skip
         if found is not None:

@@ -7,9 +7,11 @@ create --worker``) and the calling worker's id in the ``Ddpq-Worker-Id`` header.
 registers its id once with its token; from then on only that token acts for that id, and
 only on the jobs that worker holds (``jobs.worker_id``). A worker token opens no other
 route: user routes and the attempt routes answer 401 to it, and a user or attempt token gets
-401 here. A revoked token is refused from its next call (a waiting claim included): its
-worker claims nothing more, stops its ranks at once and ends (``worker.loop``), and its
-leases lapse, so its jobs are requeued.
+401 here. A revoked token is refused from its next claim or heartbeat (a waiting claim
+included; both check the token in their own transaction), and from every call at most
+``REVOKED_TOKEN_GRACE_S`` seconds after the revocation (an API process remembers a token it
+verified that long): its worker claims nothing more, stops its ranks at once and ends
+(``worker.loop``), and its leases lapse, so its jobs are requeued.
 
 Shapes are ``service.core.holds``'s values (stdlib dataclasses, which pydantic validates and
 serialises field by field): the same ``Transition``, ``ClaimedJob``, ``HeldJob``,
@@ -46,6 +48,10 @@ WORKER_ID_HEADER = "Ddpq-Worker-Id"
 # The longest a claim may wait for a job (seconds): a worker polls again after it anyway,
 # and a proxy in between must not cut the request first.
 MAX_CLAIM_WAIT_S = 30.0
+# How long after its revocation a worker token may still be taken by the routes that write
+# no claim and renew no lease (seconds): an API process remembers a verified token that long
+# instead of reading it before every request of every worker.
+REVOKED_TOKEN_GRACE_S = 5.0
 MAX_BATCH = 1000
 # A worker id: what ``worker.main.make_worker_id`` makes (``<host>-<pid>-<hex>``).
 WorkerId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@+-]+$")]
@@ -113,10 +119,12 @@ class HeartbeatOut(BaseModel):
 
 
 class ClaimIn(_In):
-    """A claim: jobs needing at most ``max_gpus_per_node`` GPUs per node; up to ``limit``
-    trials of one sweep in one batch when ``batch`` (an array-starting launcher), else one
-    job. With nothing claimable the API waits up to ``wait_s`` seconds for a job to become
-    claimable (a long poll) before answering with no job."""
+    """A claim: jobs needing at most ``max_gpus_per_node`` GPUs per node each; up to
+    ``limit`` trials of one sweep in one batch when ``batch`` (an array-starting launcher),
+    else up to ``limit`` jobs, the best first (a worker with that many free slots: one
+    request instead of one per job). With nothing claimable the API waits up to ``wait_s``
+    seconds for a job to become claimable (a long poll) before answering with no job; it
+    answers with what it found at once, never waiting for ``limit`` jobs."""
 
     max_gpus_per_node: int = Field(ge=0, le=1024)
     batch: bool = False

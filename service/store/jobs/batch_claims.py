@@ -149,8 +149,14 @@ def _claim_trials(
         "claim_lease_until": now + timedelta(seconds=lease_s),
         "claim_now": now,
     }
+    return _run_claim(session, _batch_statements(), params)
+
+
+def _run_claim(session: Session, statements: tuple[Any, Any], params: dict[str, Any]) -> list[Job]:
+    """Run a many-job claim (``claims.claim_update_statements``' pair) with ``params``: the
+    jobs it took, best first, each with its ``claimed`` event."""
     load = {"populate_existing": True}
-    claim, claim_with_events = _batch_statements()
+    claim, claim_with_events = statements
     if session.get_bind().dialect.name == "postgresql":
         jobs = list(session.scalars(claim_with_events, params, execution_options=load))
     else:
@@ -179,6 +185,78 @@ def _batch_statements() -> tuple[Any, Any]:
             *_claimable(bindparam("claim_launcher"), bindparam("claim_max_gpus")),
             Job.sweep_id == bindparam("claim_sweep_id"),
         )
+        .order_by(Job.priority.desc(), Job.id)
+        .limit(bindparam("claim_n"))
+        .with_for_update(skip_locked=True)
+        .cte("candidates")
+        .prefix_with("MATERIALIZED")
+    )
+    return claims.claim_update_statements(Job.id.in_(select(candidates.c.id)), candidates)
+
+
+def claim_next_jobs(
+    session: Session,
+    *,
+    worker_id: str,
+    launcher: str,
+    max_gpus_per_node: int,
+    lease_s: float,
+    limit: int,
+) -> list[Job]:
+    """Claim up to ``limit`` of the best queued jobs that fit, in the order of
+    ``claims.claim_next_job`` (highest priority, then oldest), for a worker with that many
+    free slots: one ``UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)``
+    statement with its events, as the batch claim's, on any jobs (plain jobs and trials of
+    any sweeps). ``limit`` 1 is ``claims.claim_next_job`` itself.
+
+    The statement tests each sweep's ``max_concurrent`` once, so it may take more of one
+    sweep's trials than the sweep has places: each sweep's trials among them are then
+    counted under its claim lock (sweeps in id order, so two claimers never wait on each
+    other's locks) and the excess claims undone, the worst first, in this transaction.
+
+    Args:
+        limit: most jobs to take (the worker's free slots), ≥ 1.
+    Returns:
+        The jobs, now ``starting`` and leased to ``worker_id`` for ``lease_s`` seconds, best
+        first; empty when nothing fits.
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if limit == 1:
+        job = claims.claim_next_job(
+            session, worker_id=worker_id, launcher=launcher,
+            max_gpus_per_node=max_gpus_per_node, lease_s=lease_s,
+        )  # fmt: skip
+        return [] if job is None else [job]
+    now = utcnow()
+    params = {
+        "claim_launcher": launcher,
+        "claim_max_gpus": max_gpus_per_node,
+        "claim_n": limit,
+        "claim_worker_id": worker_id,
+        "claim_lease_until": now + timedelta(seconds=lease_s),
+        "claim_now": now,
+    }
+    jobs = _run_claim(session, _next_jobs_statements(), params)
+    kept = list(jobs)
+    for sweep_id in sorted({j.sweep_id for j in jobs if j.sweep_id is not None}):
+        excess = claims.over_sweep_limit(session, sweep_id)
+        trials = [j for j in jobs if j.sweep_id == sweep_id]
+        for job in trials[len(trials) - min(excess, len(trials)) :]:
+            kept.remove(job)
+            claims.unclaim(session, job)
+    return kept
+
+
+@functools.cache
+def _next_jobs_statements() -> tuple[Any, Any]:
+    """``claim_next_jobs``' claim, built once with bound parameters (as ``_batch_statements``,
+    without the sweep)."""
+    candidates = (
+        select(Job.id)
+        .where(*_claimable(bindparam("claim_launcher"), bindparam("claim_max_gpus")))
         .order_by(Job.priority.desc(), Job.id)
         .limit(bindparam("claim_n"))
         .with_for_update(skip_locked=True)

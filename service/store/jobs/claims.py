@@ -154,11 +154,27 @@ def _within_sweep_limit(session: Session, job: Job) -> Job | None:
     the job ``starting``; no state changed as far as any other reader can tell.
     """
     assert job.sweep_id is not None
-    lock_sweep_claims(session, job.sweep_id)
-    limit = session.scalar(select(Sweep.max_concurrent).where(Sweep.id == job.sweep_id))
-    holding = holding_count(session, job.sweep_id)
-    if limit is None or holding <= limit:
+    if not over_sweep_limit(session, job.sweep_id):
         return job
+    unclaim(session, job)
+    return None
+
+
+def over_sweep_limit(session: Session, sweep_id: int) -> int:
+    """How many of the sweep's trials starting or running exceed its ``max_concurrent``
+    (0: within it, or no limit), counted after taking the sweep's claim lock
+    (``lock_sweep_claims``), so every claim of the sweep committed before is counted."""
+    lock_sweep_claims(session, sweep_id)
+    limit = session.scalar(select(Sweep.max_concurrent).where(Sweep.id == sweep_id))
+    if limit is None:
+        return 0
+    return max(0, holding_count(session, sweep_id) - int(limit))
+
+
+def unclaim(session: Session, job: Job) -> None:
+    """Undo this transaction's claim of ``job``: queued again, unheld, its ``claimed`` event
+    deleted. Only for a claim not yet committed (its row is still locked by it), so nobody
+    ever saw the job ``starting``."""
     session.execute(
         update(Job)
         .where(Job.id == job.id, Job.state == JobState.STARTING.value)
@@ -175,7 +191,6 @@ def _within_sweep_limit(session: Session, job: Job) -> Job | None:
         )
     )  # fmt: skip
     session.expire(job)
-    return None
 
 
 _CLAIM_EVENT = events.CLAIM_EVENT

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import Connection, Table, and_, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import NotHeldError, WorkerTokenRefusedError
 from service.core.holds import ClaimedJob, SchedulerHandle
 from service.core.states import ACTIVE_STATES
 from service.core.tokens import hash_token
-from service.store.attempts.tokens import mint_attempt_token
+from service.store.attempts.tokens import mint_attempt_token, new_attempt_token
 from service.store.auth.tokens import MAX_TOKEN_CHARS, WORKER
-from service.store.models import ApiToken, Job, Worker, utcnow
+from service.store.models import ApiToken, AttemptToken, Job, Worker, utcnow
 from service.store.workers.values import WorkerCaller
 
 _ACTIVE = [s.value for s in ACTIVE_STATES]
@@ -94,10 +94,21 @@ def check_held(session: Session, job_id: int, attempt: int, worker_id: str) -> N
 
 def mint_claim_tokens(session: Session, jobs: Sequence[ClaimedJob]) -> list[ClaimedJob]:
     """``jobs`` each with a new attempt token for its ranks (only the hash stored), minted in
-    the claim's own transaction."""
-    return [
-        replace(j, attempt_token=mint_attempt_token(session, j.job_id, j.attempt)) for j in jobs
+    the claim's own transaction: one INSERT for them all (a worker with free slots claims
+    several jobs at once), rows as ``mint_attempt_token`` writes them."""
+    if len(jobs) == 1:
+        (job,) = jobs
+        return [replace(job, attempt_token=mint_attempt_token(session, job.job_id, job.attempt))]
+    if not jobs:
+        return []
+    minted = [replace(j, attempt_token=new_attempt_token()) for j in jobs]
+    rows = [
+        {"job_id": j.job_id, "attempt": j.attempt, "token_hash": hash_token(j.attempt_token)}
+        for j in minted
     ]
+    table: Table = AttemptToken.__table__  # type: ignore[assignment]
+    session.execute(insert(table).values(rows))
+    return minted
 
 
 def record_held_handles(

@@ -65,27 +65,29 @@ def claim_for_worker(
     lease_s: float,
     batch_limit: int | None = None,
     token_id: int | None = None,
+    limit: int = 1,
 ) -> ClaimedJobs | None:
-    """Claim the next job (``batch_limit`` None) or up to ``batch_limit`` trials of one sweep
-    for ``worker_id`` (leased ``lease_s`` seconds, now ``starting``), each with a new attempt
-    token for its ranks, all in one transaction; None when nothing is claimable. With
-    ``token_id``, the calling worker token must still be live in that transaction (a long
-    poll outlasts the check of its request).
+    """Claim the next ``limit`` jobs (``batch_limit`` None; ``batch_claims.claim_next_jobs``)
+    or up to ``batch_limit`` trials of one sweep for ``worker_id`` (leased ``lease_s``
+    seconds, now ``starting``), each with a new attempt token for its ranks, all in one
+    transaction; None when nothing is claimable. With ``token_id``, the calling worker token
+    must still be live in that transaction (a long poll outlasts the check of its request).
 
     Raises:
         WorkerTokenRefusedError: ``token_id`` was revoked (401); nothing claimed.
+        ValueError: ``limit`` < 1.
     """
     with db.session() as session:
         if token_id is not None:
             held.check_token_live(session, token_id)
         if batch_limit is None:
-            job = claims.claim_next_job(
+            taken = batch_claims.claim_next_jobs(
                 session, worker_id=worker_id, launcher=launcher,
-                max_gpus_per_node=max_gpus_per_node, lease_s=lease_s,
+                max_gpus_per_node=max_gpus_per_node, lease_s=lease_s, limit=limit,
             )  # fmt: skip
-            if job is None:
+            if not taken:
                 return None
-            found = ClaimedJobs((claims.claimed_job(job),), None, None)
+            found = ClaimedJobs(tuple(claims.claimed_job(j) for j in taken), None, None)
         else:
             batch = batch_claims.claim_trial_batch(
                 session, worker_id=worker_id, launcher=launcher,
@@ -158,14 +160,21 @@ def note_held_job(
         return True
 
 
-def record_heartbeat(db: Database, worker_id: str, *, lease_s: float) -> list[HeldJob]:
+def record_heartbeat(
+    db: Database, worker_id: str, *, lease_s: float, token_id: int | None = None
+) -> list[HeldJob]:
     """Stamp the worker alive and renew the leases of its active jobs (``lease_s`` seconds
-    from now); the jobs the database says it holds (one moved away from it is absent).
+    from now); the jobs the database says it holds (one moved away from it is absent). With
+    ``token_id``, the calling worker token must still be live in that transaction, so no
+    lease of a revoked token's worker is renewed.
 
     Raises:
         NotFoundError: the worker has no row (register again).
+        WorkerTokenRefusedError: ``token_id`` was revoked (401); nothing renewed.
     """
     with db.session() as session:
+        if token_id is not None:
+            held.check_token_live(session, token_id)
         return leases.heartbeat(session, worker_id, lease_s=lease_s)
 
 
