@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ import httpx
 from sqlalchemy import text
 
 from bench import common
-from bench.common import BenchResult, cli_main, percentile, pick, ratio
+from bench.common import BenchResult, percentile, pick, ratio
 from service.core.wire import attempt as wire
 from service.store.db import Database
 from worker.runtime.metrics.buffer import FLUSH_EVERY_POINTS, FLUSH_INTERVAL_S
@@ -61,6 +63,7 @@ class Stats:
     post_to_visible_s: list[float] = field(default_factory=list)  # first POST → seen
     report_to_post_s: list[float] = field(default_factory=list)  # report → first POST
     posted_at: dict[int, dict[int, float]] = field(default_factory=dict)  # watched job → step
+    wire_format: str = "series"  # how the sinks send points: "series" (columns) or "rows"
 
 
 @dataclass
@@ -79,6 +82,19 @@ class Timing:
 Pool = tuple[httpx.AsyncClient, asyncio.Semaphore]
 
 
+def batch_body(steps: list[int], t0: float, wire_format: str) -> str:
+    """A sink's batch of ``loss`` at ``steps`` (each at its step's time) as the rank's
+    client sends it: columns (``MetricSeries``, as ``ApiSink`` does) or, for a server that
+    predates them, rows."""
+    times = [t0 + (s - 1) / POINTS_PER_S for s in steps]
+    if wire_format == "rows":
+        rows = [("loss", s, 0, 0.5, t) for s, t in zip(steps, times, strict=True)]
+        return wire.MetricBatch(points=rows).model_dump_json(exclude_defaults=True)
+    series = wire.MetricSeries(name="loss", steps=steps, values=[0.5] * len(steps),
+                               times_s=times, epochs=[0] * len(steps))  # fmt: skip
+    return wire.MetricBatch(series=[series]).model_dump_json(exclude_defaults=True)
+
+
 async def sink(pool: Pool, job_id: int, token: str, t0: float, end: float, st: Stats) -> None:
     """One simulated rank 0: a point every 1/POINTS_PER_S s from ``t0`` (its time_s = when
     the step produced it), buffered and POSTed every FLUSH_INTERVAL_S (or FLUSH_EVERY_POINTS)
@@ -95,11 +111,9 @@ async def sink(pool: Pool, job_id: int, token: str, t0: float, end: float, st: S
         now = time.time()
         produced = int((min(now, end) - t0) * POINTS_PER_S)  # steps 1..produced exist by now
         last = min(produced, next_step - 1 + FLUSH_EVERY_POINTS)
-        rows = [
-            ("loss", s, 0, 0.5, t0 + (s - 1) / POINTS_PER_S) for s in range(next_step, last + 1)
-        ]
-        if rows:
-            body = wire.MetricBatch(points=rows).model_dump_json()
+        steps = list(range(next_step, last + 1))
+        if steps:
+            body = batch_body(steps, t0, st.wire_format)
             if watched is not None:
                 watched.update((s, now) for s in range(next_step, last + 1))
             client, free = pool
@@ -131,8 +145,8 @@ async def sink(pool: Pool, job_id: int, token: str, t0: float, end: float, st: S
                     return
             ack = wire.MetricBatchAck.model_validate_json(resp.content)
             st.inserted += ack.inserted
-            st.sent[job_id] = st.sent.get(job_id, 0) + len(rows)
-            st.batch_points.append(len(rows))
+            st.sent[job_id] = st.sent.get(job_id, 0) + len(steps)
+            st.batch_points.append(len(steps))
             next_step = last + 1
         if now >= end and next_step > int((end - t0) * POINTS_PER_S):
             return  # close(): everything produced before ``end`` is acknowledged
@@ -279,24 +293,41 @@ def stored_counts(db: Database) -> dict[int, tuple[int, int, int]]:
     return {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in rows}
 
 
-def run(size: str, workdir: Path | None = None) -> BenchResult:
+def run(
+    size: str,
+    workdir: Path | None = None,
+    *,
+    sinks: int | None = None,
+    duration_s: float | None = None,
+    server_root: Path | None = None,
+    wire_format: str = "series",
+) -> BenchResult:
     """Sinks × 10 points/s through ``ddpq serve --workers 2`` for the size's duration.
+
+    ``sinks``/``duration_s`` override the size's (a knee ladder runs several sizes);
+    ``server_root``: serve another checkout's code (put first on the server's PYTHONPATH),
+    e.g. an older commit measured in the same run; ``wire_format``: the sinks' body,
+    ``series`` (columns, as ``ApiSink`` sends) or ``rows`` (what servers before columns
+    read).
 
     Raises:
         RuntimeError: a sink was refused with 409/422 (the set-up is wrong, not the load).
     """
-    n_sinks: int = pick(size, 50, 1000)
-    duration_s: float = pick(size, 5.0, 60.0, 120.0)
+    n_sinks: int = sinks if sinks is not None else pick(size, 50, 1000)
+    duration_s = duration_s if duration_s is not None else pick(size, 5.0, 60.0, 120.0)
     calibrate_s: float = pick(size, 1.0, 5.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="ddpq-bench-scale-"))
     res = BenchResult("scale", size)
-    st = Stats()
+    st = Stats(wire_format=wire_format)
     with common.pg_schema() as url:
         db = common.migrated(url)  # before the server starts: it refuses an unmigrated database
         t_setup = time.perf_counter()
         tokens = common.running_jobs(db, n_sinks)
         setup_s = time.perf_counter() - t_setup
-        with common.serve_api(url, workdir, workers=API_WORKERS) as api_url:
+        server_env = None
+        if server_root is not None:  # safe path: no cwd (this checkout) before PYTHONPATH
+            server_env = {"PYTHONPATH": str(server_root), "PYTHONSAFEPATH": "1"}
+        with common.serve_api(url, workdir, workers=API_WORKERS, extra_env=server_env) as api_url:
             port = int(api_url.rsplit(":", 1)[1])
             time.sleep(1.0)  # the workers' own start-up is not the load's CPU
             serve = common.serve_pids(port)
@@ -322,6 +353,8 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
     lag_p99, poll_p99 = pct(st.lag_s, 99), pct(st.poll_s, 99, digits=4)
     res.figures = {
         "sinks": n_sinks,
+        "wire": wire_format,
+        "server_code": str(server_root) if server_root is not None else "this checkout",
         "duration_s": duration_s,
         "setup_s": round(setup_s, 1),
         "load_wall_s": round(tm.load_wall_s, 1),
@@ -391,8 +424,20 @@ def run(size: str, workdir: Path | None = None) -> BenchResult:
 
 
 def main() -> None:
-    """CLI: ``python -m bench.scale --size tiny``."""
-    cli_main(run, __doc__ or "")
+    """CLI: ``python -m bench.scale --size tiny`` (``--sinks``, ``--duration-s``,
+    ``--server-root``, ``--wire`` as ``run`` takes them)."""
+    p = common.parser(__doc__ or "")
+    p.add_argument("--sinks", type=int, default=None, help="simulated sinks (the size's)")
+    p.add_argument("--duration-s", type=float, default=None, help="load seconds (the size's)")
+    p.add_argument("--server-root", type=Path, default=None, help="serve this checkout's code")
+    p.add_argument("--wire", choices=("series", "rows"), default="series", help="sinks' body")
+    args = p.parse_args()
+    res = run(args.size, sinks=args.sinks, duration_s=args.duration_s,
+              server_root=args.server_root, wire_format=args.wire)  # fmt: skip
+    text_ = json.dumps(res.as_dict(), indent=2)
+    if args.json:
+        args.json.write_text(text_)
+    sys.stdout.write(text_ + "\n")
 
 
 if __name__ == "__main__":

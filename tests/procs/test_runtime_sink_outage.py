@@ -175,16 +175,16 @@ def test_close_timeout_keeps_every_unsent_point_in_the_spill_file(
 def test_429_retry_after_is_honoured_and_the_batch_resent_once(tmp_path: Path) -> None:
     """Back-pressure: the API refuses the batch twice with 429 + Retry-After: 1; the sink
     waits at least that long each time, then the same batch goes through, once."""
-    calls: list[tuple[float, list[list[object]]]] = []
+    calls: list[tuple[float, list[int]]] = []  # (when, the steps sent)
 
     def answer(request: httpx.Request) -> httpx.Response:
         assert request.url.path == API_PREFIX + METRICS_PATH
         assert request.headers["Authorization"] == "Bearer ddpqa_t"
         body = json.loads(request.content)
-        calls.append((time.monotonic(), body["points"]))
+        calls.append((time.monotonic(), [s for series in body["series"] for s in series["steps"]]))
         if len(calls) <= 2:
             return httpx.Response(429, headers={"Retry-After": "1"}, json={"detail": "busy"})
-        n = len(body["points"])
+        n = len(calls[-1][1])
         return httpx.Response(200, json=MetricBatchAck(accepted=n, inserted=n).model_dump())
 
     client = AttemptClient("http://api.test", "ddpqa_t", transport=httpx.MockTransport(answer))
@@ -194,7 +194,7 @@ def test_429_retry_after_is_honoured_and_the_batch_resent_once(tmp_path: Path) -
     assert len(calls) == 3, f"two refusals, then one accepted batch: {len(calls)} requests"
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(calls)]
     assert all(gap >= 0.95 for gap in gaps), f"Retry-After (1 s) not honoured: {gaps}"
-    assert [row[1] for row in calls[-1][1]] == list(range(1, 11)), "the same batch, in order"
+    assert calls[-1][1] == list(range(1, 11)), "the same batch, in order"
     assert sink.written == 10 and sink.held_back == 0
 
 

@@ -33,6 +33,12 @@ from service.core.errors import DdpqError
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
 from service.core.owners.quotas import MetricQuotas
 from service.core.wire import attempt as wire
+from service.core.wire.metric_columns import (
+    CheckedColumns,
+    checked_columns,
+    columns_of_points,
+    joined,
+)
 from service.store.attempts import service as attempts
 from service.store.attempts.values import AttemptRef, TimelineUpdate
 from service.store.db import Database
@@ -216,8 +222,9 @@ async def self_route(request: Request, ref: AttemptDep) -> wire.AttemptSelf:
     openapi_extra=_body_doc(wire.MetricBatch),
 )
 async def metrics_route(request: Request, ref: AttemptDep) -> Response:
-    """Store a batch of points (``[name, step, epoch, value, time_s]`` rows) and, when given,
-    the job's progress snapshot, in one fenced statement. Idempotent per (job, name, step):
+    """Store a batch of points (``MetricSeries`` columns, or ``[name, step, epoch, value,
+    time_s]`` rows from older ranks) and, when given, the job's progress snapshot, in one
+    fenced statement. Idempotent per (job, name, step):
     a resent batch inserts 0. A bad row is refused on its own (``refused``), the rest lands.
 
     Caller: a rank holding the attempt token (nobody else). Raises 409 ``attempt
@@ -260,11 +267,20 @@ def _write_batch(
         batch = wire.MetricBatch.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
-    points, refused = _checked_rows(batch.points)
+    parts: list[CheckedColumns] = []
+    refused: list[str] = []
+    if batch.points:  # rows, as older ranks send them
+        points, refused = _checked_rows(batch.points)
+        parts.append(columns_of_points(points))
+    if batch.series or not parts:
+        columns, refused_points = checked_columns(batch.series)
+        parts.append(columns)
+        refused += refused_points
+    checked = joined(parts)
     inserted = metrics.record_batch(
-        db, ref, points, progress=_progress(batch.progress), quotas=quotas
+        db, ref, checked, progress=_progress(batch.progress), quotas=quotas
     )
-    return wire.MetricBatchAck(accepted=len(points), inserted=inserted, refused=refused)
+    return wire.MetricBatchAck(accepted=len(checked), inserted=inserted, refused=refused)
 
 
 @router.post(

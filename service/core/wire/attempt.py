@@ -8,9 +8,12 @@ attempt is the job's current, active one: after a requeue, a terminal state or a
 API answers 409 (``detail`` starts with ``ATTEMPT_SUPERSEDED``) and the rank stops as a fenced
 rank does. It opens no user route: those answer 401 to it.
 
-Metric batches are compact rows (``MetricRow``): ``[name, step, epoch, value, time_s]`` (and an
-optional ``ranks``), with ``value`` a number, ``null`` (NaN) or one of
-``"Infinity"``/``"-Infinity"``, and ``time_s`` epoch seconds (UTC). The answer counts what was
+Metric batches carry columns (``MetricSeries``: one metric name, then its steps, values, times
+and epochs as arrays, so a name is sent and checked once and each array is parsed in one go)
+or, as older ranks send them, compact rows (``MetricRow``): ``[name, step, epoch, value,
+time_s]`` (and an optional ``ranks``); both may be in one batch. A ``value`` is a number,
+``null`` (NaN) or one of ``"Infinity"``/``"-Infinity"``, a time epoch seconds (UTC). The answer
+counts what was
 accepted; 429 with ``Retry-After`` (seconds) is back-pressure: send the same batch again later
 (points are idempotent per (job, name, step) within an attempt, so a resend stores nothing
 twice).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from service.core.limits import MAX_PATH_BYTES
 
@@ -119,15 +122,49 @@ class AttemptSelf(_Wire):
     init_from: InitFrom | None = None
 
 
+class MetricSeries(_Wire):
+    """Points of one metric in columns: point ``i`` is ``(name, steps[i], epochs[i],
+    values[i], times_s[i])``. ``epochs`` may be left off (every epoch null); ``ranks`` is how
+    every value of the series was made (``MetricRow``'s ``ranks``; None unknown). The
+    arrays must be of one length (else 422); a point the API cannot store (a step out of
+    range, a value that is not a number) is refused on its own, as a row is."""
+
+    name: str
+    steps: list[int] = Field(max_length=MAX_BATCH_ROWS)
+    values: list[float | str | None] = Field(max_length=MAX_BATCH_ROWS)
+    times_s: list[float] = Field(max_length=MAX_BATCH_ROWS)
+    epochs: list[int | None] | None = Field(default=None, max_length=MAX_BATCH_ROWS)
+    ranks: int | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> MetricSeries:
+        n = len(self.steps)
+        for field, column in (("values", self.values), ("times_s", self.times_s),
+                              ("epochs", self.epochs)):  # fmt: skip
+            if column is not None and len(column) != n:
+                raise ValueError(f"{field} has {len(column)} items, steps {n}: one per step")
+        return self
+
+
 class MetricBatch(_Wire):
     """``POST /attempts/self/metrics``: points and (optionally) the job's progress snapshot.
 
-    ``progress`` has the keys of the job's ``progress`` object (step, total_steps, epoch,
-    samples_per_s, eta_s); it replaces the stored one.
+    ``series``: points in columns, one ``MetricSeries`` per metric (what ranks send);
+    ``points``: points as rows (``MetricRow``, what older ranks send). At most
+    ``MAX_BATCH_ROWS`` points in all. ``progress`` has the keys of the job's ``progress``
+    object (step, total_steps, epoch, samples_per_s, eta_s); it replaces the stored one.
     """
 
     points: list[MetricRow] = Field(default_factory=list, max_length=MAX_BATCH_ROWS)
+    series: list[MetricSeries] = Field(default_factory=list, max_length=MAX_BATCH_ROWS)
     progress: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _at_most_max_rows(self) -> MetricBatch:
+        n = len(self.points) + sum(len(s.steps) for s in self.series)
+        if n > MAX_BATCH_ROWS:
+            raise ValueError(f"{n} points in one batch: send at most {MAX_BATCH_ROWS}")
+        return self
 
 
 class MetricBatchAck(_Wire):

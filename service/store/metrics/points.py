@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, func, select, text, update
+from sqlalchemy import CursorResult, and_, column, func, select, text, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -17,23 +18,30 @@ from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
 from service.core.owners.quotas import MetricQuotas
 from service.core.states import ACTIVE_STATES
+from service.core.wire.metric_columns import CheckedColumns, columns_of_points
 from service.store.metrics.quotas import quota_refusal, window_start
-from service.store.metrics.rollups import LEVELS, PG_ROLLUP_CTE, add_points
+from service.store.metrics.rollups import PG_ROLLUP_CTE, add_points
 from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
 from service.store.workers.leases import fence_attempt, lock_attempt
 
 _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
+# The active states as an SQL array literal written into ``_PG_RECORD``: fixed names, so a
+# parameter (and psycopg dumping a list for every batch) buys nothing.
+assert all(re.fullmatch("[a-z_]+", s) for s in _ACTIVE)
+_PG_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(_ACTIVE)) + "]"
 
 
 # PostgreSQL: a whole ``record_metrics`` in one statement, so it needs no transaction of its
 # own (``Database.session(one_statement=True)`` runs it in autocommit). The CTE ``job`` takes
 # the row lock that ``leases.check_attempt`` takes; the insert and the job update happen only
 # while the attempt is current and active (``ok``), and the caller gets the fence columns back
-# to raise the same errors as ``leases.check_attempt``. The batch travels as one JSON text
-# parameter read by ``json_to_recordset``: json.dumps is C, where psycopg dumped 5 array
-# parameters element by element (half the client CPU of a 1,000-point batch) and SQLAlchemy
-# would compile a 7-parameters-per-row VALUES list anew for every batch. ``latest_metrics`` is
+# to raise the same errors as ``leases.check_attempt``. The batch travels as one JSON
+# text array per column (names, steps, epochs, values, times, ranks), zipped back into rows
+# by ``ROWS FROM``: json.dumps of a flat list is C, where psycopg dumped array parameters
+# element by element (half the client CPU of a 1,000-point batch), a record per point cost
+# a dict each, and SQLAlchemy would compile a 7-parameters-per-row VALUES list anew for
+# every batch. ``latest_metrics`` is
 # merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
 # step keeps its first value, as the metrics table does). The points inserted go on into their
 # rollup buckets (``rollups.PG_ROLLUP_CTE``) in the same statement.
@@ -50,13 +58,17 @@ _PG_RECORD = text(
     "(SELECT count(*) FROM json_array_elements_text(CAST(:names AS json)) AS n(name) "
     "WHERE NOT jsonb_exists(lm.m, n.name)) AS new_names, lm.window_points FROM lm), "
     "ok AS (SELECT FROM job, room WHERE job.attempt = :attempt "
-    "AND job.state = ANY(CAST(:active AS varchar[])) "
+    "AND job.state = ANY(" + _PG_ACTIVE + ") "
     "AND (room.new_names = 0 OR room.stored_names + room.new_names <= :max_names) "
     "AND (:n = 0 OR room.window_points + :n <= :per_minute)), "
     "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time, ranks) "
-    "SELECT :job_id, u.name, u.step, :attempt, u.epoch, u.value, u.time, u.ranks "
-    "FROM json_to_recordset(CAST(:points AS json)) AS u(name varchar, step bigint, "
-    "epoch integer, value double precision, time timestamptz, ranks smallint) "
+    "SELECT :job_id, u.n, u.s::bigint, :attempt, u.e::integer, u.v::float8, u.t::timestamptz, "
+    "u.r::smallint FROM ROWS FROM (json_array_elements_text(CAST(:p_names AS json)), "
+    "json_array_elements_text(CAST(:p_steps AS json)), "
+    "json_array_elements_text(CAST(:p_epochs AS json)), "
+    "json_array_elements_text(CAST(:p_values AS json)), "
+    "json_array_elements_text(CAST(:p_times AS json)), "
+    "json_array_elements_text(CAST(:p_ranks AS json))) AS u(n, s, e, v, t, r) "
     "WHERE EXISTS (SELECT FROM ok) "
     "ON CONFLICT DO NOTHING RETURNING name, step, value), " + PG_ROLLUP_CTE + ", "
     "upd AS (UPDATE jobs SET updated_at = :now, "
@@ -64,17 +76,19 @@ _PG_RECORD = text(
     "metric_window_at = CASE WHEN jobs.metric_window_at > :window_start "
     "THEN jobs.metric_window_at ELSE :now END, "
     "metric_window_points = (SELECT window_points FROM room) + (SELECT count(*) FROM ins), "
-    "latest_metrics = COALESCE((SELECT json_object_agg(COALESCE(n.key, o.key), CASE "
-    "WHEN n.key IS NULL THEN o.value WHEN o.key IS NULL THEN n.value "
-    "WHEN COALESCE((o.value->>'step')::bigint, -1) < (n.value->>'step')::bigint THEN n.value "
-    "ELSE o.value END) "
-    "FROM jsonb_each(CASE WHEN json_typeof(jobs.latest_metrics) = 'object' "
-    "THEN jobs.latest_metrics::jsonb ELSE '{}'::jsonb END) AS o "
-    "FULL JOIN jsonb_each(CAST(:newest AS jsonb)) AS n ON o.key = n.key), '{}'::json) "
+    "latest_metrics = ((SELECT m FROM lm) || COALESCE((SELECT jsonb_object_agg(n.key, n.value) "
+    "FROM lm, jsonb_each(CAST(:newest AS jsonb)) AS n "
+    "WHERE COALESCE((lm.m->n.key->>'step')::bigint, -1) < (n.value->>'step')::bigint), "
+    "'{}'))::json "
     "WHERE jobs.id = :job_id AND EXISTS (SELECT FROM ok)) "
     "SELECT job.attempt, job.state, (SELECT count(*) FROM ins) AS inserted, "
     "EXISTS (SELECT FROM ok) AS taken, room.stored_names, room.new_names, room.window_points, "
     "job.metric_window_at FROM job, room"
+).columns(
+    # Declared, so SQLAlchemy keeps the result's column map with the compiled statement
+    # instead of building it from the cursor's description on every batch.
+    *(column(c) for c in ("attempt", "state", "inserted", "taken", "stored_names")),
+    *(column(c) for c in ("new_names", "window_points", "metric_window_at")),
 )
 # SQLite: one cached INSERT OR IGNORE run as executemany (sqlite3 sums rowcount over rows).
 _SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
@@ -94,24 +108,31 @@ def _points_params(points: Sequence[CheckedPoint]) -> dict[str, list[Any]]:
     }
 
 
-def _points_json(points: Sequence[CheckedPoint]) -> str:
-    """Checked points (``checked_point``) as the JSON array of records that ``_PG_RECORD``
-    reads: NaN → null, ±inf → "±Infinity" (PostgreSQL's float8 input reads both), times as
-    ISO 8601 UTC (a point without one gets now)."""
+def _columns_params(cols: CheckedColumns) -> dict[str, str]:
+    """Checked columns as the JSON text parameters ``_PG_RECORD`` reads (``p_names`` …
+    ``p_ranks``): NaN → null, ±inf → "±Infinity" (PostgreSQL's float8 input reads both),
+    times as ISO 8601 UTC (a point without one gets now)."""
     now = utcnow()
-    iso: dict[datetime, str] = {}  # a flush stamps all its points alike: format each once
-    records = []
-    for p in points:
-        at = p.time or now
+    iso: dict[datetime, str] = {}  # a flush may stamp many points alike: format each once
+    times = []
+    for at in cols.times:
+        at = at or now
         text_at = iso.get(at)
         if text_at is None:
             text_at = iso[at] = at.isoformat()
-        value = json_safe(p.value)
-        records.append(
-            {"name": p.name, "step": p.step, "epoch": p.epoch, "value": value, "time": text_at}
-            | {"ranks": p.ranks}
-        )
-    return json.dumps(records, allow_nan=False)
+        times.append(text_at)
+    values: list[Any] = cols.values
+    if not math.isfinite(sum(values)):  # a NaN or an infinity somewhere: spell those out
+        values = [json_safe(v) for v in values]
+    dumps = json.dumps
+    return {
+        "p_names": dumps(cols.names),
+        "p_steps": dumps(cols.steps),
+        "p_epochs": dumps(cols.epochs),
+        "p_values": dumps(values, allow_nan=False),
+        "p_times": dumps(times),
+        "p_ranks": dumps(cols.ranks),
+    }
 
 
 def _insert_points_sqlite(
@@ -161,13 +182,14 @@ def _unstored(session: Session, job_id: int, points: Sequence[CheckedPoint]) -> 
     return fresh
 
 
-def _newest(points: Sequence[CheckedPoint]) -> dict[str, dict[str, Any]]:
+def _newest(cols: CheckedColumns) -> dict[str, dict[str, Any]]:
     """Each name's newest point of the batch as a ``latest_metrics`` entry."""
-    newest: dict[str, CheckedPoint] = {}
-    for p in points:
-        if p.name not in newest or p.step > newest[p.name].step:  # the table keeps the first
-            newest[p.name] = p
-    return {n: {"step": int(p.step), "value": json_safe(p.value)} for n, p in newest.items()}
+    newest: dict[str, tuple[int, float]] = {}
+    for name, step, value in zip(cols.names, cols.steps, cols.values, strict=True):
+        prev = newest.get(name)
+        if prev is None or step > prev[0]:  # a repeated step: the table keeps the first
+            newest[name] = (step, value)
+    return {n: {"step": int(s), "value": json_safe(v)} for n, (s, v) in newest.items()}
 
 
 def _merge_latest(stored: Any, newest: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -191,15 +213,16 @@ def record_metrics(
     session: Session,
     job_id: int,
     attempt: int,
-    points: Sequence[CheckedPoint],
+    points: Sequence[CheckedPoint] | CheckedColumns,
     *,
     progress: dict[str, Any] | None = None,
     quotas: MetricQuotas | None = None,
 ) -> int:
     """Insert ``points`` for the current attempt; duplicates of (job, name, step) are ignored.
 
-    ``points`` are ``CheckedPoint``s (built by ``metric_points.checked_point``), so both
-    databases store them alike. Callers outside the type checker's reach (scripts, tests) may
+    ``points`` are ``CheckedPoint``s (built by ``metric_points.checked_point``) or checked
+    columns (``metric_columns.CheckedColumns``, the API's), so both databases store them
+    alike. Callers outside the type checker's reach (scripts, tests) may
     still hand plain ``MetricPoint``s: those are checked here, so both databases refuse the
     same points with the same error (a refused batch stores nothing); a ``CheckedPoint``
     passes through as it is.
@@ -222,33 +245,38 @@ def record_metrics(
         QuotaExceededError: over a quota (422 names, 429 rate with ``retry_after_s``).
         ValueError: a point neither database could store alike (see ``checked_point``).
     """
-    points = [checked_point(p) for p in points]  # a CheckedPoint: returned as it is
-    newest = _newest(points)
+    checked: list[CheckedPoint] | None = None
+    if isinstance(points, CheckedColumns):
+        cols = points
+    else:
+        checked = [checked_point(p) for p in points]  # a CheckedPoint: returned as it is
+        cols = columns_of_points(checked)
+    newest = _newest(cols)
     limits = quotas or MetricQuotas(max_names=2**62, per_minute=2**62)
     now = utcnow()
     if session.get_bind().dialect.name == "postgresql":
         params = {
             "job_id": job_id,
             "attempt": attempt,
-            "active": sorted(_ACTIVE),
-            "points": _points_json(points),
+            **_columns_params(cols),
             "now": now,
             "set_progress": progress is not None,
             "progress": json.dumps(_json_progress(progress)) if progress is not None else None,
             "newest": json.dumps(newest),
             "names": json.dumps(list(newest)),
-            "n": len(points),
+            "n": len(cols),
             "max_names": limits.max_names,
             "per_minute": limits.per_minute,
             "window_start": window_start(now),
-            "levels": list(LEVELS),
         }
-        row = fence_attempt(job_id, attempt, session.execute(_PG_RECORD, params).one_or_none())
+        # On the session's connection: the ORM's execute adds nothing to a text statement.
+        result = session.connection().execute(_PG_RECORD, params)
+        row = fence_attempt(job_id, attempt, result.one_or_none())
         if not row.taken:
             refusal = quota_refusal(
                 limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
                 window_points=int(row.window_points), window_at=row.metric_window_at,
-                n=len(points), now=now,
+                n=len(cols), now=now,
             )  # fmt: skip
             assert refusal is not None  # the fence passed: only a quota refuses
             raise refusal
@@ -262,11 +290,11 @@ def record_metrics(
     stored = job.latest_metrics if isinstance(job.latest_metrics, dict) else {}
     refusal = quota_refusal(
         limits, stored_names=len(stored), new_names=len(set(newest) - set(stored)),
-        window_points=int(window_points or 0), window_at=window_at, n=len(points), now=now,
+        window_points=int(window_points or 0), window_at=window_at, n=len(cols), now=now,
     )  # fmt: skip
     if refusal is not None:
         raise refusal
-    fresh = _unstored(session, job_id, points)
+    fresh = _unstored(session, job_id, checked if checked is not None else cols.points())
     inserted = _insert_points_sqlite(session, job_id, attempt, fresh) if fresh else 0
     add_points(session, job_id, ((p.name, p.step, _sqlite_value(p.value)) for p in fresh))
     values: dict[str, Any] = {"updated_at": now}

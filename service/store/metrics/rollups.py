@@ -74,8 +74,38 @@ def _merge_set() -> str:
     )
 
 
+def _pg_merge_set() -> str:
+    """``_merge_set`` in PostgreSQL's shorter spelling, for ``PG_ROLLUP_CTE``: the better of
+    two (value, step) pairs is the ``least`` of two float8 arrays (the order of
+    ``PG_ROLLUP_CTE``'s aggregates), each bound of the range the ``least``/``greatest`` of
+    two steps. The ingest's statement stays under the length psycopg caches its parsed
+    form for (``psycopg._queries.MAX_CACHED_STATEMENT_LENGTH``, 4 KiB): parsing it anew
+    for every batch cost more than the rest of the batch's client side."""
+
+    def pair(col: str, sign: str) -> str:
+        return (f"least(ARRAY[{sign}excluded.{col}_value, excluded.{col}_step], "
+                f"ARRAY[{sign}r.{col}_value, r.{col}_step])")  # fmt: skip
+
+    def pick(cond: str, col: str) -> str:
+        return f"{col} = CASE WHEN {cond} THEN excluded.{col} ELSE r.{col} END"
+
+    lo, hi = pair("min", ""), pair("max", "-")
+    return ", ".join(
+        [
+            "count = r.count + excluded.count",
+            f"min_value = ({lo})[1], min_step = ({lo})[2]",
+            f"max_value = -({hi})[1], max_step = ({hi})[2]",
+            "first_step = least(excluded.first_step, r.first_step)",
+            pick("excluded.first_step < r.first_step", "first_value"),
+            "last_step = greatest(excluded.last_step, r.last_step)",
+            pick("excluded.last_step > r.last_step", "last_value"),
+        ]
+    )
+
+
 _UPSERT_HEAD = f"INSERT INTO metric_rollups AS r ({', '.join(_COLUMNS)}) "
-_ON_CONFLICT = f" ON CONFLICT (job_id, name, level, bucket) DO UPDATE SET {_merge_set()}"
+_CONFLICT_KEY = " ON CONFLICT (job_id, name, level, bucket) DO UPDATE SET "
+_ON_CONFLICT = _CONFLICT_KEY + _merge_set()
 
 # PostgreSQL: the rollup upsert as a CTE of ``points._PG_RECORD``, over the rows its ``ins``
 # CTE returned (``name, step, value`` of the points actually inserted): duplicates a resend
@@ -90,8 +120,8 @@ PG_ROLLUP_CTE = (
     "FROM (SELECT i.name, l.level, i.step >> l.level AS bucket, count(*) AS n, "
     "min(ARRAY[i.value, i.step::float8]) AS lo, min(ARRAY[-i.value, i.step::float8]) AS hi, "
     "min(ARRAY[i.step::float8, i.value]) AS first, max(ARRAY[i.step::float8, i.value]) AS last "
-    "FROM ins AS i CROSS JOIN unnest(CAST(:levels AS smallint[])) AS l(level) "
-    "GROUP BY i.name, l.level, i.step >> l.level) AS g" + _ON_CONFLICT + ")"
+    "FROM ins AS i CROSS JOIN unnest(ARRAY[" + ", ".join(map(str, LEVELS)) + "]) AS l(level) "
+    "GROUP BY i.name, l.level, i.step >> l.level) AS g" + _CONFLICT_KEY + _pg_merge_set() + ")"
 )
 _UPSERT = text(
     _UPSERT_HEAD + "VALUES (" + ", ".join(f":{c}" for c in _COLUMNS) + ")" + _ON_CONFLICT

@@ -14,6 +14,7 @@ from typing import Any
 
 from service.core.metrics.points import MAX_STEP, CheckedPoint
 from service.core.owners.quotas import MetricQuotas, QuotaExceededError
+from service.core.wire.metric_columns import CheckedColumns
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.values import AttemptRef
 from service.store.db import Database
@@ -34,16 +35,16 @@ from service.store.workers.leases import check_attempt
 def record_batch(
     db: Database,
     ref: AttemptRef,
-    points: Sequence[CheckedPoint],
+    points: Sequence[CheckedPoint] | CheckedColumns,
     *,
     progress: dict[str, Any] | None,
     quotas: MetricQuotas | None = None,
 ) -> int:
-    """Store a rank's batch of checked points and, when given, the job's progress snapshot,
-    in one fenced write (one autocommit statement on PostgreSQL). Idempotent per
-    (job, name, step). ``quotas``: the job's metric names and points per minute; a batch
-    over one is refused whole, and the job gets a ``quota_exceeded`` event (once per
-    attempt and quota).
+    """Store a rank's batch of checked points (or checked columns) and, when given, the
+    job's progress snapshot, in one fenced write (one autocommit statement on PostgreSQL).
+    Idempotent per (job, name, step). ``quotas``: the job's metric names and points per
+    minute; a batch over one is refused whole, and the job gets a ``quota_exceeded`` event
+    (once per attempt and quota).
 
     Returns:
         The number of points inserted (0 for a resent batch).

@@ -1,5 +1,5 @@
 """Rank 0's metric backlog: points handed to the writer but not yet accepted by the attempt API,
-and their encodings (the spill file's lines, the attempt API's compact rows).
+and their encodings (the spill file's lines, the attempt API's rows and columns).
 
 A FIFO, oldest first. At most ``memory_cap`` points stay in memory; past that, newer points
 are appended to a spill file (JSON lines, ``service.core.artifacts.metrics_spill_path``) and read
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
-from service.core.wire.attempt import MetricBatch, MetricRow, encode_value
+from service.core.wire.attempt import MetricBatch, MetricSeries, encode_value
 
 if TYPE_CHECKING:  # the buffer imports torch; the backlog needs only the type
     from worker.runtime.metrics.buffer import Progress
@@ -250,20 +250,30 @@ class MetricBacklog:
             self.spill_path.unlink()
 
 
-def metric_row(point: MetricPoint) -> MetricRow:
-    """One point as the wire's compact row ``[name, step, epoch, value, time_s, ranks]`` (time
-    in epoch seconds; a point without a time is stamped now; ``ranks`` left off when
-    unknown)."""
-    at = point.time.timestamp() if point.time is not None else time.time()
-    if point.ranks is None:
-        return (point.name, point.step, point.epoch, encode_value(point.value), at)
-    return (point.name, point.step, point.epoch, encode_value(point.value), at, point.ranks)
+def metric_series(points: Sequence[MetricPoint]) -> list[MetricSeries]:
+    """``points`` as the wire's columns: one ``MetricSeries`` per (name, ranks), in the
+    order each first appears, each point in its series in the order given (times in epoch
+    seconds; a point without a time is stamped now)."""
+    now = time.time()
+    by_key: dict[tuple[str, int | None], MetricSeries] = {}
+    for p in points:
+        key = (p.name, p.ranks)
+        s = by_key.get(key)
+        if s is None:
+            s = by_key[key] = MetricSeries.model_construct(
+                name=p.name, steps=[], values=[], times_s=[], epochs=[], ranks=p.ranks
+            )
+        s.steps.append(p.step)
+        s.values.append(encode_value(p.value))
+        s.times_s.append(p.time.timestamp() if p.time is not None else now)
+        s.epochs.append(p.epoch)  # type: ignore[union-attr]  # built as a list above
+    return list(by_key.values())
 
 
 def metric_batch(points: list[CheckedPoint], progress: Progress | None) -> MetricBatch:
     """The request body for ``points`` (already checked: no second validation pass, which
-    would cost more than the request) and the progress snapshot."""
+    would cost more than the request) and the progress snapshot, in columns."""
     return MetricBatch.model_construct(
-        points=[metric_row(p) for p in points],
+        series=metric_series(points),
         progress=progress.as_dict() if progress is not None else None,
     )
