@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import column, text
 from sqlalchemy.orm import Session
 
 from bench.common import (
@@ -56,7 +56,10 @@ def _without_rollups() -> Iterator[None]:
     """The ingest as it was before rollups: PostgreSQL's statement without the rollup CTE,
     SQLite's insert without the stored-points check and the rollup upsert."""
     saved = (ingest._PG_RECORD, ingest._unstored, ingest.add_points)
-    ingest._PG_RECORD = text(str(saved[0].text).replace(rollups.PG_ROLLUP_CTE + ", ", ""))
+    with_cte = str(saved[0].element)
+    without = with_cte.replace(rollups.PG_ROLLUP_CTE + ", ", "")
+    assert without != with_cte, "the ingest statement no longer holds PG_ROLLUP_CTE"
+    ingest._PG_RECORD = text(without).columns(*(column(c.name) for c in saved[0].selected_columns))
     ingest._unstored = lambda session, job_id, points: list(points)
     ingest.add_points = lambda session, job_id, points: None
     try:
