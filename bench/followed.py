@@ -92,20 +92,32 @@ def epoch_times(
 
 
 def import_ms(reps: int) -> tuple[float, bool]:
-    """Median milliseconds ``import ddpq`` adds to a fresh interpreter, and whether torch got
-    imported by it."""
+    """Median milliseconds ``import ddpq`` takes in a fresh interpreter, and whether torch got
+    imported by it. The time is CPython's own (``-X importtime``: the ``ddpq`` package's
+    cumulative line), so interpreter start-up is not in it and no difference of two noisy
+    wall times can come out negative on a busy box.
+
+    Raises:
+        RuntimeError: ``-X importtime`` printed no line for the ``ddpq`` package.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPQ_")}
-    added: list[float] = []
+    taken: list[float] = []
     for _ in range(reps):
-        spent = {}
-        for name, code in (("bare", "pass"), ("ddpq", "import ddpq")):
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-c", code], env=env, check=True)
-            spent[name] = time.perf_counter() - t0
-        added.append((spent["ddpq"] - spent["bare"]) * 1000)
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "import ddpq"],
+            env=env, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        found = _IMPORT_TIME_RE.search(out.stderr)
+        if found is None:
+            raise RuntimeError(f"no importtime line for ddpq in: {out.stderr[-500:]}")
+        taken.append(int(found.group(1)) / 1000)
     probe = "import sys, ddpq; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    return median(added), out.stdout.strip() == "True"
+    return median(taken), out.stdout.strip() == "True"
+
+
+# ``import time: <self us> | <cumulative us> | ddpq``: the top-level package's own line.
+_IMPORT_TIME_RE = re.compile(r"^import time:\s+\d+ \|\s+(\d+) \| ddpq$", re.MULTILINE)
 
 
 def run(size: str, *, workdir: Path | None = None) -> BenchResult:
