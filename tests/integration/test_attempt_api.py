@@ -20,7 +20,7 @@ from service.core.states import JobState
 from service.core.wire import API_PREFIX
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import AttemptRef, find_attempt, mint_attempt_token
-from service.store.auth.tokens import create_token, hash_token
+from service.store.auth.tokens import hash_token
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs import crud as jobs
@@ -101,12 +101,6 @@ def auth_settings(settings: Settings) -> Settings:
 def app_settings(auth_settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return auth_settings
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def test_tokens_name_one_attempt_each_and_are_stored_hashed(db: Database) -> None:

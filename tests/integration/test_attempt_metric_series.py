@@ -28,12 +28,6 @@ def app_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"auth": "on"})
 
 
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
-
-
 def series(name: str, steps: list[int], values: list[Any], **more: Any) -> dict[str, Any]:
     """One ``MetricSeries`` body, each point at ``T0 + step`` seconds."""
     return {"name": name, "steps": steps, "values": values,

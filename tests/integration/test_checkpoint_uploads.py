@@ -15,12 +15,10 @@ from service.app import create_app
 from service.core import artifacts
 from service.core.config import Settings
 from service.core.wire import attempt as wire
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import CheckpointChunk
 from tests.uploads import (
     API,
-    bearer,
     begin,
     commit,
     mint,
@@ -53,12 +51,6 @@ def store_settings(request: pytest.FixtureRequest, settings: Settings) -> Settin
 def app_settings(store_settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return store_settings
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def listed(api: TestClient, user: dict[str, str], job_id: int) -> list[int]:

@@ -13,7 +13,6 @@ from sqlalchemy import func, select
 from service.core.config import Settings
 from service.core.states import JobState
 from service.store.attempts.tokens import mint_attempt_token
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Metric, MetricSuperseded
@@ -29,12 +28,6 @@ PHASES = (
 def app_settings(settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return settings.model_copy(update={"auth": "on"})
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def point_time(db: Database, job_id: int, attempt: int, step: int) -> float:

@@ -11,9 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.config import Settings
-from service.store.auth.tokens import create_token
 from service.store.db import Database
-from tests.uploads import API, bearer, mint, running_job, sha, upload
+from tests.uploads import API, mint, running_job, sha, upload
 
 CHUNK = 64 * 1024
 
@@ -22,12 +21,6 @@ CHUNK = 64 * 1024
 def app_settings(settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def spec(max_steps: int | None = None, **init: Any) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.wire import attempt as wire
 from service.store.attempts.tokens import mint_attempt_token
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job, JobAttempt, MetricSuperseded
 from tests.resume_api import (
@@ -34,12 +33,6 @@ from tests.resume_api import (
 def app_settings(settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return settings.model_copy(update={"auth": "on"})
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def test_a_resumed_attempt_supersedes_the_steps_it_trains_again(

@@ -15,11 +15,10 @@ from sqlalchemy import select
 
 from service.core.config import Settings
 from service.core.wire import attempt as wire
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job, JobEvent
 from tests import workspaces
-from tests.uploads import API, bearer, begin, commit, mint, running_job, send_rest, upload
+from tests.uploads import API, begin, commit, mint, running_job, send_rest, upload
 
 CHUNK = 64 * 1024  # the smallest chunk cap the settings allow
 CKPT = 10_000  # bytes of one checkpoint in these tests
@@ -44,12 +43,6 @@ def app_settings(settings: Settings) -> Settings:
             "metric_points_per_minute": PER_MINUTE,
         }
     )
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def quota_events(db: Database, job_id: int) -> list[dict[str, Any]]:

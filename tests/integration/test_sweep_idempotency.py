@@ -11,11 +11,10 @@ from sqlalchemy import func, select
 
 from service.core.config import Settings
 from service.core.sweeps.spec import SweepSpec, plan_trials, resolve_objective
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import Job, Sweep
 from service.store.sweeps import crud as sweeps
-from tests.uploads import API, bearer, mint, running_job, upload
+from tests.uploads import API, mint, running_job, upload
 
 SWEEP: dict[str, Any] = {
     "name": "grid",
@@ -28,12 +27,6 @@ SWEEP: dict[str, Any] = {
 def app_settings(settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return settings.model_copy(update={"auth": "on"})
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def stored(db: Database) -> tuple[int, int]:

@@ -13,11 +13,10 @@ from sqlalchemy import func, select
 from service.core.config import Settings
 from service.core.states import JobState
 from service.core.wire import attempt as wire
-from service.store.auth.tokens import create_token
 from service.store.checkpoints.retention import pinned_steps
 from service.store.db import Database
 from service.store.models import Job, JobEvent, Sweep
-from tests.uploads import API, bearer, claim, mint, move, running_job, sha, upload
+from tests.uploads import API, claim, mint, move, running_job, sha, upload
 
 CHUNK = 64 * 1024
 
@@ -26,12 +25,6 @@ CHUNK = 64 * 1024
 def app_settings(settings: Settings) -> Settings:
     """What this module's ``api`` serves (tests/conftest.py)."""
     return settings.model_copy(update={"auth": "on", "checkpoint_chunk_bytes": CHUNK})
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def sweep_body(init: dict[str, Any] | None, **axes: Any) -> dict[str, Any]:

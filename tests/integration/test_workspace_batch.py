@@ -23,14 +23,13 @@ from service.core.config import Settings
 from service.core.wire import batch
 from service.core.wire import workspace as wire
 from service.core.wire.workspace import FileRef
-from service.store.auth.tokens import create_token
 from service.store.checkpoints.backends.base import CheckpointStore
 from service.store.db import Database
 from service.store.models import WorkspaceFile, WorkspaceUpload
 from service.store.workspaces.stores import make_workspace_stores, upload_key
 from service.store.workspaces.upload_service import store_file_batch
 from tests.live import serve_app
-from tests.uploads import bearer, mint, running_job
+from tests.uploads import mint, running_job
 from tests.workspaces import API, manifest, name_workspace, sha
 
 CHUNK = 64 * 1024  # the smallest chunk cap the settings allow: a batch's cap in file bytes
@@ -48,12 +47,6 @@ def app_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings
             "max_body_bytes": 4096,
         }
     )
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def ref(data: bytes, *, size: int | None = None, sha256: str | None = None) -> FileRef:

@@ -16,11 +16,10 @@ from service.app import create_app
 from service.core.config import Settings
 from service.core.wire import workspace as wire
 from service.core.wire.attempt import SHA256_HEADER
-from service.store.auth.tokens import create_token
 from service.store.db import Database
 from service.store.models import WorkspaceUpload
 from service.store.workspaces.stores import make_workspace_stores, upload_key
-from tests.uploads import bearer, mint, running_job
+from tests.uploads import mint, running_job
 from tests.workspaces import (
     API,
     begin,
@@ -48,12 +47,6 @@ def app_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings
             "max_body_bytes": 4096,
         }
     )
-
-
-@pytest.fixture
-def users(db: Database) -> dict[str, dict[str, str]]:
-    with db.session() as s:
-        return {o: bearer(create_token(s, owner=o)[1]) for o in ("alice", "bob")}
 
 
 def test_a_file_resumes_by_offset_refuses_damage_and_commits_once_whole(
