@@ -47,11 +47,13 @@ STAND_IN = textwrap.dedent(
     root = Path(os.environ["DDPQ_ARTIFACT_DIR"])
     job, attempt = int(os.environ["DDPQ_JOB_ID"]), int(os.environ["DDPQ_ATTEMPT"])
     d = artifacts.attempt_dir(root, job, attempt)
-    os.write(1, b"torchrun's side " * ({WRITTEN} // 16))  # before the redirect
     if os.environ["STAND_IN"] == "fd_bomb":
         opened = []
         while True:
             opened.append(os.open("/dev/null", os.O_RDONLY))  # OSError: EMFILE ends it
+    # Before the redirect; the fd bomb writes none, or the other rank's flood could push
+    # this rank's traceback out of the capped launcher log.
+    os.write(1, b"torchrun's side " * ({WRITTEN} // 16))
     with redirect_output(artifacts.rank_log_path(root, job, attempt, rank),
                          artifacts.rank_log_pipe_path(root, job, attempt, rank)):
         os.write(1, b"FIRST LINE of rank %d\\n" % rank)
