@@ -53,7 +53,8 @@ async def _ddpq_error(request: Request, exc: Exception) -> JSONResponse:
     headers = None
     if exc.retry_after_s is not None:  # e.g. 429: when the next submission is accepted
         headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
-    return JSONResponse(error_body(detail, exc.code), status_code=exc.status_code, headers=headers)
+    body = {**error_body(detail, exc.code), **exc.answer_fields()}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

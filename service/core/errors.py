@@ -20,6 +20,11 @@ class DdpqError(Exception):
     # Seconds after which a retry may succeed (e.g. a rate limit): the API's ``Retry-After``.
     retry_after_s: float | None = None
 
+    def answer_fields(self) -> dict[str, Any]:
+        """Fields an API answer carries beside ``detail`` and ``code`` (none by default):
+        what a client needs to act on the refusal without another request."""
+        return {}
+
     def __init__(self, detail: Any = None, *, public: str | None = None) -> None:
         self.detail = detail if detail is not None else self.__class__.__doc__
         self.public = public

@@ -180,6 +180,8 @@ def test_metric_names_per_job_refuse_the_whole_batch_once_noted(
         assert r.status_code == 422, r.text
         assert r.json()["code"] == "quota_exceeded"
         assert "DDPQ_METRIC_NAMES_PER_JOB" in r.json()["detail"]
+        # Which of the batch's names the job has: what the rank may send again.
+        assert r.json()["stored_names"] == ["m0"]
     (hit,) = quota_events(db, b_job)
     assert (hit["quota"], hit["limit"], hit["asked"]) == ("metric names per job", NAMES, NAMES + 1)
     # Nothing of the refused batch is stored (not even m0's point of a known name).

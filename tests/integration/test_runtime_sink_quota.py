@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,12 +94,13 @@ def test_past_the_name_quota_the_sink_sends_only_stored_names_and_loses_none_of_
     assert kinds.count("quota_exceeded") == 1, kinds
 
 
-def test_a_resumed_sink_that_knows_no_names_tries_them_one_by_one_and_keeps_the_jobs(
+def test_a_resumed_sink_that_knows_no_names_keeps_the_jobs_names_in_one_more_request(
     db: Database, settings: Settings, tmp_path: Path
 ) -> None:
     """A sink that has had no name stored yet (a resumed attempt) whose first batch is
-    refused for the quota sends that batch's names one per request: the names the job
-    already has go on, the new ones are dropped."""
+    refused for the quota learns from the refusal which of the batch's names the job has: it
+    sends those names' points again in one request, drops the new ones, and never sends
+    points of new names after that."""
     job_id, attempt = running_job(db)
     with live_api(settings.model_copy(update={"metric_names_per_job": NAMES})) as served:
 
@@ -112,7 +114,15 @@ def test_a_resumed_sink_that_knows_no_names_tries_them_one_by_one_and_keeps_the_
         assert earlier.drain(timeout_s=30)
         earlier.close()
         sink = sink_of()
-        sink.report_values(2, 0, {"loss": 2.0, "acc": 0.2, "n5": 5}, reduced=True)
+        sent: list[set[str]] = []
+        send = sink.client.send_metrics
+
+        def counted(batch: Any) -> Any:
+            sent.append({s.name for s in batch.series} | {r[0] for r in batch.points})
+            return send(batch)
+
+        sink.client.send_metrics = counted  # type: ignore[method-assign]
+        sink.report_values(2, 0, {"loss": 2.0, "acc": 0.2, "n5": 5, "n7": 7}, reduced=True)
         sink.flush(average=False)
         assert sink.drain(timeout_s=30)
         sink.report_values(3, 0, {"loss": 3.0, "acc": 0.3, "n6": 6}, reduced=True)
@@ -123,4 +133,6 @@ def test_a_resumed_sink_that_knows_no_names_tries_them_one_by_one_and_keeps_the_
     assert loss_values(db, job_id) == {1: 1.0, 2: 2.0, 3: 3.0}
     assert loss_values(db, job_id, "acc") == {1: 0.1, 2: 0.2, 3: 0.3}
     assert loss_values(db, job_id, "n5") == {} and loss_values(db, job_id, "n6") == {}
-    assert sink.names.dropped == 2 and sink.discarded == 0
+    assert sink.names.dropped == 3 and sink.discarded == 0
+    # The refused batch, its known names again, then step 3 without n6: no name-by-name probe.
+    assert sent == [{"loss", "acc", "n5", "n7"}, {"loss", "acc"}, {"loss", "acc"}], sent

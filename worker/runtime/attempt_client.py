@@ -61,13 +61,18 @@ class ApiUnavailableError(DdpqError):
 
 class AttemptRequestError(DdpqError):
     """The attempt API refused the request itself (422, or another 4xx): not retryable.
-    ``answer_code`` is the answer's own ``code`` (e.g. ``quota_exceeded``), "" when none."""
+    ``answer_code`` is the answer's own ``code`` (e.g. ``quota_exceeded``), "" when none;
+    ``answer`` the whole JSON answer ({} when it was not a JSON object), for the fields a
+    refusal carries beside its code (e.g. the name quota's ``stored_names``)."""
 
     status_code = 422
     code = "attempt_request_refused"
 
-    def __init__(self, detail: str, *, answer_code: str = "") -> None:
+    def __init__(
+        self, detail: str, *, answer_code: str = "", answer: dict[str, Any] | None = None
+    ) -> None:
         self.answer_code = answer_code
+        self.answer = answer or {}
         super().__init__(detail)
 
 
@@ -100,14 +105,13 @@ def _upload_status_of(response: httpx.Response) -> wire.UploadStatus | None:
         return None
 
 
-def _answer_code(response: httpx.Response) -> str:
-    """The error answer's stable ``code`` (``service.api.errors.error_body``), "" if none."""
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """The error answer's JSON object (``service.api.errors.error_body``), {} if none."""
     try:
         body = response.json()
     except ValueError:
-        return ""
-    code = body.get("code") if isinstance(body, dict) else None
-    return code if isinstance(code, str) else ""
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _detail(response: httpx.Response) -> str:
@@ -148,7 +152,11 @@ def raise_for_answer(response: httpx.Response) -> None:
         raise ApiUnavailableError(detail, retry_after_s=retry_after_s(response))
     if status in (401, 409):
         raise StaleAttemptError(detail)
-    raise AttemptRequestError(detail, answer_code=_answer_code(response))
+    answer = _answer(response)
+    code = answer.get("code")
+    raise AttemptRequestError(
+        detail, answer_code=code if isinstance(code, str) else "", answer=answer
+    )
 
 
 class AttemptClient:

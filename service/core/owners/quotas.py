@@ -5,7 +5,9 @@ error that carries it to the client. ``service.store.quotas`` measures and decid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from service.core.config import Settings
 from service.core.errors import DdpqError
@@ -82,15 +84,32 @@ METRIC_POINTS_SETTING = "DDPQ_METRIC_POINTS_PER_MINUTE"
 class QuotaExceededError(DdpqError):
     """A write that would pass a quota; nothing of it was stored. ``status_code`` is the
     answer's (413 for bytes, 422 for metric names, 429 with ``retry_after_s`` for a rate or
-    a count of uploads under way)."""
+    a count of uploads under way).
+
+    ``stored_names`` (the metric-name quota's refusal only): those of the refused batch's
+    names the job already has, sorted, answered as the field ``stored_names``, so a rank can
+    send again the points that fit (a resumed attempt does not know what earlier ones
+    stored) without probing name by name."""
 
     code = "quota_exceeded"
 
-    def __init__(self, hit: QuotaHit, *, status_code: int, retry_after_s: float | None = None):
+    def __init__(
+        self,
+        hit: QuotaHit,
+        *,
+        status_code: int,
+        retry_after_s: float | None = None,
+        stored_names: Sequence[str] | None = None,
+    ) -> None:
         self.hit = hit
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+        self.stored_names = None if stored_names is None else sorted(stored_names)
         words = hit.words()
         if retry_after_s is not None:
             words += f"; retry in {retry_after_s:.0f} s"
         super().__init__(words)
+
+    def answer_fields(self) -> dict[str, Any]:
+        """``{"stored_names": [...]}`` for a name-quota refusal; nothing for the others."""
+        return {} if self.stored_names is None else {"stored_names": self.stored_names}

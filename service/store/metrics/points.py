@@ -19,7 +19,12 @@ from service.core.metrics.points import MetricPoint as MetricPoint  # re-exporte
 from service.core.owners.quotas import MetricQuotas
 from service.core.states import ACTIVE_STATES
 from service.core.wire.metric_columns import CheckedColumns, columns_of_points
-from service.store.metrics.quotas import quota_refusal, window_start
+from service.store.metrics.quotas import (
+    latest_metrics,
+    names_stored,
+    quota_refusal,
+    window_start,
+)
 from service.store.metrics.rollups import PG_ROLLUP_CTE, add_points
 from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
@@ -277,6 +282,7 @@ def record_metrics(
                 limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
                 window_points=int(row.window_points), window_at=row.metric_window_at,
                 n=len(cols), now=now,
+                stored_of_batch=lambda: names_stored(latest_metrics(session, job_id), newest),
             )  # fmt: skip
             assert refusal is not None  # the fence passed: only a quota refuses
             raise refusal
@@ -291,6 +297,7 @@ def record_metrics(
     refusal = quota_refusal(
         limits, stored_names=len(stored), new_names=len(set(newest) - set(stored)),
         window_points=int(window_points or 0), window_at=window_at, n=len(cols), now=now,
+        stored_of_batch=lambda: names_stored(stored, newest),
     )  # fmt: skip
     if refusal is not None:
         raise refusal

@@ -9,7 +9,12 @@ count holds across API processes with no extra round trip.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from service.core.owners.quotas import (
     METRIC_NAMES_SETTING,
@@ -18,6 +23,7 @@ from service.core.owners.quotas import (
     QuotaExceededError,
     QuotaHit,
 )
+from service.store.models import Job
 
 # The rate's window (seconds): DDPQ_METRIC_POINTS_PER_MINUTE counts points per window.
 RATE_WINDOW_S = 60
@@ -37,14 +43,16 @@ def quota_refusal(
     window_at: datetime | None,
     n: int,
     now: datetime,
+    stored_of_batch: Callable[[], Iterable[str]],
 ) -> QuotaExceededError | None:
     """The refusal of a batch of ``n`` points bringing ``new_names`` names not yet stored
     (``stored_names`` are), into a window holding ``window_points`` since ``window_at``;
-    None when it fits."""
+    None when it fits. ``stored_of_batch`` gives the batch's names the job already has; it is
+    called only for the name quota's refusal, which carries them to the rank."""
     if new_names and stored_names + new_names > quotas.max_names:
         hit = QuotaHit("metric names per job", quotas.max_names, stored_names + new_names,
                        METRIC_NAMES_SETTING, "names")  # fmt: skip
-        return QuotaExceededError(hit, status_code=422)
+        return QuotaExceededError(hit, status_code=422, stored_names=list(stored_of_batch()))
     if n and window_points + n > quotas.per_minute:
         hit = QuotaHit("metric points per job per minute", quotas.per_minute,
                        window_points + n, METRIC_POINTS_SETTING, "points")  # fmt: skip
@@ -55,6 +63,17 @@ def quota_refusal(
         retry_s = min(RATE_WINDOW_S, max(1, math.ceil(left_s)))
         return QuotaExceededError(hit, status_code=429, retry_after_s=retry_s)
     return None
+
+
+def latest_metrics(session: Session, job_id: int) -> dict[str, Any]:
+    """The job's ``latest_metrics`` (one key per name the name quota counts); {} if none."""
+    latest = session.scalar(select(Job.latest_metrics).where(Job.id == job_id))
+    return latest if isinstance(latest, dict) else {}
+
+
+def names_stored(latest: dict[str, Any], names: Iterable[str]) -> list[str]:
+    """Those of ``names`` the job has: keys of its ``latest_metrics``."""
+    return [name for name in names if name in latest]
 
 
 def check_batch_size(n: int, quotas: MetricQuotas) -> None:

@@ -37,7 +37,7 @@ from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, At
 from worker.runtime.distributed import DistContext
 from worker.runtime.metrics.backlog import MetricBacklog, metric_batch
 from worker.runtime.metrics.buffer import Key, MetricsSink, NullSink, Progress, Sink
-from worker.runtime.metrics.names import NameQuota, is_names_refusal
+from worker.runtime.metrics.names import NameQuota, answered_names, is_names_refusal
 from worker.runtime.topology import RankEnv
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ class ApiSink(MetricsSink):
         while not self._stale.is_set():
             if not self._write_timeline():
                 return False
-            batch = self.names.next_batch(self._backlog.peek(WRITE_BATCH_POINTS))
+            batch = self._backlog.peek(WRITE_BATCH_POINTS)
             with self._progress_lock:
                 progress = self._progress
             if not batch and progress is None:
@@ -301,7 +301,7 @@ class ApiSink(MetricsSink):
                 return False
             except AttemptRequestError as exc:  # resending the same batch cannot help
                 if is_names_refusal(exc.answer_code, str(exc)):
-                    again = self.names.refused(batch)
+                    again = self.names.refused(batch, answered_names(exc.answer))
                     if again:  # sent next in the batch's place
                         self._backlog.replace_oldest(len(batch), again)
                         # The dropped points count as done once the ones put back are.
