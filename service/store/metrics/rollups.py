@@ -112,16 +112,23 @@ _ON_CONFLICT = _CONFLICT_KEY + _merge_set()
 # brought add nothing. Plain aggregates over two-element float8 arrays, no sort: an array
 # compares element by element and puts NULL after every number, so ``min([value, step])`` is
 # the minimum with NULL (NaN) last and ties to the smaller step, ``min([-value, step])`` the
-# maximum likewise; steps are exact in float8 (they stay below 2**53).
+# maximum likewise; steps are exact in float8 (they stay below 2**53). The points are
+# aggregated once into the finest level's buckets (``b``), and every level from those:
+# min and max of arrays are associative, so a coarser bucket is the same whether built from
+# points or from finer buckets, and a batch builds its arrays once per point, not per level.
+_FINEST = LEVELS[0]
 PG_ROLLUP_CTE = (
     "roll AS (" + _UPSERT_HEAD + "SELECT :job_id, g.name, g.level, g.bucket, g.n, "
     "g.lo[2]::bigint, g.lo[1], g.hi[2]::bigint, -g.hi[1], "
     "g.first[1]::bigint, g.first[2], g.last[1]::bigint, g.last[2] "
-    "FROM (SELECT i.name, l.level, i.step >> l.level AS bucket, count(*) AS n, "
+    f"FROM (SELECT b.name, l.level, b.k >> (l.level - {_FINEST}) AS bucket, sum(b.n) AS n, "
+    "min(b.lo) AS lo, min(b.hi) AS hi, min(b.first) AS first, max(b.last) AS last "
+    f"FROM (SELECT i.name, i.step >> {_FINEST} AS k, count(*) AS n, "
     "min(ARRAY[i.value, i.step::float8]) AS lo, min(ARRAY[-i.value, i.step::float8]) AS hi, "
     "min(ARRAY[i.step::float8, i.value]) AS first, max(ARRAY[i.step::float8, i.value]) AS last "
-    "FROM ins AS i CROSS JOIN unnest(ARRAY[" + ", ".join(map(str, LEVELS)) + "]) AS l(level) "
-    "GROUP BY i.name, l.level, i.step >> l.level) AS g" + _CONFLICT_KEY + _pg_merge_set() + ")"
+    f"FROM ins AS i GROUP BY 1, 2) AS b "
+    "CROSS JOIN unnest(ARRAY[" + ", ".join(map(str, LEVELS)) + "]) AS l(level) "
+    f"GROUP BY 1, 2, 3) AS g" + _CONFLICT_KEY + _pg_merge_set() + ")"
 )
 _UPSERT = text(
     _UPSERT_HEAD + "VALUES (" + ", ".join(f":{c}" for c in _COLUMNS) + ")" + _ON_CONFLICT
