@@ -128,7 +128,7 @@ PG_ROLLUP_CTE = (
     "min(ARRAY[i.step::float8, i.value]) AS first, max(ARRAY[i.step::float8, i.value]) AS last "
     f"FROM ins AS i GROUP BY 1, 2) AS b "
     "CROSS JOIN unnest(ARRAY[" + ", ".join(map(str, LEVELS)) + "]) AS l(level) "
-    f"GROUP BY 1, 2, 3) AS g" + _CONFLICT_KEY + _pg_merge_set() + ")"
+    "GROUP BY 1, 2, 3) AS g" + _CONFLICT_KEY + _pg_merge_set() + ")"
 )
 _UPSERT = text(
     _UPSERT_HEAD + "VALUES (" + ", ".join(f":{c}" for c in _COLUMNS) + ")" + _ON_CONFLICT
