@@ -158,27 +158,31 @@ def new_poll(
     http: httpx.Client, sweep_id: int, since: str, curves: list[int], held: dict[str, Any]
 ) -> dict[str, Any]:
     """One poll now, the table's first page sorted by the objective (ascending) and a curve
-    refresh included. ``held``: trial key → objective value the page holds, with "_last"
-    the page's last row's: as ``sweep_trials.js`` does, the page is read again only when a
-    changed trial sorts (or sorted) at or before that row."""
+    refresh included. ``held["page"]``: the page's rows as ``sweep_trials.js`` holds them.
+    As the page does, a changed trial that may sort at or before the page's last row (or
+    was on it) re-sorts the page from the rows held when that is exact (``merged_page``),
+    and only else reads the page again."""
     t0 = time.perf_counter()
     sizes = 0
     _, n, _ = get(http, f"/sweeps/{sweep_id}")
     sizes += n
     _, n, delta = get(http, f"/sweeps/{sweep_id}/trials", {"changed_since": since})
     sizes += n
-    last = held.get("_last")
-
-    def reaches(v: float | None) -> bool:
-        return v is not None and (last is None or v <= last)
-
     changed = delta["trials"]
-    reload = any(reaches(t["objective_value"]) or reaches(held.get(t["key"])) for t in changed)
-    for t in changed:
-        held[t["key"]] = t["objective_value"]
-    if reload:
-        n = read_page(http, sweep_id, held)
-        sizes += n
+    page = held["page"]
+    last = page[-1]["objective_value"] if page else None
+    on_page = {t["key"] for t in page}
+    moves = any(
+        t["key"] in on_page or (last is not None and t["objective_value"] is not None
+                                and t["objective_value"] <= last)
+        for t in changed
+    )  # fmt: skip
+    merged = merged_page(page, changed) if moves else page
+    reload = merged is None
+    if merged is None:
+        sizes += read_page(http, sweep_id, held)
+    else:
+        held["page"] = merged
     curve_params: Any = {"name": "loss", "max_points": CURVE_POINTS, "job_id": curves}
     _, n, _ = get(http, f"/sweeps/{sweep_id}/metrics", curve_params)
     sizes += n
@@ -191,13 +195,33 @@ def new_poll(
     }
 
 
+def _order(t: dict[str, Any]) -> tuple[float, int]:
+    return (t["objective_value"], t["position"])
+
+
+def merged_page(page: list[dict[str, Any]], changed: list[dict[str, Any]]) -> list[Any] | None:
+    """``sweep_trials.js``'s ``mergedFirstPage`` for the objective ascending: the full first
+    page re-sorted from its rows and the changed trials that may sort into it, or None when
+    only the server can tell (a row got worse past the old last row, a missing value)."""
+    if len(page) < PAGE:
+        return None
+    last = _order(page[-1])
+    rows = {t["key"]: t for t in page}
+    for t in changed:
+        v = t["objective_value"]
+        if t["key"] in rows or (v is not None and v <= last[0]):
+            rows[t["key"]] = t
+    if any(t["objective_value"] is None for t in rows.values()):
+        return None
+    merged = sorted(rows.values(), key=_order)[:PAGE]
+    return merged if _order(merged[-1]) <= last else None
+
+
 def read_page(http: httpx.Client, sweep_id: int, held: dict[str, Any]) -> int:
-    """Read the first page sorted by the objective into ``held``; returns its bytes."""
+    """Read the first page sorted by the objective into ``held["page"]``; its bytes."""
     params = {"sort": "objective_value", "order": "asc", "limit": PAGE}
     _, n, page = get(http, f"/sweeps/{sweep_id}/trials", params)
-    for t in page["trials"]:
-        held[t["key"]] = t["objective_value"]
-    held["_last"] = page["trials"][-1]["objective_value"] if page["trials"] else None
+    held["page"] = page["trials"]
     return n
 
 

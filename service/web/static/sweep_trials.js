@@ -169,9 +169,43 @@
       return state.sort.dir > 0 ? v <= w : v >= w;
     }
 
+    /* The server's order of two rows: by sort value (``dir``), ties in position order. */
+    function sortsBefore(a, b) {
+      const va = sortValue(a);
+      const vb = sortValue(b);
+      if (va !== vb) return state.sort.dir > 0 ? va < vb : va > vb;
+      return a.position < b.position;
+    }
+
+    /* The first page after a delta poll, from the rows already held, when that is exact;
+     * null when only the server can tell. Every trial off the page sorted after its last row
+     * (``last``) before the poll, and those that changed and may now sort before it are in
+     * ``changed``; so if the page's rows and those, re-sorted, fill the page up to a row
+     * that still sorts no later than ``last``, no other trial can belong on it. A trial
+     * that got worse past the last row leaves a gap only the server can fill. Numbers only
+     * (the objective, steps, attempts, run time): mixed or missing values ask the server. */
+    function mergedFirstPage(changed) {
+      const last = state.rows[state.rows.length - 1];
+      if (state.offset !== 0 || !last) return null;
+      const rows = new Map(state.rows.map((t) => [t.key, opts.held(t.key) || t]));
+      for (const t of changed) if (rows.has(t.key) || reaches(sortValue(t))) rows.set(t.key, t);
+      const merged = [...rows.values()];
+      if (!merged.every((t) => typeof sortValue(t) === "number") || typeof sortValue(last) !== "number") {
+        return null;
+      }
+      merged.sort((a, b) => (sortsBefore(a, b) ? -1 : sortsBefore(b, a) ? 1 : 0));
+      const full = state.rows.length >= PAGE_SIZE;
+      const page = merged.slice(0, PAGE_SIZE);
+      if (!full) return page.length === state.rows.length ? page : null; // every trial was on it
+      const end = page[page.length - 1];
+      return page.length === PAGE_SIZE && !sortsBefore(last, end) ? page : null;
+    }
+
     /* After a delta poll (``changed``: the trials it brought; ``before``: trial key → the row
-     * held before it): reload the page when trials were added or one of them may have moved
-     * into, out of or within it; else redraw the rows it holds from the newest answers. */
+     * held before it): when trials were added or one of them may have moved into, out of or
+     * within the page, re-sort the first page from what is held when that is exact
+     * (``mergedFirstPage``: a live sweep's improving trials), else reload the page; when no
+     * row moved, redraw the rows it holds from the newest answers. */
     async function update(changed, before, total) {
       const onPage = new Set(state.rows.map((t) => t.key));
       const moves =
@@ -183,7 +217,11 @@
           if (!before.has(t.key)) return state.offset > 0;
           return reaches(sortValue(before.get(t.key)));
         });
-      if (total !== state.total || moves) await load();
+      const merged = total === state.total && moves ? mergedFirstPage(changed) : null;
+      if (merged) {
+        state.rows = merged;
+        render();
+      } else if (total !== state.total || moves) await load();
       else if (changed.some((t) => onPage.has(t.key))) render();
     }
 
