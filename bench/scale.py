@@ -24,6 +24,7 @@ from sqlalchemy import text
 from bench import common
 from bench.common import BenchResult, percentile, pick, ratio
 from service.core.wire import attempt as wire
+from service.store import migrate
 from service.store.db import Database
 from worker.runtime.metrics.buffer import FLUSH_EVERY_POINTS, FLUSH_INTERVAL_S
 
@@ -293,6 +294,15 @@ def stored_counts(db: Database) -> dict[int, tuple[int, int, int]]:
     return {int(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in rows}
 
 
+def _head_of(root: Path) -> str:
+    """The newest migration of the checkout at ``root`` (its file name's revision prefix,
+    ``NNNN_…``: the project numbers its revisions in order)."""
+    names = sorted(p.name for p in (root / "migrations" / "versions").glob("[0-9]*_*.py"))
+    if not names:
+        raise RuntimeError(f"{root}: no migrations/versions/NNNN_*.py")
+    return names[-1].split("_", 1)[0]
+
+
 def run(
     size: str,
     workdir: Path | None = None,
@@ -321,6 +331,8 @@ def run(
     st = Stats(wire_format=wire_format)
     with common.pg_schema() as url:
         db = common.migrated(url)  # before the server starts: it refuses an unmigrated database
+        if server_root is not None:  # that checkout's schema: it refuses a newer one
+            migrate.downgrade(db.engine, _head_of(server_root))
         t_setup = time.perf_counter()
         tokens = common.running_jobs(db, n_sinks)
         setup_s = time.perf_counter() - t_setup
