@@ -127,11 +127,12 @@ def step_running(db: Database, job_ids: list[int], step: int) -> None:
 
 
 def get(http: httpx.Client, path: str, params: Any = None) -> tuple[float, int, Any]:
-    """GET ``path``: (seconds, body bytes, JSON)."""
+    """GET ``path``: (seconds, body bytes on the wire, JSON). httpx asks for gzip as a
+    browser does, so the bytes are what the page downloads (the API gzips JSON answers)."""
     t0 = time.perf_counter()
     res = http.get(path, params=params)
     res.raise_for_status()
-    return time.perf_counter() - t0, len(res.content), res.json()
+    return time.perf_counter() - t0, res.num_bytes_downloaded, res.json()
 
 
 def new_first_load(http: httpx.Client, sweep_id: int) -> dict[str, Any]:
@@ -326,6 +327,7 @@ def run(size: str, *, workdir: Path | None = None) -> BenchResult:
         res.goals[f"{db}_poll<=50KB"] = f["poll_bytes_max"] <= GOAL_POLL_BYTES
     res.notes.append(
         "one `ddpq serve`; calls in the page's order over one keep-alive httpx connection; "
+        "bytes as downloaded (gzip, as a browser asks; since 2026-12-05, JSON before); "
         "first loads: median of 3 after one warm-up each; polls every 2 s with the running "
         "trials reporting a point between two; poll bytes include a 2-curve refresh and, when a "
         "changed trial sorts into it, the first page sorted by the objective; old_*: the "
