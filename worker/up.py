@@ -68,25 +68,62 @@ def settings_env(settings: Settings, *, leave_out: frozenset[str] = frozenset())
     return env
 
 
+def local_url(host: str, port: int) -> str:
+    """The URL this machine reaches ``host:port`` at: a wildcard bind on the loopback of its
+    own address family, an IPv6 address in brackets."""
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{loopback}]:{port}" if ":" in loopback else f"http://{loopback}:{port}"
+
+
+# Seconds the probe of a taken port waits for an answer (a local server answers in ms).
+PROBE_TIMEOUT_S = 2.0
+
+
+def running_ddpq_url(host: str, port: int) -> str | None:
+    """The URL of a ddpq API that serves ``host:port`` already (it answers ddpq's own
+    ``{API_PREFIX}/healthz`` with ``{"status": "ok"}``, which needs no token); None when
+    whatever holds the port is something else or does not answer."""
+    url = local_url(host, port)
+    try:
+        answer = httpx.get(f"{url}{API_PREFIX}/healthz", timeout=PROBE_TIMEOUT_S)
+        body = answer.json() if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return url if body == {"status": "ok"} else None
+
+
 def check_port_free(host: str, port: int) -> None:
     """Bind ``host:port`` briefly (with SO_REUSEADDR, as uvicorn does) to see it is free.
 
     Raises:
-        PortInUseError: another process listens there (the message says how to pick another).
+        PortInUseError: another process listens there; when it is ddpq's API (a `ddpq up`
+            or `ddpq serve` running already), the message gives its URL and says to use it
+            or stop it first; else it says how to pick another port.
     """
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, _, _, _, addr = infos[0]
+    taken: str | None = None  # why the bind failed
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
         except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise PortInUseError(
-                    f"cannot serve on {host}:{port}: {exc.strerror}. Stop the process using it "
-                    "or choose another port (DDPQ_PORT or --port)."
-                ) from None
-            raise
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise
+            taken = exc.strerror or "address in use"
+    if taken is None:
+        return
+    url = running_ddpq_url(host, port)
+    if url is not None:
+        raise PortInUseError(
+            f"ddpq already runs at {url} (port {port} answers ddpq's API): use that one "
+            f"(`ddpq submit SPEC` and `ddpq run -- train.py` reach it with DDPQ_API_URL={url}), "
+            "or stop it first (Ctrl-C where it runs) and start `ddpq up` again"
+        )
+    raise PortInUseError(
+        f"cannot serve on {host}:{port}: {taken}. Stop the process using it "
+        "or choose another port (DDPQ_PORT or --port)."
+    )
 
 
 @dataclass

@@ -29,7 +29,8 @@ from service.cli.common import (
 )
 from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
-from service.cli.workspace_output import ship_spec_workspace
+from service.cli.sweep_plan import check_sweep, dry_run_first_trial, format_sweep_plan
+from service.cli.workspace_output import pack_spec_workspace, print_missing, upload_and_say
 from service.client import ApiUnreachableError, DdpqClient
 from service.core.spec.overrides import OverridePathError, parse_assignment
 from service.core.states import ENDED_SWEEP_STATES, SweepState, TrialOutcome
@@ -130,19 +131,48 @@ def submit_command(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Retry-safe key: resubmitting returns the same sweep.")
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Validate and show what would run (the trials, the first trial's launch "
+            "plan) without storing or uploading anything.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, JSON_OPTION] = False,
 ) -> None:
-    """Submit a sweep; with --wait, show live counts by outcome and exit 0 if it succeeds."""
+    """Submit a sweep; with --wait, show live counts by outcome and exit 0 if it succeeds.
+    The sweep is validated (every trial) before a command job's directory is uploaded;
+    --dry-run: store and upload nothing, print the trials and the plan (--json: as JSON)."""
+    if dry_run and wait:
+        fail("--wait follows a stored sweep: drop it with --dry-run")
     spec = load_spec_file(spec_file)
+    console = err if as_json else out  # with --json, stdout is the answer alone
     with friendly_errors():
         settings = load_settings()
         client = make_client(settings)
-        if isinstance(spec.get("base"), dict):  # a command job's directory, shipped first
-            base = ship_spec_workspace(spec["base"], spec_file.parent, out, client, settings)
+        packed = None
+        if isinstance(spec.get("base"), dict):  # a command job's directory: packed, not sent
+            base, packed = pack_spec_workspace(spec["base"], spec_file.parent, console, settings)
             spec = {**spec, "base": base}
+        plan = check_sweep(spec, settings)  # exits 2 before any byte is sent
+        if dry_run:
+            if packed is not None:
+                print_missing(console, client, packed)
+            answer = dry_run_first_trial(client, plan)
+            if as_json:
+                print_json(plan.as_json(answer))
+            else:
+                out.print(format_sweep_plan(plan, answer))
+            return
+        if packed is not None:
+            upload_and_say(console, client, packed)
         sweep = client.submit_sweep(spec, idempotency_key=idempotency_key)
-        out.print(
-            cell(f"sweep {sweep['id']} {sweep['name']!r} {sweep['state']}: {counts_line(sweep)}")
-        )
+        if as_json:  # as `ddpq submit --json`: the answer alone, no live line after it
+            print_json(sweep)
+            return
+        line = f"sweep {sweep['id']} {sweep['name']!r} {sweep['state']}: {counts_line(sweep)}"
+        out.print(cell(line))
         if wait:
             raise typer.Exit(wait_for_sweep(client, sweep["id"], poll_s))
 

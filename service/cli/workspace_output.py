@@ -97,6 +97,29 @@ def upload_and_say(console: Console, client: DdpqClient, packed: PackedWorkspace
         console.print("  uploaded nothing: the API has every file")
 
 
+def pack_spec_workspace(
+    spec: dict[str, Any], base_dir: Path, console: Console, settings: Settings
+) -> tuple[dict[str, Any], PackedWorkspace | None]:
+    """A job spec from a file with its command job's workspace packed (nothing sent): when
+    ``spec`` has a ``command`` and its ``workspace`` is absent or a directory (not a
+    digest), that directory (relative to ``base_dir``, the spec file's; default ``base_dir``
+    itself) is packed, its summary printed, and replaced by its digest.
+
+    Returns:
+        ``(spec, packed)``; ``packed`` is None, and ``spec`` as it was, for anything else.
+    """
+    if not isinstance(spec, dict) or spec.get("command") is None:
+        return spec, None
+    workspace = spec.get("workspace")
+    if isinstance(workspace, str) and _DIGEST_RE.match(workspace):
+        return spec, None
+    if workspace is not None and not isinstance(workspace, str):
+        return spec, None  # the API's 422 names the field
+    packed = pack_or_fail(base_dir / (workspace or "."), settings, spec)
+    print_pack_summary(console, packed)
+    return {**spec, "workspace": packed.digest}, packed
+
+
 def ship_spec_workspace(
     spec: dict[str, Any],
     base_dir: Path,
@@ -106,22 +129,13 @@ def ship_spec_workspace(
     *,
     upload: bool = True,
 ) -> dict[str, Any]:
-    """A job spec from a file, with its command job's workspace shipped: when ``spec`` has
-    a ``command`` and its ``workspace`` is absent or a directory (not a digest), that
-    directory (relative to ``base_dir``, the spec file's; default ``base_dir`` itself) is
-    packed, uploaded unless ``upload`` is False (a dry run), and replaced by its digest.
-    Anything else is returned as it is."""
-    if not isinstance(spec, dict) or spec.get("command") is None:
-        return spec
-    workspace = spec.get("workspace")
-    if isinstance(workspace, str) and _DIGEST_RE.match(workspace):
-        return spec
-    if workspace is not None and not isinstance(workspace, str):
-        return spec  # the API's 422 names the field
-    packed = pack_or_fail(base_dir / (workspace or "."), settings, spec)
-    print_pack_summary(console, packed)
-    if upload:
-        upload_and_say(console, client, packed)
-    else:
-        print_missing(console, client, packed)
-    return {**spec, "workspace": packed.digest}
+    """A job spec from a file, with its command job's workspace shipped: packed as
+    ``pack_spec_workspace`` packs it, uploaded unless ``upload`` is False (a dry run: it
+    says what would go), and replaced by its digest. Anything else is returned as it is."""
+    spec, packed = pack_spec_workspace(spec, base_dir, console, settings)
+    if packed is not None:
+        if upload:
+            upload_and_say(console, client, packed)
+        else:
+            print_missing(console, client, packed)
+    return spec

@@ -130,6 +130,16 @@ def test_stored_spec_round_trips() -> None:
             ["body", "slurm", "partiton"],
             "'partition'",
         ),
+        # A top-level name that is a nested field's: the dotted path, even where a top-level
+        # name is close (checkpoint_every_steps is not 'checkpoints').
+        ({"timeout_min": 5}, ["body", "timeout_min"], "'resources.timeout_min'"),
+        ({"lr": 0.1}, ["body", "lr"], "'training.lr'"),
+        (
+            {"checkpoint_every_steps": 5},
+            ["body", "checkpoint_every_steps"],
+            "'training.checkpoint_every_steps'",
+        ),
+        ({"timeout": 5}, ["body", "timeout"], "'resources.timeout_min'"),
     ],
 )
 def test_unknown_field_suggests_the_closest_valid_one(

@@ -98,6 +98,36 @@ def test_deny_names_the_setting_and_auth_on_denies_by_default() -> None:
     assert Settings(user_code="allow", auth="on").user_code_allowed
 
 
+@pytest.mark.parametrize(
+    "training",
+    [{"lr": 0.1}, {"batch_size": 64}, {"epochs": 3}, {"optimizer": "sgd"}, {"amp": False}],
+)
+def test_training_fields_of_the_builtin_loop_are_refused_for_a_command_job(
+    training: dict[str, Any],
+) -> None:
+    [field] = training
+    errors = _errors({**OK, "training": training})
+    assert any(
+        loc == ["body", "training", field]
+        and f"training.{field} applies to the built-in tasks" in msg
+        and "never reads it" in msg
+        for loc, msg in errors
+    ), errors
+    # The same value is a task's to use.
+    assert validate_spec({"name": "t", "task": "regression", "training": training}, ALLOW)
+
+
+def test_training_fields_a_command_job_uses_and_a_stored_spec_stay_valid() -> None:
+    used = {"seed": 3, "max_steps": 50, "keep_checkpoints": 100, "nonfinite_loss": "skip_step"}
+    spec = validate_spec({**OK, "training": used}, ALLOW)
+    assert spec.training.keep_checkpoints == 100 and spec.training.seed == 3
+    # A stored spec holds every training field (at its default): it validates again, so a
+    # clone or a sweep's extend of an existing command job still goes through.
+    stored = spec.model_dump(mode="json")
+    assert stored["training"]["lr"] == 1e-3
+    assert validate_spec(stored, ALLOW) == spec
+
+
 def test_a_sweep_axis_or_set_replaces_a_command_item_by_index() -> None:
     spec = apply_overrides(OK, {"command.2": "5", "env.LR": "0.01"})
     assert spec["command"] == ["train.py", "--epochs", "5"] and spec["env"] == {"LR": "0.01"}

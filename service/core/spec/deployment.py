@@ -101,3 +101,27 @@ def settings_problems(data: Any, settings: Settings) -> list[tuple[tuple[str, ..
             )
         )
     return problems
+
+
+# A cap wider than any spec field allows (gpus_per_node's column is 32-bit).
+_NO_CAP = 2**62
+
+
+def spec_rules_only(settings: Settings) -> Settings:
+    """``settings`` with every deployment rule of a spec opened up (Slurm on, users' code and
+    every entrypoint allowed, no caps): validating under it checks what holds on every
+    deployment, as a client does before it sends anything. The deployment's own rules stay
+    the API's call (its 422 at submit), since a client's settings are not the server's."""
+    return settings.model_copy(
+        update={
+            "slurm_enabled": True,
+            "user_code": "allow",
+            "allowed_entrypoints": ["*"],
+            "max_nnodes": _NO_CAP,
+            "max_nproc_per_node": _NO_CAP,
+            "max_gpus_per_node": _NO_CAP,
+            "max_timeout_min": _NO_CAP,
+            "max_cpus_per_task": _NO_CAP,
+            "max_mem_gb": math.inf,
+        }
+    )

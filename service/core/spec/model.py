@@ -246,6 +246,35 @@ class JobSpec(_Part):
 
 
 FAULT_RANK_KNOBS = ("fail_rank", "hang_rank", "nan_rank")
+# The training fields a command job uses: ddpq's library in the script reads seed
+# (ddpq.info), nonfinite_loss (ddpq.report) and max_steps (progress), and its followed
+# checkpoints keep keep_checkpoints; every sweep trial carries a training.seed. The other
+# fields drive the built-in training loop, which a command job does not run.
+COMMAND_JOB_TRAINING_FIELDS = ("seed", "max_steps", "keep_checkpoints", "nonfinite_loss")
+
+
+def command_training_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """A command job's training fields that its script never reads, set to other than their
+    defaults (a stored spec holds every field at its default, and stays valid), as
+    ``(loc, message)`` pairs."""
+    if not spec.is_command:
+        return []
+    used = ", ".join(f"training.{f}" for f in COMMAND_JOB_TRAINING_FIELDS)
+    problems: list[tuple[tuple[str, ...], str]] = []
+    for field, info in Training.model_fields.items():
+        if field in COMMAND_JOB_TRAINING_FIELDS:
+            continue
+        if getattr(spec.training, field) != info.get_default(call_default_factory=True):
+            problems.append(
+                (
+                    ("training", field),
+                    f"training.{field} applies to the built-in tasks (and entrypoints) only: "
+                    "a command job runs your script, which never reads it; pass the value to "
+                    "the script instead (an argument of the command, env, or config read "
+                    f"with ddpq.config()). A command job uses only {used}",
+                )
+            )
+    return problems
 
 
 def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
@@ -291,7 +320,7 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     for i, tag in enumerate(spec.tags):
         if not 1 <= len(tag) <= MAX_TAG_CHARS:
             problems.append((("tags", str(i)), f"each tag must be 1–{MAX_TAG_CHARS} characters"))
-    return problems
+    return problems + command_training_problems(spec)
 
 
 def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
