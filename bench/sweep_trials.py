@@ -204,7 +204,7 @@ def merged_page(page: list[dict[str, Any]], changed: list[dict[str, Any]]) -> li
     """``sweep_trials.js``'s ``mergedFirstPage`` for the objective ascending: the full first
     page re-sorted from its rows and the changed trials that may sort into it, or None when
     only the server can tell (a row got worse past the old last row, a missing value)."""
-    if len(page) < PAGE:
+    if len(page) < PAGE or page[-1]["objective_value"] is None:
         return None
     last = _order(page[-1])
     rows = {t["key"]: t for t in page}

@@ -85,7 +85,8 @@ def running_ddpq_url(host: str, port: int) -> str | None:
     whatever holds the port is something else or does not answer."""
     url = local_url(host, port)
     try:
-        answer = httpx.get(f"{url}{API_PREFIX}/healthz", timeout=PROBE_TIMEOUT_S)
+        # This machine's own port: never through an HTTP(S)_PROXY from the environment.
+        answer = httpx.get(f"{url}{API_PREFIX}/healthz", timeout=PROBE_TIMEOUT_S, trust_env=False)
         body = answer.json() if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

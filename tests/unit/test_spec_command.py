@@ -115,6 +115,8 @@ def test_training_fields_of_the_builtin_loop_are_refused_for_a_command_job(
     ), errors
     # The same value is a task's to use.
     assert validate_spec({"name": "t", "task": "regression", "training": training}, ALLOW)
+    # A command sweep stored before the rule is extended as it is (its base cannot be edited).
+    assert validate_spec({**OK, "training": training}, ALLOW, stored=True)
 
 
 def test_training_fields_a_command_job_uses_and_a_stored_spec_stay_valid() -> None:

@@ -320,7 +320,7 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     for i, tag in enumerate(spec.tags):
         if not 1 <= len(tag) <= MAX_TAG_CHARS:
             problems.append((("tags", str(i)), f"each tag must be 1–{MAX_TAG_CHARS} characters"))
-    return problems + command_training_problems(spec)
+    return problems
 
 
 def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -338,8 +338,11 @@ def _task_config(data: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | Non
         return {}, pydantic_errors(exc, schema, ("config",))
 
 
-def validate_spec(data: Any, settings: Settings) -> JobSpec:
+def validate_spec(data: Any, settings: Settings, *, stored: bool = False) -> JobSpec:
     """Validate raw JSON ``data`` into a JobSpec under this deployment's ``settings``.
+    ``stored``: ``data`` was accepted before (a sweep's base being extended), so the rules
+    for new submissions only (``command_training_problems``) are left out: a stored sweep
+    cannot be edited to meet them.
 
     Every problem is reported in one go: pydantic's field errors (unknown fields with a
     "did you mean" hint), the deployment's caps and rules, and the task's config errors,
@@ -366,6 +369,8 @@ def validate_spec(data: Any, settings: Settings) -> JobSpec:
 
     if spec is not None:
         for loc, msg in cross_field_problems(spec):
+            bad(loc, msg)
+        for loc, msg in [] if stored else command_training_problems(spec):
             bad(loc, msg)
         dumped = spec.model_dump(include={"task", "command", "workspace", "checkpoints", "metrics"})
         for field, msg in command_problems(dumped, user_code_allowed=settings.user_code_allowed):

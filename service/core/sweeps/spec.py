@@ -287,10 +287,12 @@ def plan_trials(
     *,
     skip_keys: frozenset[str] = frozenset(),
     first_position: int = 0,
+    stored: bool = False,
 ) -> list[PlannedTrial]:
     """Expand ``spec`` and validate every trial's job spec (``validate_spec``), leaving out
     the trials whose key is in ``skip_keys`` (those a sweep already holds). Positions count
-    on from ``first_position`` in expansion order.
+    on from ``first_position`` in expansion order. ``stored``: a stored sweep being extended
+    (``validate_spec``'s ``stored``).
 
     Raises:
         SpecValidationError: the base is invalid (locs under ``body.base``), or trials are:
@@ -298,7 +300,7 @@ def plan_trials(
             message naming the trial's overrides (at most ``MAX_REPORTED_TRIAL_ERRORS``).
     """
     try:
-        validate_spec(spec.base | {"name": trial_name(spec.name, 0)}, settings)
+        validate_spec(spec.base | {"name": trial_name(spec.name, 0)}, settings, stored=stored)
     except SpecValidationError as exc:
         raise SpecValidationError(
             [{**e, "loc": ["body", "base", *e["loc"][1:]]} for e in exc.errors]
@@ -314,7 +316,7 @@ def plan_trials(
             continue
         data = spec.base | {"name": trial_name(spec.name, position)}
         try:
-            job_spec = validate_spec(apply_overrides(data, overrides), settings)
+            job_spec = validate_spec(apply_overrides(data, overrides), settings, stored=stored)
         except OverridePathError as exc:
             errors.append(trial_error(i, overrides, exc.path, exc.message))
         except SpecValidationError as exc:

@@ -251,7 +251,9 @@ def extend_sweep(
         sweep = crud.get_sweep(session, sweep_id, owner=owner)
         spec = extended_spec(SweepSpec.model_validate(sweep.spec), ext)
         keys, next_position = crud.trial_keys(session, sweep_id)
-        planned = plan_trials(spec, settings, skip_keys=keys, first_position=next_position)
+        planned = plan_trials(
+            spec, settings, skip_keys=keys, first_position=next_position, stored=True
+        )
         spec, planned = resolve_sweep_init_from(session, spec, planned, owner=owner)
         use_workspaces(session, sweep.owner, trial_workspaces(planned))
         check_jobs_rate(session, sweep.owner, per_minute=per_minute, jobs=len(planned))

@@ -23,6 +23,8 @@
   };
   // Columns whose values do not change as trials run: a delta updates their page in place.
   const STATIC = ["position", "job"];
+  // Numeric columns that change only with the trial's row (the delta poll brings them).
+  const MERGEABLE = ["objective", "steps", "attempts"];
   // (An override's value does not change either; "axis:" columns count as static.)
 
   /* ``opts``: base ("sweeps/<id>"), sweep() (the sweep as last polled), axisPaths(),
@@ -182,11 +184,12 @@
      * (``last``) before the poll, and those that changed and may now sort before it are in
      * ``changed``; so if the page's rows and those, re-sorted, fill the page up to a row
      * that still sorts no later than ``last``, no other trial can belong on it. A trial
-     * that got worse past the last row leaves a gap only the server can fill. Numbers only
-     * (the objective, steps, attempts, run time): mixed or missing values ask the server. */
+     * that got worse past the last row leaves a gap only the server can fill. MERGEABLE
+     * columns only (a running trial's run time grows without its row changing, so the poll
+     * does not bring it); mixed or missing values ask the server. */
     function mergedFirstPage(changed) {
       const last = state.rows[state.rows.length - 1];
-      if (state.offset !== 0 || !last) return null;
+      if (state.offset !== 0 || !last || !MERGEABLE.includes(state.sort.key)) return null;
       const rows = new Map(state.rows.map((t) => [t.key, opts.held(t.key) || t]));
       for (const t of changed) if (rows.has(t.key) || reaches(sortValue(t))) rows.set(t.key, t);
       const merged = [...rows.values()];

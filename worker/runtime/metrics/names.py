@@ -10,7 +10,9 @@ are dropped before they are sent (counted and logged once). A script that report
 without end (a bug or a hostile one) then costs the API one refused request past the quota.
 
 A name an earlier attempt stored that this one first reports after the quota was reached,
-in a later batch than the refused one, is dropped (known limit).
+in a later batch than the refused one, is dropped (known limit). So is every point of an
+attempt that knows no name yet when an API older than ``stored_names`` refuses its batch:
+upgrade the API before the workers.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class NameQuota:
         are those of the batch's names the job has (None from an API that does not say: then
         only names this attempt had stored count). The points to send in the batch's place
         (oldest first, the batch's order; empty: drop it)."""
-        if stored_names is not None:
-            self.stored.update(stored_names)
+        if stored_names is not None:  # the API's word on this batch's names wins
+            answered = set(stored_names)
+            self.stored -= {p.name for p in batch} - answered
+            self.stored |= answered
         if not self.full:
             log.warning("the job is at its metric-name quota (%s): only the %d names it has "
                         "are sent from now on",
