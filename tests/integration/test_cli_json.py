@@ -7,7 +7,6 @@ import csv
 import hashlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli.main import app
 from service.core import artifacts
 from service.core.config import Settings
@@ -28,16 +26,8 @@ from service.store.jobs import claims
 from service.store.jobs import crud as jobs
 from service.store.metrics import points as metrics
 from service.store.workers import registry as workers
-from tests.live import serve_app
 
 SPEC: dict[str, Any] = {"name": "json-job", "task": "regression"}
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    """The API of ``settings`` served by uvicorn in a thread on a free loopback port."""
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def ddpq(url: str, *args: str, columns: int = 250) -> Any:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli.main import app
 from service.core import artifacts
 from service.core.config import Settings
@@ -36,7 +34,6 @@ from service.store.jobs import crud as jobs
 from service.store.metrics import points as metrics
 from service.store.metrics.points import MetricPoint
 from service.store.workers import registry as workers
-from tests.live import serve_app
 
 runner = CliRunner()
 SPEC: dict[str, Any] = {"name": "digits-2", "task": "digits", "resources": {"nproc_per_node": 2}}
@@ -47,13 +44,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    """The API of ``settings`` served by uvicorn in a thread on a free loopback port."""
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def ddpq(url: str, *args: str, env: dict[str, str] | None = None) -> Any:

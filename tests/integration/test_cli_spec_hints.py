@@ -5,25 +5,15 @@ training fields only the built-in loop reads. Against a live server, SQLite and 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli.main import app
-from service.core.config import Settings
 from service.store.db import Database
 from tests.integration.test_dry_run import rows
-from tests.live import serve_app
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def ddpq(url: str, *args: str) -> Any:

@@ -5,28 +5,17 @@ command job's directory is uploaded. Against a live server, SQLite and PostgreSQ
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli.main import app
-from service.core.config import Settings
 from service.store.db import Database
 from service.store.models import Job, Sweep, WorkspaceFile
 from tests.integration.test_cli_sweeps import SWEEP
-from tests.live import serve_app
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def ddpq(url: str, *args: str) -> Any:

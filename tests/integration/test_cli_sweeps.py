@@ -6,24 +6,19 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli.main import app
-from service.core.config import Settings
 from service.core.states import JobState
 from service.store.db import Database
 from service.store.jobs import crud as jobs
 from service.store.models import Job
 from service.store.reaper import reap_once
-from tests.live import serve_app
 
 runner = CliRunner()
 SWEEP: dict[str, Any] = {
@@ -31,12 +26,6 @@ SWEEP: dict[str, Any] = {
     "base": {"name": "b", "task": "regression", "training": {"max_steps": 5}},
     "axes": {"training.lr": {"grid": [0.001, 0.01, 0.1]}},
 }
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def ddpq(url: str, *args: str) -> Any:

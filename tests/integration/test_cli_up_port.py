@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -15,19 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 from typer.testing import CliRunner
 
-from service.app import create_app
 from service.cli import main as cli_main
-from service.core.config import Settings
-from service.store.db import Database
-from tests.live import serve_app
 from worker import up as worker_up
 from worker.errors import PortInUseError
-
-
-@pytest.fixture
-def live_url(settings: Settings, db: Database) -> Iterator[str]:
-    with serve_app(create_app(settings)) as url:
-        yield url
 
 
 def _port(url: str) -> int:
