@@ -14,9 +14,9 @@ from service.cli import checkpoints as cli_checkpoints  # noqa: F401 (registers 
 from service.cli import job_data as cli_job_data  # noqa: F401 (registers its commands)
 from service.cli import jobs as cli_jobs
 from service.cli import run as cli_run  # noqa: F401 (registers `ddpq run`)
-from service.cli import sweeps as cli_sweeps  # noqa: F401 (registers `ddpq sweep`)
 from service.cli import tokens as cli_tokens
 from service.cli.common import app, db_app, fail, friendly_errors, load_settings, out
+from service.cli.sweeps import commands as cli_sweeps  # noqa: F401 (registers `ddpq sweep`)
 from service.core.config import Settings
 from service.core.errors import DatabaseUnavailableError, MigrationError
 from service.core.launchers import launcher_names

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.cli.sweeps import COUNT_ORDER, best_first, counts_line
+from service.cli.sweeps.commands import COUNT_ORDER, best_first, counts_line
 from service.core.states import TrialOutcome
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from service.cli import sweeps
+from service.cli.sweeps import commands as sweeps
 
 
 class FakeSweepClient:

@@ -29,7 +29,7 @@ from service.cli.common import (
 )
 from service.cli.jobs import load_spec_file
 from service.cli.output import cell, format_metric, format_seconds, state_text
-from service.cli.sweep_plan import check_sweep, dry_run_first_trial, format_sweep_plan
+from service.cli.sweeps.plan import check_sweep, dry_run_first_trial, format_sweep_plan
 from service.cli.workspace_output import pack_spec_workspace, print_missing, upload_and_say
 from service.client import ApiUnreachableError, DdpqClient
 from service.core.spec.overrides import OverridePathError, parse_assignment
