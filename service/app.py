@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
-from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 
 from service.api import docs, health
 from service.api.attempts import checkpoints as attempt_checkpoints
@@ -30,7 +30,7 @@ from service.api.errors import install_error_handlers
 from service.api.jobs import goodput, logs
 from service.api.jobs import routes as jobs
 from service.api.metrics import routes as metrics
-from service.api.middleware import BodySizeLimit
+from service.api.middleware import BodySizeLimit, ReadsGZip
 from service.api.schemas import job_spec_openapi_schemas
 from service.api.sweeps import metrics as sweep_metrics
 from service.api.sweeps import routes as sweeps
@@ -155,9 +155,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # JSON, HTML, CSV and scripts compress 4-5x (a sweep page's poll, a chart's points):
     # level 1 costs ~0.7 ms per 140 KB of points here and gets most of it. Files (checkpoints,
     # workspace files) go as they are: often incompressible, and sent with byte ranges that
-    # a Content-Encoding would shift. Small answers (ranks' and workers' calls) pass as is.
+    # a Content-Encoding would shift. Small answers pass as they are.
     app.add_middleware(
-        GZipMiddleware,
+        ReadsGZip,
         minimum_size=GZIP_MIN_BYTES,
         compresslevel=1,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, "application/octet-stream"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import SecretStr
 
-from service.core.config import Settings
+from service.core.config import Settings, local_url
 from service.core.wire import API_PREFIX
 from worker.attempt import API_URL
 from worker.errors import ChildExitedError, PortInUseError
@@ -66,13 +66,6 @@ def settings_env(settings: Settings, *, leave_out: frozenset[str] = frozenset())
             value = json.dumps(value)
         env[f"DDPQ_{name.upper()}"] = str(value)
     return env
-
-
-def local_url(host: str, port: int) -> str:
-    """The URL this machine reaches ``host:port`` at: a wildcard bind on the loopback of its
-    own address family, an IPv6 address in brackets."""
-    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return f"http://[{loopback}]:{port}" if ":" in loopback else f"http://{loopback}:{port}"
 
 
 # Seconds the probe of a taken port waits for an answer (a local server answers in ms).

@@ -1,4 +1,4 @@
-"""ASGI middleware of the API: the request body size limit."""
+"""ASGI middleware of the API: the request body size limit, and gzip for what is read."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import HTTP_STATUS_CODES, error_body
@@ -107,3 +108,31 @@ class BodySizeLimit:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+class ReadsGZip:
+    """Starlette's ``GZipMiddleware`` (its ``minimum_size`` in bytes, ``compresslevel`` and
+    ``exclude_content_types``) for GET and HEAD requests only: what is read (pages, lists,
+    curves) is what is big; the ranks' and workers' POSTs (metric batches, claims,
+    heartbeats: the hot paths) get small answers and skip its per-request wrapping."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        minimum_size: int,
+        compresslevel: int,
+        exclude_content_types: tuple[str, ...],
+    ) -> None:
+        self.app = app
+        self.gzip = GZipMiddleware(
+            app,
+            minimum_size=minimum_size,
+            compresslevel=compresslevel,
+            exclude_content_types=exclude_content_types,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
+            await self.gzip(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)

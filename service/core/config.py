@@ -23,6 +23,13 @@ from service.core.wire.attempt import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
+def local_url(host: str, port: int) -> str:
+    """The URL this machine reaches a server bound to ``host:port`` at: a wildcard bind on
+    the loopback of its own address family, an IPv6 address in brackets."""
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{loopback}]:{port}" if ":" in loopback else f"http://{loopback}:{port}"
+
+
 class Settings(BaseSettings):
     """Deployment settings, read from ``DDPQ_<NAME>`` environment variables.
 
@@ -334,11 +341,7 @@ class Settings(BaseSettings):
         """Base URL of the API (no trailing slash), as clients should reach it."""
         if self.api_url:
             return self.api_url.rstrip("/")
-        # A wildcard bind is reached on the loopback of its own address family.
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)
 
     @property
     def auth_enabled(self) -> bool:

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from service.cli import main as cli_main
+from service.core.config import local_url
 from worker import up as worker_up
 from worker.errors import PortInUseError
 
@@ -72,6 +73,6 @@ def test_a_port_held_by_another_server_says_choose_another_port(
 
 
 def test_the_probed_url_of_a_bind_address() -> None:
-    assert worker_up.local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
-    assert worker_up.local_url("::", 8000) == "http://[::1]:8000"
-    assert worker_up.local_url("10.1.2.3", 8011) == "http://10.1.2.3:8011"
+    assert local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert local_url("::", 8000) == "http://[::1]:8000"
+    assert local_url("10.1.2.3", 8011) == "http://10.1.2.3:8011"

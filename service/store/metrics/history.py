@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from service.core.metrics.points import json_safe
 from service.store.metrics import rollups
 from service.store.metrics.points import query_points
+from service.store.metrics.quotas import latest_metrics
 from service.store.metrics.values import PointRow, SupersededRow
 from service.store.models import Job, Metric, MetricSuperseded
 
@@ -62,8 +63,7 @@ def supersede_after_resume(session: Session, job_id: int, attempt: int, resume_s
 def _roll_back_latest(session: Session, job_id: int, resume_step: int) -> None:
     """``latest_metrics`` entries of steps after ``resume_step`` replaced by each name's newest
     current point (dropped when none is left)."""
-    stored = session.scalar(select(Job.latest_metrics).where(Job.id == job_id))
-    latest: dict[str, Any] = dict(stored) if isinstance(stored, dict) else {}
+    latest = dict(latest_metrics(session, job_id))
     changed = False
     for name, entry in list(latest.items()):
         if isinstance(entry, dict) and int(entry.get("step", 0)) <= resume_step:
