@@ -141,12 +141,17 @@
       $("trials-table").dataset.offset = String(state.offset);
     }
 
-    /* Fetch the page at ``state.offset`` in the current order and draw it. */
+    /* Fetch the page at ``state.offset`` in the current order and draw it. An answer that
+     * comes after a newer load was asked for (two sorts in a row) is dropped: it is of the
+     * order or page the table no longer shows. */
+    let loads = 0;
     async function load() {
       const q = new URLSearchParams(apiSort());
       q.set("limit", String(PAGE_SIZE));
       q.set("offset", String(state.offset));
+      const mine = ++loads;
       const body = (await d.api(opts.base + "/trials?" + q.toString())).body;
+      if (mine !== loads) return;
       state.rows = body.trials || [];
       state.total = Number(body.total) || 0;
       opts.onRows(state.rows);
