@@ -134,7 +134,8 @@ class TrialOutcome(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    STOPPED_EARLY = "stopped_early"  # early stopping flagged its job (which ends cancelled)
+    STOPPED_EARLY = "stopped_early"  # early stopping flagged its job (which ends cancelled,
+    # unless it succeeded before the stop reached it: then the trial's outcome is succeeded)
 
 
 # A trial follows its job's table, and also: early stopping ends an active one (its job then
@@ -169,8 +170,12 @@ TRIAL_TRANSITIONS: dict[TrialOutcome, frozenset[TrialOutcome]] = {
 
 def trial_outcome(job_state: str | None, recorded: str | None) -> TrialOutcome:
     """A trial's outcome: the one recorded on the trial (``stopped_early``), else its newest
-    job's state; ``cancelled`` for a trial without a job."""
-    return TrialOutcome(recorded or job_state or TrialOutcome.CANCELLED)
+    job's state; ``cancelled`` for a trial without a job. A job that succeeded all the same
+    (the stop came as its last steps ran) makes the trial ``succeeded``: it trained to the
+    end, whatever was asked of it."""
+    if recorded and job_state != TrialOutcome.SUCCEEDED.value:
+        return TrialOutcome(recorded)
+    return TrialOutcome(job_state or TrialOutcome.CANCELLED)
 
 
 def may_be_best(outcome: TrialOutcome, *, cancel_requested: bool) -> bool:

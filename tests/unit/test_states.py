@@ -105,6 +105,9 @@ def test_trial_outcomes_are_the_job_states_and_stopped_early() -> None:
     assert [o.value for o in TrialOutcome] == [*(s.value for s in JobState), "stopped_early"]
     assert trial_outcome("running", None) is TrialOutcome.RUNNING
     assert trial_outcome("cancelled", "stopped_early") is TrialOutcome.STOPPED_EARLY
+    assert trial_outcome("running", "stopped_early") is TrialOutcome.STOPPED_EARLY
+    # The stop reached a job that was finishing: it trained to the end and says so.
+    assert trial_outcome("succeeded", "stopped_early") is TrialOutcome.SUCCEEDED
     assert trial_outcome(None, None) is TrialOutcome.CANCELLED, "a trial without a job"
 
 

@@ -26,12 +26,16 @@ _MAX = sys.float_info.max
 
 
 def outcome() -> ColumnElement[str]:
-    """SQL of ``trial_outcome``: the recorded outcome, else the newest job's state, else
-    cancelled (a trial without a job)."""
-    # A literal, not a bound parameter: GROUP BY repeats the expression, and PostgreSQL
+    """SQL of ``trial_outcome``: the recorded outcome unless the newest job succeeded, else
+    that job's state, else cancelled (a trial without a job)."""
+    # Literals, not bound parameters: GROUP BY repeats the expression, and PostgreSQL
     # matches it with the SELECT's only when it is the same text.
     cancelled = literal_column(f"'{TrialOutcome.CANCELLED.value}'", String)
-    return func.coalesce(SweepTrial.outcome, Job.state, cancelled)
+    succeeded = literal_column(f"'{TrialOutcome.SUCCEEDED.value}'", String)
+    recorded_holds = and_(
+        SweepTrial.outcome.is_not(None), func.coalesce(Job.state, cancelled) != succeeded
+    )
+    return case((recorded_holds, SweepTrial.outcome), else_=func.coalesce(Job.state, cancelled))
 
 
 def _outcome_rank() -> ColumnElement[int]:
