@@ -21,6 +21,12 @@ from tests.waiting import wait_until as wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = ("succeeded", "failed", "cancelled")
+# torch 2.13's gloo now and then aborts a DDP script's process as Python exits, after its
+# last line ran ("terminate called without an active exception"; 1 run in 75 of the
+# unchanged tutorial under bare torchrun, 3 at a time on a 2-core box). A script job that
+# must succeed gets this restart, and ``assert_restarted_only_on_exit_aborts`` accepts a
+# restart for that failure alone.
+EXIT_ABORT_RESTART = "max_restarts=1"
 
 
 class Proc:
@@ -91,6 +97,16 @@ class JobsOverHttp:
         assert r.status_code == 200, r.text
         entries: list[dict[str, Any]] = r.json()["checkpoints"]
         return entries
+
+    def assert_restarted_only_on_exit_aborts(self, job_id: int) -> dict[str, Any]:
+        """The job, once it is asserted that each of its restarts followed a rank killed as
+        Python exited (``EXIT_ABORT_RESTART``'s reason): any other failure fails the test."""
+        from worker.runtime.script.run import EXITING
+
+        for event in self.events(job_id):
+            if event["kind"] == "retried":
+                assert EXITING in (event["reason"] or ""), (event, self.diagnostics(job_id))
+        return self.job(job_id)
 
     def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
         """Poll the job until its state is one of ``states``; fail early on another end."""

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.jobs_http import EXIT_ABORT_RESTART
+
 REPO = Path(__file__).resolve().parents[2]
 TUTORIAL = REPO / "examples" / "tutorial" / "train.py"
 # The console script, as a user runs it: ``python -c`` would put the working directory
@@ -67,32 +69,36 @@ def test_the_tutorial_script_runs_unchanged_through_ddpq_run(
     dep = deployment
     dep.start_worker()
     work = git_repo(tmp_path / "project")
-    run = ddpq(dep, work, "run", "-n", "2", "--wait", "--", "train.py", "--epochs", "4")
+    run = ddpq(dep, work, "run", "-n", "2", "--set", EXIT_ABORT_RESTART, "--wait", "--",
+               "train.py", "--epochs", "4")  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr + dep.diagnostics(0)
     job_id = job_id_of(run.stdout)
-    job = dep.job(job_id)
+    job = dep.assert_restarted_only_on_exit_aborts(job_id)
     assert job["state"] == "succeeded", dep.diagnostics(job_id)
     assert job["spec"]["command"] == ["train.py", "--epochs", "4"]
     assert job["spec"]["resources"]["nproc_per_node"] == 2
-    logs = rank_logs(dep, job_id)
+    logs = rank_logs(dep, job_id, job["attempt"])
     assert sorted(logs) == [0, 1]
     for epoch in range(4):
         assert f"epoch {epoch} loss " in logs[0], logs[0][-3000:]
     for text in logs.values():
         assert "HTTP Request" not in text, "ddpq logs no line per HTTP request"
-    cwd = dep.artifact_dir / "jobs" / str(job_id) / "attempt-1" / "workspace"
+    cwd = dep.artifact_dir / "jobs" / str(job_id) / f"attempt-{job['attempt']}" / "workspace"
     assert (cwd / "snapshot.pt").stat().st_size > 0, "the script writes next to itself"
     shipped = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file())
     assert shipped == [".gitignore", "snapshot.pt", "train.py"], shipped
 
-    again = ddpq(dep, work, "run", "-n", "2", "--", "train.py", "--epochs", "1")
+    again = ddpq(dep, work, "run", "-n", "2", "--set", EXIT_ABORT_RESTART, "--",
+                 "train.py", "--epochs", "1")  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr
     assert "uploaded nothing" in again.stdout + again.stderr, "an unchanged tree uploads 0 bytes"
     (work / "train.py").write_text((work / "train.py").read_text() + "\n# edited\n")
-    edited = ddpq(dep, work, "run", "-n", "2", "--", "train.py", "--epochs", "1")
+    edited = ddpq(dep, work, "run", "-n", "2", "--set", EXIT_ABORT_RESTART, "--",
+                  "train.py", "--epochs", "1")  # fmt: skip
     assert "uploaded 1 file " in edited.stdout + edited.stderr, edited.stdout + edited.stderr
     for other in (job_id_of(again.stdout), job_id_of(edited.stdout)):
         dep.wait_state(other, ("succeeded",), 300)
+        dep.assert_restarted_only_on_exit_aborts(other)
 
 
 def test_a_script_that_raises_names_the_rank_and_the_exception(

@@ -1,6 +1,8 @@
 """What a command job's rank makes of its script: the exception its traceback names (torch's
 ``[rankN]:`` prefixes dropped, the last traceback of several), and the script's path as the
-spec keeps it (normalised, as typed with shell completion)."""
+spec keeps it (normalised, as typed with shell completion); the line a script killed by a
+fatal signal stood at, from the faulthandler dump its rank asks for
+(tests/procs/test_script_faults.py makes a real one)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from service.workspaces.command import RunCommandError, check_script
-from worker.runtime.script.run import LAST_LINE_CHARS, _failure, parse_traceback
+from worker.runtime.script.run import (
+    EXITING,
+    LAST_LINE_CHARS,
+    _failure,
+    parse_traceback,
+    script_env,
+)
 
 TORCH_PREFIXED = """\
 some output
@@ -79,3 +87,37 @@ def test_an_exit_without_output_says_only_how_it_ended_and_a_long_line_is_cut() 
     assert _failure(-9, "").message == "the script was killed by SIGKILL without a Python traceback"
     said = _failure(1, "x" * 1000).message.split("stderr: ", 1)[1]
     assert len(said) == LAST_LINE_CHARS and said.endswith("…")
+
+
+def test_a_fault_in_a_thread_without_python_frames_names_no_line() -> None:
+    dump = (
+        "Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n"
+        '  File "/w/train.py", line 9 in main\n\n'
+        "Current thread 0x02 (most recent call first):\n  <no Python frame>\n"
+    )
+    err = _failure(-6, "boom\n" + dump)
+    assert err.message == (
+        "the script was killed by SIGABRT without a Python traceback; its last line on stderr: boom"
+    )
+
+
+def test_the_script_gets_a_faulthandler_unless_it_chose_otherwise() -> None:
+    assert script_env({"PATH": "/bin"}) == {"PATH": "/bin", "PYTHONFAULTHANDLER": "1"}
+    assert script_env({"PYTHONFAULTHANDLER": ""})["PYTHONFAULTHANDLER"] == ""
+
+
+def test_a_fault_while_python_exits_says_no_python_code_ran() -> None:
+    # What a rank of the unchanged tutorial script printed when torch's gloo aborted it as
+    # Python exited (a C++ thread got the signal; the main thread had no frame left).
+    output = (
+        "epoch 0 loss 14.7894\nterminate called without an active exception\n"
+        "Fatal Python error: Aborted\n\nThread 0x00007fe2dbddab80 (most recent call first):\n"
+        "  <no Python frame>\n\nExtension modules: numpy._core._multiarray_umath, torch._C "
+        "(total: 2)\n"
+    )
+    err = _failure(-6, output)
+    assert err.message == (
+        f"the script was killed by SIGABRT {EXITING} without a Python traceback; its last "
+        "line on stderr: terminate called without an active exception"
+    )
+    assert err.traceback_text.endswith("<no Python frame>")

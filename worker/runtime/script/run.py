@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,13 @@ LAST_LINE_CHARS = 300
 _EXCEPTION_RE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 # torch.distributed prefixes an uncaught exception's lines with the rank (``[rank1]: ``).
 _RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]: ?", re.M)
+# What Python's faulthandler prints on a fatal signal (its C source, faulthandler.c and
+# traceback.c): a header, then each thread's frames, innermost first.
+FAULT_HEADER = "Fatal Python error: "
+_CURRENT_THREAD = "Current thread "
+# How the error says a fatal signal came with no Python code running.
+EXITING = "with no Python code running (as while Python exits after the script's last line)"
+_FRAME_RE = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)$', re.M)
 
 
 class ScriptFailedError(DdpqError):
@@ -81,6 +89,36 @@ class ScriptFailedError(DdpqError):
     def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:
         self.exc_type, self.message, self.traceback_text = exc_type, message, traceback_text
         super().__init__(message)
+
+
+@dataclass(frozen=True)
+class FaultDump:
+    """Python's faulthandler dump of a script killed by a fatal signal: ``before`` (the
+    output up to it, where a C++ library's own last words stand), ``text`` (the dump, without
+    its list of extension modules), ``where``, the innermost Python frame of the thread
+    that got the signal (``"train.py:70 in main"``; None when that thread ran no Python), and
+    ``python_ran``: whether any thread stood in Python code. None did when the signal came
+    while the interpreter exited after the script's last line (a library's teardown: torch's
+    gloo has been seen to abort there, under torchrun alike)."""
+
+    before: str
+    text: str
+    where: str | None
+    python_ran: bool
+
+
+def parse_fault_dump(text: str) -> FaultDump | None:
+    """The last faulthandler dump in ``text`` (a rank's output), None without one."""
+    start = text.rfind(FAULT_HEADER)
+    if start < 0:
+        return None
+    dump = text[start:].split("\nExtension modules:", 1)[0].rstrip()
+    current = dump.find(_CURRENT_THREAD)
+    frame = _FRAME_RE.search(dump, current) if current >= 0 else None
+    where = None
+    if frame is not None:
+        where = f"{os.path.basename(frame['file'])}:{frame['line']} in {frame['func']}"
+    return FaultDump(text[:start], dump, where, _FRAME_RE.search(dump) is not None)
 
 
 @dataclass(frozen=True)
@@ -130,7 +168,7 @@ def run_command(
         ScriptFailedError: the script exited non-zero (or was killed) without a stop signal.
     """
     assert spec.command is not None, "run_command is for command jobs"
-    child_env = dict(os.environ)
+    child_env = script_env(os.environ)
     follower = None
     if spec.checkpoints is None and spec.metrics is None:
         root = materialize(api, artifact_dir, env.job_id, env.attempt)
@@ -180,6 +218,16 @@ def run_command(
             )
         return ExitCode.OK
     raise _failure(code, tail)
+
+
+def script_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The script's environment: the rank's ``environ`` with Python's faulthandler on, so a
+    script killed by a fatal signal (a C++ library's abort, a segfault) prints where its Python
+    threads stood, and the job's error names the line (``_failure``). It prints only on such
+    signals; the script's own ``PYTHONFAULTHANDLER`` wins."""
+    env = dict(environ)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    return env
 
 
 def _wait(child: subprocess.Popen[bytes], stop: StopFlag) -> int:
@@ -266,8 +314,15 @@ def _failure(code: int, output: str) -> ScriptFailedError:
         how = f"the script was killed by {name}"
     else:
         how = f"the script exited with code {code}"
+    fault = parse_fault_dump(output)
+    if fault is not None:
+        output = fault.before
+        if fault.where is not None:
+            how += f" at {fault.where}"
+        elif not fault.python_ran:
+            how += f" {EXITING}"
     lines = output.rstrip().splitlines()
-    last = "\n".join(lines[-LAST_LINES:])
+    last = fault.text if fault is not None else "\n".join(lines[-LAST_LINES:])
     message = f"{how} without a Python traceback"
     # The job's error is all most users read: an argparse usage error or a shell's "command
     # not found" is in the script's last stderr line, and would else be only in its log.
