@@ -105,7 +105,7 @@ class JobsOverHttp:
 
         for event in self.events(job_id):
             if event["kind"] == "retried":
-                assert EXITING in (event["reason"] or ""), (event, self.diagnostics(job_id))
+                assert EXITING in event["data"]["error"], (event, self.diagnostics(job_id))
         return self.job(job_id)
 
     def wait_state(self, job_id: int, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:

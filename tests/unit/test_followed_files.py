@@ -267,3 +267,26 @@ def test_with_a_lease_a_writer_waits_until_the_copy_is_done(
     assert (root / "copy").read_bytes() == old
     assert opened_at and opened_at[0] >= copied_at - 0.05, "the writer waited for the copy"
     assert source.read_bytes() == b"new version"
+
+
+def test_a_version_replaced_before_its_copy_is_not_taken_under_its_own_step(
+    root: Path, follow: Any
+) -> None:
+    """Epoch 1's save completes, and epoch 2's is written whole before the follower copies
+    epoch 1's: a copy now would be epoch 2's bytes under epoch 1's step. The copy of the
+    version seen is refused; the newer version comes out on its own and copies whole."""
+    followed = follow("snapshot.pt")
+    source = root / "snapshot.pt"
+    torch.save({"epoch": 1}, source)
+    assert names(root, followed.completed()) == ["snapshot.pt"]
+    seen = followed.completed_version(source)
+    time.sleep(0.01)  # a new mtime, on filesystems with coarse timestamps too
+    torch.save({"epoch": 2}, source)
+    with pytest.raises(files.VersionGoneError, match="replaced by a newer version"):
+        copy_hashed(source, root / "copy", version=seen)
+    assert not (root / "copy").exists(), "refused before the copy began"
+    assert names(root, followed.completed()) == ["snapshot.pt"], "the newer version, once"
+    newer = followed.completed_version(source)
+    assert newer != seen
+    size, _ = copy_hashed(source, root / "copy", version=newer)
+    assert torch.load(root / "copy")["epoch"] == 2 and size == source.stat().st_size

@@ -86,7 +86,19 @@ def write_temp_checkpoint(state: dict[str, Any], final_path: Path) -> tuple[Path
         raise CheckpointWriteError(describe_write_error(exc)) from exc
 
 
-def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> tuple[int, str]:
+# A file's version as the follower knows it: ``(st_dev, st_ino, st_size, st_mtime_ns,
+# st_ctime_ns)``. A rewrite in place changes the times, a rename into place the inode.
+FileVersion = tuple[int, int, int, int, int]
+
+
+def file_version(st: os.stat_result) -> FileVersion:
+    """The ``FileVersion`` of a ``stat`` answer."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def copy_hashed(
+    source: Path, dest: Path, *, follow_symlinks: bool = False, version: FileVersion | None = None
+) -> tuple[int, str]:
     """Copy the regular file ``source`` to ``dest`` (created or truncated) while hashing it,
     and fsync ``dest``: one version of ``source``, though another process may write it.
 
@@ -98,11 +110,15 @@ def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> t
     Args:
         follow_symlinks: False (a followed file of the user's): ``source`` itself must not be
             a symbolic link.
+        version: the version to copy (the one whose completion was seen); another one there
+            now means the script wrote a newer version before this copy began.
     Returns:
         ``(size_bytes, sha256)`` of the copy.
     Raises:
-        CheckpointWriteError: ``source`` is gone, not a regular file, open for writing by
-            another process, or changed during the copy; or ``dest`` could not be written.
+        VersionGoneError: ``source`` vanished, is being written again, or is no longer
+            ``version`` (a newer version replaced it: that one is taken on its own event).
+        CheckpointWriteError: ``source`` is not a regular file, or changed during the copy;
+            or ``dest`` could not be written.
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
@@ -116,6 +132,8 @@ def copy_hashed(source: Path, dest: Path, *, follow_symlinks: bool = False) -> t
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise CheckpointWriteError(f"{source} is not a regular file")
+        if version is not None and file_version(before) != version:
+            raise VersionGoneError(f"{source} was replaced by a newer version before its copy")
         leased = take_read_lease(fd)
         if leased is False:
             raise VersionGoneError(
@@ -164,9 +182,12 @@ def looks_torn(path: Path) -> bool:
     return not zipfile.is_zipfile(path)
 
 
-def write_temp_copy(source: Path, final_path: Path) -> tuple[Path, int, str]:
-    """Copy the followed file ``source`` to a temp file next to ``final_path``, hashed and
-    fsynced (``copy_hashed``): what ``write_temp_checkpoint`` is for a state dict.
+def write_temp_copy(
+    source: Path, final_path: Path, version: FileVersion | None = None
+) -> tuple[Path, int, str]:
+    """Copy the followed file ``source`` (``version`` of it, when given) to a temp file next
+    to ``final_path``, hashed and fsynced (``copy_hashed``): what ``write_temp_checkpoint``
+    is for a state dict.
 
     Returns:
         ``(temp_path, size_bytes, sha256)``; rename it to ``final_path`` to publish it.
@@ -176,7 +197,7 @@ def write_temp_copy(source: Path, final_path: Path) -> tuple[Path, int, str]:
     tmp = artifacts.temporary_path(final_path)
     try:
         final_path.parent.mkdir(parents=True, exist_ok=True)
-        size_bytes, sha256 = copy_hashed(source, tmp)
+        size_bytes, sha256 = copy_hashed(source, tmp, version=version)
     except (OSError, CheckpointWriteError) as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()

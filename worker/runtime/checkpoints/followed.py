@@ -50,7 +50,9 @@ from worker.runtime.checkpoints.fetch import (
 )
 from worker.runtime.checkpoints.files import (
     CheckpointWriteError,
+    FileVersion,
     copy_hashed,
+    file_version,
     publish_checkpoint,
 )
 from worker.runtime.checkpoints.leases import being_written
@@ -68,7 +70,7 @@ _DIR_MASK = (
     | flags.EXCL_UNLINK
 )
 # A file's version as ``lstat`` sees it: (device, inode, size, mtime, ctime).
-_Version = tuple[int, int, int, int, int]
+_Version = FileVersion
 
 
 def _open_inotify() -> INotify:
@@ -152,6 +154,11 @@ class FollowedFiles:
         self._pending.update(self._recheck)  # asked again at the next call
         self._recheck.clear()
         return done
+
+    def completed_version(self, path: Path) -> FileVersion | None:
+        """The newest version of ``path`` (as ``completed`` handed it out) that completed:
+        the one a copy of it should find (``copy_hashed``'s ``version``)."""
+        return self._versions.get(relative_name(self._root, path))
 
     @property
     def rechecking(self) -> bool:
@@ -263,7 +270,7 @@ class FollowedFiles:
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return file_version(st)
 
     def _complete_version(self, name: str) -> _Version | None:
         """The version of ``name`` when it is a regular file at its own path under the root

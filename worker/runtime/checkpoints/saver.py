@@ -50,6 +50,7 @@ from worker.attempt import STOP_UPLOAD_S
 from worker.runtime.attempt_client import ApiUnavailableError, AttemptClient, AttemptRequestError
 from worker.runtime.checkpoints.files import (
     CheckpointWriteError,
+    FileVersion,
     VersionGoneError,
     describe_write_error,
     looks_torn,
@@ -109,9 +110,13 @@ class CheckpointSaver(Protocol):
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint ``build_state()`` at ``step``: the state is copied now, written later."""
 
-    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+    def save_file(
+        self, step: int, epoch: int, source: Path, file_name: str,
+        version: FileVersion | None = None,
+    ) -> None:  # fmt: skip
         """Checkpoint the followed file ``source`` (its workspace-relative name
-        ``file_name``) at ``step``: copied now, recorded or uploaded later."""
+        ``file_name``; ``version`` of it, when given) at ``step``: copied now, recorded or
+        uploaded later."""
 
     def should_stop(self) -> bool:
         """True when writes were fenced off (the attempt is stale)."""
@@ -137,7 +142,10 @@ class NullCheckpointer:
     def save(self, step: int, epoch: int, build_state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint ``build_state()`` at ``step`` (rank 0 only; no-op here)."""
 
-    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+    def save_file(
+        self, step: int, epoch: int, source: Path, file_name: str,
+        version: FileVersion | None = None,
+    ) -> None:  # fmt: skip
         """Checkpoint the followed file ``source`` (rank 0 only; no-op here)."""
 
     def should_stop(self) -> bool:
@@ -228,15 +236,20 @@ class Checkpointer(NullCheckpointer):
         mark = self._points.handed() if self._points is not None else 0
         self._future = self._executor.submit(self._write, step, epoch, snapshot, mark)
 
-    def save_file(self, step: int, epoch: int, source: Path, file_name: str) -> None:
+    def save_file(
+        self, step: int, epoch: int, source: Path, file_name: str,
+        version: FileVersion | None = None,
+    ) -> None:  # fmt: skip
         """Checkpoint a followed file: copy ``source`` now, on the caller's thread (the script
         may overwrite it next), into the temp file of ``step``'s checkpoint while hashing it
         and fsync it; then record or upload it in the background as ``save`` does, with
         ``file_name`` (its workspace-relative name) on the record.
 
         A source that is not a regular file (a symbolic link) or changed during the copy is
-        a failed save (logged, a job event, ``failed``), not an exception; one that vanished
-        or is being written again (a newer version is on its way) is skipped with a log line.
+        a failed save (logged, a job event, ``failed``), not an exception; one that vanished,
+        is being written again, or is no longer ``version`` (a newer version is on its way,
+        or came already: its own save takes it, under its own step) is skipped with a log
+        line.
         A second save of the same step is ignored.
         """
         if self._stale.is_set() or step == self.last_step:
@@ -244,7 +257,7 @@ class Checkpointer(NullCheckpointer):
         self.last_step = step
         path = artifacts.checkpoint_path(self._artifact_dir, self.job_id, step)
         try:
-            tmp, size_bytes, sha256 = write_temp_copy(source, path)
+            tmp, size_bytes, sha256 = write_temp_copy(source, path, version)
         except VersionGoneError as exc:  # not a failure: a newer version (or none) follows
             log.info("followed file not taken at step %d: %s", step, exc)
             return

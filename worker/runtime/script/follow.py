@@ -17,11 +17,13 @@ short is never taken (``looks_torn``).
 The follower runs on a thread of its own, beside the script: it wakes at once when a version
 completes (inotify) and reads new scalars at least every ``POLL_S`` seconds, so it never slows
 the script but by the copy of a new checkpoint version. Versions written faster than they can
-be copied are taken as one (the newest). A followed checkpoint's
-step is the newest scalar step seen when its version completed, or one more than the previous
-checkpoint's, whichever is larger (the file says nothing of its step). The attempt's resume
-step is what its first scalar says (``AttemptFacts.begin_at_report``): a script that resumes
-from the restored file at epoch e+1 supersedes the earlier attempt's points after e+1 only.
+be copied are taken as one (the newest), under the step of the newest: a version replaced
+before its copy began is not taken under its own (``completed_version``). A followed
+checkpoint's step is the newest scalar step seen when its version completed, or one more than
+the previous version's, whichever is larger (the file says nothing of its step). The
+attempt's resume step is what its first scalar says (``AttemptFacts.begin_at_report``): a
+script that resumes from the restored file at epoch e+1 supersedes the earlier attempt's
+points after e+1 only.
 """
 
 from __future__ import annotations
@@ -196,9 +198,13 @@ class ScriptFollower:
         if self._checkpointer is None:
             return
         for path in paths:
+            # A version the script replaced before its copy began still ended an epoch: it
+            # keeps its step, and the newer one (taken on its own event) gets the next.
             step = max(self._last_step, self._checkpoint_step + 1)
             self._checkpoint_step = step
-            self._checkpointer.save_file(step, 0, path, relative_name(self._root, path))
+            version = self._files.completed_version(path) if self._files is not None else None
+            name = relative_name(self._root, path)
+            self._checkpointer.save_file(step, 0, path, name, version)
 
     def _take_scalars(self, scalars: list[Scalar]) -> None:
         sink, facts = self._sink, self._facts
