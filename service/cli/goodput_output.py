@@ -36,13 +36,13 @@ def goodput_rows(ledger: dict[str, Any] | None) -> list[tuple[str, str]]:
         return []
     rows: list[tuple[str, str]] = []
     share = ledger.get("goodput")
-    head = f"{share:.0%}" if isinstance(share, int | float) else "?"
-    rows.append(
-        (
-            "goodput",
-            f"{head} of {_secs(ledger['wall_s'])} since submission was productive training",
-        )
-    )
+    wall = _secs(ledger["wall_s"])
+    if isinstance(share, int | float):
+        rows.append(("goodput", f"{share:.0%} of {wall} since submission was productive training"))
+    else:
+        rows.append(("goodput", f"not measured: no training step reported in {wall} since "
+                                "submission (a script reports steps with ddpq.report or "
+                                "--tensorboard)"))  # fmt: skip
     spent = [f"{label} {_secs(ledger[key])}" for key, label in _PHASES if ledger.get(key)]
     rows.append(("time", " · ".join(spent)))
     for a in ledger["attempts"]:

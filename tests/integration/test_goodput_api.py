@@ -95,6 +95,26 @@ def test_a_queued_job_is_all_queued_time_and_has_no_estimate(
     ledger = api.get(f"{API}/jobs/{r.json()['id']}/goodput", headers=users["alice"]).json()
     assert ledger["wall_s"] == pytest.approx(ledger["queued_s"]) and ledger["lost_steps"] == 0
     assert ledger["attempts"][0]["ended_at"] is None and ledger["checkpoint_interval"] is None
+    assert ledger["goodput"] is None, "no step reported yet: nothing measured"
+
+
+def test_a_job_that_ran_without_reporting_a_step_has_no_goodput(
+    api: TestClient, db: Database, users: dict[str, dict[str, str]]
+) -> None:
+    """A plain script's job (no ddpq.report, no --tensorboard) ran and succeeded: its goodput
+    is unknown (null), not 0; one step reported makes it a number."""
+    r = api.post(f"{API}/jobs", json=SPEC, headers=users["alice"])
+    job_id = int(r.json()["id"])
+    claim(db, job_id)
+    finish(db, job_id)
+    ledger = api.get(f"{API}/jobs/{job_id}/goodput", headers=users["alice"]).json()
+    assert ledger["wall_s"] > 0 and ledger["goodput"] is None, ledger
+    other = int(api.post(f"{API}/jobs", json=SPEC, headers=users["alice"]).json()["id"])
+    token = claim(db, other)
+    post_points(api, token, range(1, 3), 1.0)
+    finish(db, other)
+    reported = api.get(f"{API}/jobs/{other}/goodput", headers=users["alice"]).json()
+    assert isinstance(reported["goodput"], float) and 0 <= reported["goodput"] <= 1, reported
 
 
 def test_a_running_attempt_after_its_last_step_is_in_progress_not_teardown(

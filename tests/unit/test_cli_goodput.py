@@ -91,3 +91,16 @@ def test_a_running_job_shows_its_time_since_the_last_step_as_in_progress() -> No
         "time queued 1.0s · starting 6.2s · restore 0.30s · productive 40.0s · checkpoint stall "
         "0.50s · lost 7.6s · in progress 20.4s"
     ) in lines, text
+
+
+def test_a_job_that_reported_no_step_says_goodput_is_not_measured() -> None:
+    # A plain script (no ddpq.report, no --tensorboard): its time is all "starting", and
+    # 0% would read as a job that wasted its run.
+    silent = {**LEDGER, "goodput": None, "attempts": LEDGER["attempts"][:1]}
+    text = render(format_job_summary(JOB, None, None, "http://h/jobs/3", goodput=silent))
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    assert any(
+        line.startswith("goodput not measured: no training step reported in 1m16s since")
+        for line in lines
+    ), text
+    assert "0%" not in text, text

@@ -77,7 +77,11 @@ class GoodputOut(PhasesOut):
     state: str
     as_of: datetime
     wall_s: float
-    goodput: float | None
+    goodput: float | None = Field(
+        description="productive_s / wall_s; null while no attempt has reported a step (a "
+        "job that reports none, such as a script without ddpq.report or --tensorboard, has "
+        "no productive time to measure)."
+    )
     lost_steps: int
     attempts: list[AttemptGoodputOut]
     checkpoint_interval: IntervalOut | None

@@ -175,12 +175,15 @@ def job_ledger(session: Session, job_id: int, *, owner: str | None = None) -> Jo
         )
     totals = {p: sum(getattr(line.phases, p) for line in lines) for p in PHASES}
     wall_s = sum(totals.values())
+    # Productive time is measured from reported steps: a job that reported none (a script
+    # without ddpq.report or --tensorboard) has no goodput to tell, not a goodput of 0.
+    measured = wall_s > 0 and any(line.last_step is not None for line in lines)
     return JobLedger(
         job_id=job_id,
         state=job.state,
         as_of=as_of,
         wall_s=wall_s,
-        goodput=totals["productive"] / wall_s if wall_s > 0 else None,
+        goodput=totals["productive"] / wall_s if measured else None,
         totals=totals,
         lost_steps=sum(line.phases.lost_steps for line in lines),
         attempts=lines,

@@ -50,7 +50,10 @@
     if (!claimed) return;
     d.setText(
       "goodput-summary",
-      "goodput " + fmtShare(ledger.goodput) + " of " + fmtSecs(ledger.wall_s) + " since submission" +
+      (ledger.goodput === null
+        ? "goodput not measured (no training step reported) · " + fmtSecs(ledger.wall_s)
+        : "goodput " + fmtShare(ledger.goodput) + " of " + fmtSecs(ledger.wall_s)) +
+        " since submission" +
         (ledger.lost_steps ? " · " + ledger.lost_steps + " steps lost to restarts" : ""),
     );
     const bars = $("goodput-bars");
