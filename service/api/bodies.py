@@ -10,6 +10,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from service.core.spec.errors import pydantic_errors
+
 BodyT = TypeVar("BodyT", bound=BaseModel)
 # Bodies up to this size (bytes) are parsed on the event loop: a thread costs more than that.
 INLINE_PARSE_BYTES = 256 * 1024
@@ -17,7 +19,8 @@ INLINE_PARSE_BYTES = 256 * 1024
 
 def json_body(model: type[BodyT]) -> Any:
     """A dependency that reads the request body as ``model``: invalid JSON, undecodable
-    bytes or a wrong shape are all a 422 naming the field. Pair it with ``body_doc(model)``
+    bytes or a wrong shape are all a 422 naming the field (an unknown one with the closest
+    valid name). Pair it with ``body_doc(model)``
     in the route's ``openapi_extra``."""
 
     async def parse(request: Request) -> BodyT:
@@ -29,10 +32,9 @@ def json_body(model: type[BodyT]) -> Any:
             # otherwise stall every other request for as long (~0.2 s per 10 MB).
             return await run_in_threadpool(model.model_validate_json, body)
         except ValidationError as exc:
-            errors = exc.errors(include_url=False, include_context=False, include_input=False)
-            raise RequestValidationError(
-                [{**e, "loc": ("body", *e["loc"])} for e in errors]
-            ) from None
+            # Under ``body``; an unknown field with the closest valid name (a sweep's
+            # ``max_concurent`` → ``did you mean 'max_concurrent'?``), as a job spec's.
+            raise RequestValidationError(pydantic_errors(exc, model)) from None
 
     return Depends(parse)
 

@@ -86,3 +86,15 @@ def test_extend_with_one_value_written_two_ways_adds_at_most_one(
     r = api.post(f"{API}/sweeps/{sweep['id']}/extend", json=same)
     assert r.status_code == 200 and r.json()["added"] == 0, r.text
     assert stored(db) == (1, 1)
+
+
+def test_a_misspelt_sweep_field_is_422_naming_the_field_it_meant(
+    api: TestClient, db: Database
+) -> None:
+    body = {"name": "s", "base": BASE, "axes": {"training.lr": {"grid": [0.1]}}, "max_concurent": 2}
+    r = api.post(f"{API}/sweeps", json=body)
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "max_concurent"]
+    assert error["msg"].endswith("did you mean 'max_concurrent'?"), error
+    assert stored(db) == (0, 0), "nothing stored"
