@@ -257,12 +257,12 @@ def up(
     settings = server_settings(host, port)
     from worker.up import check_port_free, run_up
 
-    out.print(auth_note(settings))
-
     with friendly_errors():
         # Before the token: minting it revokes the one a running `ddpq up` (on this port,
         # say) gave its worker, which would then be refused while this one fails to bind.
+        # Before the auth note too: a refusal ("ddpq already runs at …") then stands alone.
         check_port_free(settings.host, settings.port)
+        out.print(auth_note(settings))
         new = _embedded_file_missing(settings)
         token = _prepare_up(settings)
         out.print(database_note(settings, new=new), soft_wrap=True)

@@ -51,6 +51,7 @@ def test_a_second_up_on_a_ddpq_port_says_ddpq_runs_there(
     assert f"ddpq already runs at {live_url}" in result.output, result.output
     assert f"DDPQ_API_URL={live_url}" in result.output and "stop it first" in result.output
     assert "another port" not in result.output, "ddpq's own API is no foreign process"
+    assert "auth off" not in result.output, "the refusal stands alone, no server's notes"
 
 
 def test_a_port_held_by_another_server_says_choose_another_port(
