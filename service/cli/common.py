@@ -87,6 +87,15 @@ def fail(message: str, fix: str | None = None, code: int = EXIT_USAGE) -> NoRetu
     raise typer.Exit(code)
 
 
+def exit_invalid(subject: str, errors: list[Any]) -> NoReturn:
+    """Every problem of an invalid ``subject`` (``"the job"``, ``"the sweep"``) found before
+    anything was sent, as the CLI shows an API's 422 (``training.lr: …``); exit 2."""
+    err.print(Text(f"error: {subject} is invalid; nothing was sent:", style="bold red"))
+    for line in field_error_lines(errors):
+        err.print(Text(f"  {line}"))
+    raise typer.Exit(EXIT_USAGE)
+
+
 @contextmanager
 def friendly_errors() -> Iterator[None]:
     """Turn expected errors into a one-screen message and an exit code, never a traceback."""

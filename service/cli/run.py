@@ -24,6 +24,7 @@ from service.cli.jobs import wait_for_job, with_overrides
 from service.cli.output import cell
 from service.cli.queue_output import format_dry_run
 from service.cli.workspace_output import (
+    check_before_upload,
     pack_or_fail,
     print_missing,
     print_pack_summary,
@@ -189,6 +190,7 @@ def run_command(
             else:
                 out.print(format_dry_run(answer))
             return
+        check_before_upload(spec, settings)
         upload_and_say(console, client, packed)
         job = client.submit(spec)
         if as_json:

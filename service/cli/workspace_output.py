@@ -12,10 +12,13 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from service.cli.common import err, fail
+from service.cli.common import err, exit_invalid, fail
 from service.cli.output import cell
 from service.client import ApiError, DdpqClient
 from service.core.config import Settings
+from service.core.errors import SpecValidationError
+from service.core.spec.deployment import spec_rules_only
+from service.core.spec.model import validate_spec
 from service.core.wire.workspace import SHA256_PATTERN, WorkspaceTooLargeError, format_size
 from service.workspaces.pack import PackedWorkspace, leave_out_for, pack_workspace
 from service.workspaces.upload import missing_files
@@ -120,6 +123,17 @@ def pack_spec_workspace(
     return {**spec, "workspace": packed.digest}, packed
 
 
+def check_before_upload(spec: dict[str, Any], settings: Settings) -> None:
+    """Validate the job ``spec`` (its workspace already a digest) as every deployment would
+    (``spec_rules_only``) before its files are uploaded: a typo exits 2 listing every
+    problem, with nothing sent. The deployment's own rules (caps, Slurm, allow-list) stay the
+    API's, at submit."""
+    try:
+        validate_spec(spec, spec_rules_only(settings))
+    except SpecValidationError as exc:
+        exit_invalid("the job", exc.errors)
+
+
 def ship_spec_workspace(
     spec: dict[str, Any],
     base_dir: Path,
@@ -135,6 +149,7 @@ def ship_spec_workspace(
     spec, packed = pack_spec_workspace(spec, base_dir, console, settings)
     if packed is not None:
         if upload:
+            check_before_upload(spec, settings)
             upload_and_say(console, client, packed)
         else:
             print_missing(console, client, packed)

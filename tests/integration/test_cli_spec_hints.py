@@ -1,6 +1,7 @@
 """What `ddpq submit`/`ddpq run` say about a spec field that is in the wrong place: a
 top-level name that is a nested field's gets its dotted path, and a command job refuses the
-training fields only the built-in loop reads. Against a live server, SQLite and PostgreSQL."""
+training fields only the built-in loop reads (checked before a command job's files are
+uploaded). Against a live server, SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from service.cli.main import app
 from service.store.db import Database
+from service.store.models import WorkspaceFile
 from tests.integration.test_dry_run import rows
 
 
@@ -60,7 +63,10 @@ def test_a_command_job_refuses_training_fields_of_the_builtin_loop(
     spec.write_text(json.dumps({"name": "c", "command": ["train.py"], "training": {"epochs": 3}}))
     r = ddpq(live_url, "submit", str(spec))
     assert r.exit_code == 2 and "training.epochs applies to the built-in tasks" in r.output
+    assert "the job is invalid; nothing was sent" in r.output, "refused before its upload"
     assert rows(db) == (0, 0, 0)
+    with db.session(write=False) as s:
+        assert s.scalar(select(func.count()).select_from(WorkspaceFile)) == 0, "no file sent"
     # What a command job does use goes through.
     r = run(live_url, work, "--set", "training.seed=3", "--set", "training.keep_checkpoints=5")
     assert r.exit_code == 0, r.output

@@ -183,6 +183,11 @@ def test_wait_follows_the_job_like_submit_wait(api: FakeWorkspaceApi, repo: Path
         (["--env", "NOEQUALS", "train.py"], "--env 'NOEQUALS': write NAME=VALUE"),
         (["--launcher", "nope", "train.py"], "choose one of"),
         ([], "nothing to run"),
+        # The spec is checked before its files go: a typo costs no upload.
+        (["--set", "max_restart=1", "train.py"],
+         "the job is invalid; nothing was sent: max_restart: Extra inputs are not permitted: "
+         "did you mean 'max_restarts'?"),
+        (["--set", "max_restarts=-1", "train.py"], "max_restarts: Input should be greater"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_the_reason_and_sends_nothing(

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import typer
 from pydantic import ValidationError
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from service.cli.common import EXIT_USAGE, err
-from service.cli.output import cell, field_error_lines
+from service.cli.common import exit_invalid
+from service.cli.output import cell
 from service.cli.queue_output import format_dry_run
 from service.client import ApiError, DdpqClient
 from service.core.config import Settings
@@ -72,15 +71,7 @@ def check_sweep(spec: dict[str, Any], settings: Settings) -> SweepPlan:
         errors = pydantic_errors(exc, SweepSpec)
     except SpecValidationError as exc:
         errors = exc.errors
-    _say_invalid(errors)
-
-
-def _say_invalid(errors: list[Any]) -> NoReturn:
-    """Every problem as the CLI shows an API's 422, then exit 2."""
-    err.print(Text("error: the sweep is invalid; nothing was sent:", style="bold red"))
-    for line in field_error_lines(errors):
-        err.print(Text(f"  {line}"))
-    raise typer.Exit(EXIT_USAGE)
+    exit_invalid("the sweep", errors)
 
 
 def dry_run_first_trial(client: DdpqClient, plan: SweepPlan) -> dict[str, Any]:
