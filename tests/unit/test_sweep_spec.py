@@ -156,3 +156,16 @@ def test_trial_keys_come_from_the_values_the_job_spec_holds(tmp_path: Any) -> No
     (error,) = info.value.errors
     assert error["loc"] == ["body", "axes", "config.hidden"] and '"16"' in error["msg"]
     assert error["type"] == "duplicate_trial"
+
+
+def test_an_axis_no_spec_has_is_told_once_at_the_axis_not_per_trial(tmp_path: Any) -> None:
+    settings = Settings(home=tmp_path)
+    axes = {"training.lrr": {"grid": [0.1, 0.2, 0.3]}, "training.lr": {"grid": [0.1, -1.0]}}
+    with pytest.raises(SpecValidationError) as info:
+        plan_trials(sweep(axes=axes), settings)
+    typo = [e for e in info.value.errors if e["loc"][1] == "axes"]
+    assert [e["loc"] for e in typo] == [["body", "axes", "training.lrr"]], info.value.errors
+    assert "did you mean" in typo[0]["msg"] and typo[0]["msg"].startswith("training.lrr: ")
+    # A bad value is still each trial's own, at the trial.
+    bad = [e["loc"] for e in info.value.errors if e["loc"][1] == "trials"]
+    assert bad and all(loc[3] == "training.lr" for loc in bad), info.value.errors

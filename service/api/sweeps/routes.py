@@ -42,7 +42,8 @@ ERRORS: dict[int | str, dict[str, str]] = {
     409: {"description": "The sweep's state does not allow it"},
     422: {
         "description": "Invalid input: `detail` lists {loc, msg, type}; a trial's errors "
-        "are at loc [body, trials, <index>, <dotted.field>]"
+        "are at loc [body, trials, <index>, <dotted.field>], an axis whose path no job spec "
+        "has once at [body, axes, <path>]"
     },
 }
 

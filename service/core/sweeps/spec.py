@@ -297,7 +297,8 @@ def plan_trials(
     Raises:
         SpecValidationError: the base is invalid (locs under ``body.base``), or trials are:
             one error per bad field, ``loc = ["body", "trials", i, "dotted.field"]`` and a
-            message naming the trial's overrides (at most ``MAX_REPORTED_TRIAL_ERRORS``).
+            message naming the trial's overrides (at most ``MAX_REPORTED_TRIAL_ERRORS``); an
+            axis whose path no spec has once, at ``["body", "axes", path]``.
     """
     try:
         validate_spec(spec.base | {"name": trial_name(spec.name, 0)}, settings, stored=stored)
@@ -310,6 +311,7 @@ def plan_trials(
     position = first_position
     seen: dict[str, tuple[int, dict[str, Any]]] = {}  # key → (index, raw overrides)
     repeated = repeated_axes({p: a.grid for p, a in spec.axes.items() if isinstance(a, GridAxis)})
+    said: set[str] = set()  # axes whose path no trial can have (told once, at the axis)
     for i, overrides in enumerate(expand_overrides(spec)):
         # Keys stored before keys were taken from validated values: skip those cheaply.
         if trial_key(overrides) in skip_keys:
@@ -318,11 +320,13 @@ def plan_trials(
         try:
             job_spec = validate_spec(apply_overrides(data, overrides), settings, stored=stored)
         except OverridePathError as exc:
-            errors.append(trial_error(i, overrides, exc.path, exc.message))
+            errors += axis_or_trial_error(i, overrides, exc.path, exc.message, axis_said=said)
         except SpecValidationError as exc:
             for e in exc.errors:
                 field = ".".join(str(p) for p in e["loc"][1:]) or "spec"
-                errors.append(trial_error(i, overrides, field, e["msg"], e["type"]))
+                errors += axis_or_trial_error(
+                    i, overrides, field, e["msg"], e["type"], axis_said=said
+                )
         else:
             held = held_overrides(job_spec, overrides)
             key = trial_key(held)
@@ -342,6 +346,30 @@ def plan_trials(
     if errors:
         raise SpecValidationError(errors[:MAX_REPORTED_TRIAL_ERRORS])
     return planned
+
+
+# Errors of a path itself (no spec has such a field), the same for every trial's value.
+_PATH_ERRORS = frozenset({"extra_forbidden", "override_path"})
+
+
+def axis_or_trial_error(
+    index: int,
+    overrides: dict[str, Any],
+    field: str,
+    msg: str,
+    kind: str = "override_path",
+    *,
+    axis_said: set[str],
+) -> list[dict[str, Any]]:
+    """The 422 items for one problem of trial ``index``: an axis whose path no job spec has
+    (a typo: ``training.lrr``) once, at ``[body, axes, path]``, whatever trial meets it
+    (``axis_said`` holds the axes told); any other problem as ``trial_error``."""
+    if field in overrides and kind in _PATH_ERRORS:
+        if field in axis_said:
+            return []
+        axis_said.add(field)
+        return [{"loc": ["body", "axes", field], "msg": f"{field}: {msg}", "type": kind}]
+    return [trial_error(index, overrides, field, msg, kind)]
 
 
 def trial_error(
