@@ -20,8 +20,7 @@ INLINE_PARSE_BYTES = 256 * 1024
 def json_body(model: type[BodyT]) -> Any:
     """A dependency that reads the request body as ``model``: invalid JSON, undecodable
     bytes or a wrong shape are all a 422 naming the field (an unknown one with the closest
-    valid name). Pair it with ``body_doc(model)``
-    in the route's ``openapi_extra``."""
+    valid name). Pair it with ``body_doc(model)`` in the route's ``openapi_extra``."""
 
     async def parse(request: Request) -> BodyT:
         body = await request.body()

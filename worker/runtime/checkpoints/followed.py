@@ -70,7 +70,6 @@ _DIR_MASK = (
     | flags.EXCL_UNLINK
 )
 # A file's version as ``lstat`` sees it: (device, inode, size, mtime, ctime).
-_Version = FileVersion
 
 
 def _open_inotify() -> INotify:
@@ -129,8 +128,8 @@ class FollowedFiles:
         self._dirs: dict[int, str] = {}  # watch descriptor → relative directory ("": root)
         self._pending: dict[str, None] = {}  # relative names, oldest completion first
         self._recheck: dict[str, None] = {}  # closed, but another writer still had them open
-        self._versions: dict[str, _Version] = {}  # the last version known of each file
-        self._scanned: dict[str, _Version] = {}  # versions a scan queued (not an event)
+        self._versions: dict[str, FileVersion] = {}  # the last version known of each file
+        self._scanned: dict[str, FileVersion] = {}  # versions a scan queued (not an event)
         try:
             self._inotify.add_watch(self._real, _DIR_MASK)  # a root that cannot be watched raises
             self._watch_tree("", report=False)
@@ -263,7 +262,7 @@ class FollowedFiles:
                     self._inotify.rm_watch(wd)
 
     # -- files ----------------------------------------------------------------------------------
-    def _version(self, name: str) -> _Version | None:
+    def _version(self, name: str) -> FileVersion | None:
         try:
             st = os.lstat(self._real / name)
         except OSError:
@@ -272,7 +271,7 @@ class FollowedFiles:
             return None
         return file_version(st)
 
-    def _complete_version(self, name: str) -> _Version | None:
+    def _complete_version(self, name: str) -> FileVersion | None:
         """The version of ``name`` when it is a regular file at its own path under the root
         (no symbolic link on the way) that no process holds open for writing; else None."""
         if os.path.realpath(self._real / name) != str(self._real / name):
