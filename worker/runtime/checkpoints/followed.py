@@ -69,7 +69,6 @@ _DIR_MASK = (
     | flags.DONT_FOLLOW
     | flags.EXCL_UNLINK
 )
-# A file's version as ``lstat`` sees it: (device, inode, size, mtime, ctime).
 
 
 def _open_inotify() -> INotify:
