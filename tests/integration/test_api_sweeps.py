@@ -94,9 +94,10 @@ def test_submit_expands_every_trial_into_a_queued_job(api: TestClient, db: Datab
 @pytest.mark.parametrize(
     ("axes", "loc"),
     [
-        ({"training.lrr": {"grid": [0.1]}}, ["body", "trials", 0, "training.lrr"]),
+        # A path no spec has is the axis's error (once), a bad value the trial's.
+        ({"training.lrr": {"grid": [0.1]}}, ["body", "axes", "training.lrr"]),
         ({"training.lr": {"grid": [0.1, -1]}}, ["body", "trials", 1, "training.lr"]),
-        ({"name.first": {"grid": [1]}}, ["body", "trials", 0, "name.first"]),
+        ({"name.first": {"grid": [1]}}, ["body", "axes", "name.first"]),
         ({"training..lr": {"grid": [1]}}, ["body", "axes", "training..lr"]),
     ],
 )
