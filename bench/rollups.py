@@ -41,7 +41,7 @@ from bench.common import (
 )
 from service.core.metrics.points import CheckedPoint, MetricPoint, checked_point
 from service.store.db import Database
-from service.store.metrics import curves, rollups
+from service.store.metrics import curves, pg_ingest, rollups
 from service.store.metrics import points as ingest
 from service.store.metrics.points import downsample_points, record_metrics
 
@@ -56,17 +56,18 @@ GOAL_INGEST_COST = 1.2
 def _without_rollups() -> Iterator[None]:
     """The ingest as it was before rollups: PostgreSQL's statement without the rollup CTE,
     SQLite's insert without the stored-points check and the rollup upsert."""
-    saved = (ingest._PG_RECORD, ingest._unstored, ingest.add_points)
+    saved = (pg_ingest.PG_RECORD, ingest._unstored, ingest.add_points)
     with_cte = str(saved[0].element)
     without = with_cte.replace(rollups.PG_ROLLUP_CTE + ", ", "")
     assert without != with_cte, "the ingest statement no longer holds PG_ROLLUP_CTE"
-    ingest._PG_RECORD = text(without).columns(*(column(c.name) for c in saved[0].selected_columns))
+    columns = (column(c.name) for c in saved[0].selected_columns)
+    pg_ingest.PG_RECORD = text(without).columns(*columns)
     ingest._unstored = lambda session, job_id, points: list(points)
     ingest.add_points = lambda session, job_id, points: None
     try:
         yield
     finally:
-        ingest._PG_RECORD, ingest._unstored, ingest.add_points = saved
+        pg_ingest.PG_RECORD, ingest._unstored, ingest.add_points = saved
 
 
 def _spike(rng: random.Random) -> float:

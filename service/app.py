@@ -168,6 +168,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         exempt=CHUNK_UPLOAD_PATH_RE,
         larger=(("POST", WORKSPACE_CREATE_PATH_RE, manifest_bytes),),
     )
+    # The metric ingest first: the hottest route, matched before any other router is tried.
+    app.include_router(attempts.ingest_router, prefix=API_PREFIX)
     for module in (
         jobs,
         metrics,

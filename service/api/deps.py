@@ -176,6 +176,23 @@ async def get_attempt(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
 ) -> AttemptRef:
+    """The dependency form of ``attempt_of``."""
+    return await _attempt_for(request, credentials)
+
+
+async def attempt_of(request: Request) -> AttemptRef:
+    """``get_attempt`` called by a route itself rather than as a dependency, for the metric
+    ingest, whose per-request dependency solving cost as much CPU as its write. The route
+    documents its ``security`` itself (``ATTEMPT_SECURITY``).
+
+    Raises: as ``_attempt_for``.
+    """
+    return await _attempt_for(request, await bearer_scheme(request))
+
+
+async def _attempt_for(
+    request: Request, credentials: HTTPAuthorizationCredentials | None
+) -> AttemptRef:
     """The attempt whose token the request carries (``Authorization: Bearer ddpqa_…``): the
     only way into the attempt routes, whether auth is on or off. It says which attempt the
     caller speaks for, not that the attempt is still current: every route fences that on its
@@ -303,6 +320,9 @@ ContextDep = Annotated[RequestContext, Depends(get_context)]
 REQUIRE_CALLER = Depends(get_context)
 # Likewise for the attempt routes.
 AttemptDep = Annotated[AttemptRef, Depends(get_attempt)]
+# The OpenAPI ``security`` of a route that calls ``attempt_of`` itself: what ``AttemptDep``
+# gives the others (the scheme is ``bearer_scheme``'s).
+ATTEMPT_SECURITY: list[dict[str, list[str]]] = [{"HTTPBearer": []}]
 REQUIRE_ATTEMPT = Depends(get_attempt)
 # Likewise for the worker routes.
 WorkerDep = Annotated[WorkerCaller, Depends(get_worker)]

@@ -12,16 +12,20 @@ import math
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event, text, update
 
-from service.core.errors import StaleAttemptError
+from service.core.errors import DatabaseUnavailableError, StaleAttemptError
+from service.core.metrics.points import checked_point
 from service.core.spec.model import JobSpec
 from service.core.states import JobState
+from service.core.wire.metric_columns import CheckedColumns, columns_of_points
 from service.store import migrate
+from service.store.attempts.values import AttemptRef
 from service.store.db import Database
 from service.store.jobs import claims
 from service.store.jobs import crud as jobs
 from service.store.metrics import points as metrics
+from service.store.metrics import service as metric_service
 from service.store.metrics.points import MetricPoint
 from service.store.models import Job, utcnow
 from service.store.workers import registry as workers
@@ -231,3 +235,58 @@ def test_progress_alone_keeps_an_empty_latest_metrics_a_mapping(db: Database) ->
     with db.session(write=False) as s:
         job = s.get(Job, job_id)
         assert job is not None and job.latest_metrics == {"loss": {"step": 1, "value": 0.5}}
+
+
+# ---- the API's ingest on the driver's connection (PostgreSQL) -------------------------------
+
+
+def _batch(*points: MetricPoint) -> CheckedColumns:
+    return columns_of_points([checked_point(p) for p in points])
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_driver_path_stores_fences_and_hands_the_connection_back_as_it_found_it(
+    db: Database,
+) -> None:
+    """``record_batch`` on PostgreSQL runs ``PG_RECORD`` through ``Database.one_row``: the
+    batch lands once (a resend inserts 0), a superseded attempt stores nothing, and the pooled
+    connection goes back out of autocommit, so the next session's rollback still undoes."""
+    # One pooled connection, so the session below gets the one the ingest used.
+    db = Database.from_url(db.engine.url.render_as_string(hide_password=False), pool_size=1,
+                           max_overflow=0)  # fmt: skip
+    job_id = _running_job(db)
+    ref = AttemptRef(job_id, 1)
+    batch = _batch(MetricPoint("loss", 1, 0.5), MetricPoint("loss", 2, 0.25))
+    assert metric_service.record_batch(db, ref, batch, progress={"step": 2}) == 2
+    assert metric_service.record_batch(db, ref, batch, progress={"step": 2}) == 0
+    assert _steps(db, job_id) == [1, 2]
+    pooled = db.engine.raw_connection()  # the pool's one connection
+    assert pooled.driver_connection.autocommit is False  # type: ignore[union-attr]
+    pooled.close()
+    with pytest.raises(RuntimeError), db.session() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(progress={"step": 99}))
+        raise RuntimeError("undo")
+    with db.session() as s:
+        jobs.apply_transition(s, jobs.Transition(job_id, JobState.RUNNING, JobState.QUEUED))
+    with pytest.raises(StaleAttemptError, match="attempt superseded"):
+        metric_service.record_batch(db, ref, _batch(MetricPoint("loss", 3, 0.1)), progress=None)
+    assert _steps(db, job_id) == [1, 2]
+    with db.session(write=False) as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.progress == {"step": 2}
+    db.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_one_row_translates_driver_errors_and_drops_a_killed_connection(db: Database) -> None:
+    """A failing statement is the usual 503 error; a backend killed under the statement is
+    dropped from the pool, and the next statement runs on a fresh connection."""
+    with pytest.raises(DatabaseUnavailableError):
+        db.one_row("SELECT 1 / %(zero)s AS x", {"zero": 0})
+    pid = db.one_row("SELECT pg_backend_pid() AS pid", {}).pid
+    with pytest.raises(DatabaseUnavailableError, match="unavailable"):
+        db.one_row("SELECT pg_terminate_backend(pg_backend_pid()) AS gone", {})
+    row = db.one_row("SELECT pg_backend_pid() AS pid, %(a)s::int AS a", {"a": 7})
+    assert row.a == 7 and row.pid != pid
+    with pytest.raises(ValueError, match="PostgreSQL only"):
+        Database.from_url("sqlite://").one_row("SELECT 1", {})

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, and_, column, func, select, text, update
+from sqlalchemy import CursorResult, and_, func, select, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -17,84 +14,19 @@ from service.core.limits import METRIC_PAGE_POINTS
 from service.core.metrics.points import CheckedPoint, checked_point, json_safe
 from service.core.metrics.points import MetricPoint as MetricPoint  # re-exported for callers
 from service.core.owners.quotas import MetricQuotas
-from service.core.states import ACTIVE_STATES
 from service.core.wire.metric_columns import CheckedColumns, columns_of_points
+from service.store.metrics import pg_ingest
 from service.store.metrics.quotas import (
     latest_metrics,
     names_stored,
     quota_refusal,
     window_start,
 )
-from service.store.metrics.rollups import PG_ROLLUP_CTE, add_points
+from service.store.metrics.rollups import add_points
 from service.store.metrics.values import PointRow
 from service.store.models import Job, Metric, utcnow
-from service.store.workers.leases import fence_attempt, lock_attempt
+from service.store.workers.leases import lock_attempt
 
-_ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
-# The active states as an SQL array literal written into ``_PG_RECORD``: fixed names, so a
-# parameter (and psycopg dumping a list for every batch) buys nothing.
-assert all(re.fullmatch("[a-z_]+", s) for s in _ACTIVE)
-_PG_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(_ACTIVE)) + "]"
-
-
-# PostgreSQL: a whole ``record_metrics`` in one statement, so it needs no transaction of its
-# own (``Database.session(one_statement=True)`` runs it in autocommit). The CTE ``job`` takes
-# the row lock that ``leases.check_attempt`` takes; the insert and the job update happen only
-# while the attempt is current and active (``ok``), and the caller gets the fence columns back
-# to raise the same errors as ``leases.check_attempt``. The batch travels as one JSON
-# text array per column (names, steps, epochs, values, times, ranks), zipped back into rows
-# by ``ROWS FROM``: json.dumps of a flat list is C, where psycopg dumped array parameters
-# element by element (half the client CPU of a 1,000-point batch), a record per point cost
-# a dict each, and SQLAlchemy would compile a 7-parameters-per-row VALUES list anew for
-# every batch. ``latest_metrics`` is
-# merged as in ``_merge_latest``: a name's entry is replaced only by a later step (a repeated
-# step keeps its first value, as the metrics table does). The points inserted go on into their
-# rollup buckets (``rollups.PG_ROLLUP_CTE``) in the same statement.
-_PG_RECORD = text(
-    "WITH job AS (SELECT attempt, state, latest_metrics, metric_window_at, metric_window_points "
-    "FROM jobs WHERE id = :job_id FOR UPDATE), "
-    # The quotas, read from the locked row: names stored (latest_metrics holds one entry per
-    # name with a current point) and new in this batch, and the points of the current window.
-    "lm AS (SELECT CASE WHEN json_typeof(job.latest_metrics) = 'object' "
-    "THEN job.latest_metrics::jsonb ELSE '{}'::jsonb END AS m, "
-    "CASE WHEN job.metric_window_at > :window_start "
-    "THEN COALESCE(job.metric_window_points, 0) ELSE 0 END AS window_points FROM job), "
-    "room AS (SELECT (SELECT count(*) FROM jsonb_object_keys(lm.m)) AS stored_names, "
-    "(SELECT count(*) FROM json_array_elements_text(CAST(:names AS json)) AS n(name) "
-    "WHERE NOT jsonb_exists(lm.m, n.name)) AS new_names, lm.window_points FROM lm), "
-    "ok AS (SELECT FROM job, room WHERE job.attempt = :attempt "
-    "AND job.state = ANY(" + _PG_ACTIVE + ") "
-    "AND (room.new_names = 0 OR room.stored_names + room.new_names <= :max_names) "
-    "AND (:n = 0 OR room.window_points + :n <= :per_minute)), "
-    "ins AS (INSERT INTO metrics (job_id, name, step, attempt, epoch, value, time, ranks) "
-    "SELECT :job_id, u.n, u.s::bigint, :attempt, u.e::integer, u.v::float8, u.t::timestamptz, "
-    "u.r::smallint FROM ROWS FROM (json_array_elements_text(CAST(:p_names AS json)), "
-    "json_array_elements_text(CAST(:p_steps AS json)), "
-    "json_array_elements_text(CAST(:p_epochs AS json)), "
-    "json_array_elements_text(CAST(:p_values AS json)), "
-    "json_array_elements_text(CAST(:p_times AS json)), "
-    "json_array_elements_text(CAST(:p_ranks AS json))) AS u(n, s, e, v, t, r) "
-    "WHERE EXISTS (SELECT FROM ok) "
-    "ON CONFLICT DO NOTHING RETURNING name, step, value), " + PG_ROLLUP_CTE + ", "
-    "upd AS (UPDATE jobs SET updated_at = :now, "
-    "progress = CASE WHEN :set_progress THEN CAST(:progress AS json) ELSE jobs.progress END, "
-    "metric_window_at = CASE WHEN jobs.metric_window_at > :window_start "
-    "THEN jobs.metric_window_at ELSE :now END, "
-    "metric_window_points = (SELECT window_points FROM room) + (SELECT count(*) FROM ins), "
-    "latest_metrics = ((SELECT m FROM lm) || COALESCE((SELECT jsonb_object_agg(n.key, n.value) "
-    "FROM lm, jsonb_each(CAST(:newest AS jsonb)) AS n "
-    "WHERE COALESCE((lm.m->n.key->>'step')::bigint, -1) < (n.value->>'step')::bigint), "
-    "'{}'))::json "
-    "WHERE jobs.id = :job_id AND EXISTS (SELECT FROM ok)) "
-    "SELECT job.attempt, job.state, (SELECT count(*) FROM ins) AS inserted, "
-    "EXISTS (SELECT FROM ok) AS taken, room.stored_names, room.new_names, room.window_points, "
-    "job.metric_window_at FROM job, room"
-).columns(
-    # Declared, so SQLAlchemy keeps the result's column map with the compiled statement
-    # instead of building it from the cursor's description on every batch.
-    *(column(c) for c in ("attempt", "state", "inserted", "taken", "stored_names")),
-    *(column(c) for c in ("new_names", "window_points", "metric_window_at")),
-)
 # SQLite: one cached INSERT OR IGNORE run as executemany (sqlite3 sums rowcount over rows).
 _SQLITE_INSERT_POINTS = sqlite.insert(Metric).on_conflict_do_nothing()
 
@@ -110,33 +42,6 @@ def _points_params(points: Sequence[CheckedPoint]) -> dict[str, list[Any]]:
         "values": [None if math.isnan(p.value) else p.value for p in points],
         "times": [p.time or now for p in points],
         "ranks": [p.ranks for p in points],
-    }
-
-
-def _columns_params(cols: CheckedColumns) -> dict[str, str]:
-    """Checked columns as the JSON text parameters ``_PG_RECORD`` reads (``p_names`` …
-    ``p_ranks``): NaN → null, ±inf → "±Infinity" (PostgreSQL's float8 input reads both),
-    times as ISO 8601 UTC (a point without one gets now)."""
-    now = utcnow()
-    iso: dict[datetime, str] = {}  # a flush may stamp many points alike: format each once
-    times = []
-    for at in cols.times:
-        at = at or now
-        text_at = iso.get(at)
-        if text_at is None:
-            text_at = iso[at] = at.isoformat()
-        times.append(text_at)
-    values: list[Any] = cols.values
-    if not math.isfinite(sum(values)):  # a NaN or an infinity somewhere: spell those out
-        values = [json_safe(v) for v in values]
-    dumps = json.dumps
-    return {
-        "p_names": dumps(cols.names),
-        "p_steps": dumps(cols.steps),
-        "p_epochs": dumps(cols.epochs),
-        "p_values": dumps(values, allow_nan=False),
-        "p_times": dumps(times),
-        "p_ranks": dumps(cols.ranks),
     }
 
 
@@ -187,7 +92,7 @@ def _unstored(session: Session, job_id: int, points: Sequence[CheckedPoint]) -> 
     return fresh
 
 
-def _newest(cols: CheckedColumns) -> dict[str, dict[str, Any]]:
+def newest_entries(cols: CheckedColumns) -> dict[str, dict[str, Any]]:
     """Each name's newest point of the batch as a ``latest_metrics`` entry."""
     newest: dict[str, tuple[int, float]] = {}
     for name, step, value in zip(cols.names, cols.steps, cols.values, strict=True):
@@ -207,11 +112,6 @@ def _merge_latest(stored: Any, newest: dict[str, dict[str, Any]]) -> dict[str, A
         if not isinstance(prev, dict) or int(prev.get("step", -1)) < entry["step"]:
             latest[name] = entry
     return latest
-
-
-def _json_progress(progress: dict[str, Any]) -> dict[str, Any]:
-    # NaN/inf (e.g. samples_per_s at a zero interval) is not valid JSON on PostgreSQL.
-    return {k: json_safe(v) if isinstance(v, float) else v for k, v in progress.items()}
 
 
 def record_metrics(
@@ -256,37 +156,20 @@ def record_metrics(
     else:
         checked = [checked_point(p) for p in points]  # a CheckedPoint: returned as it is
         cols = columns_of_points(checked)
-    newest = _newest(cols)
-    limits = quotas or MetricQuotas(max_names=2**62, per_minute=2**62)
+    newest = newest_entries(cols)
+    limits = quotas or pg_ingest.NO_LIMITS
     now = utcnow()
     if session.get_bind().dialect.name == "postgresql":
-        params = {
-            "job_id": job_id,
-            "attempt": attempt,
-            **_columns_params(cols),
-            "now": now,
-            "set_progress": progress is not None,
-            "progress": json.dumps(_json_progress(progress)) if progress is not None else None,
-            "newest": json.dumps(newest),
-            "names": json.dumps(list(newest)),
-            "n": len(cols),
-            "max_names": limits.max_names,
-            "per_minute": limits.per_minute,
-            "window_start": window_start(now),
-        }
         # On the session's connection: the ORM's execute adds nothing to a text statement.
-        result = session.connection().execute(_PG_RECORD, params)
-        row = fence_attempt(job_id, attempt, result.one_or_none())
-        if not row.taken:
-            refusal = quota_refusal(
-                limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
-                window_points=int(row.window_points), window_at=row.metric_window_at,
-                n=len(cols), now=now,
-                stored_of_batch=lambda: names_stored(latest_metrics(session, job_id), newest),
-            )  # fmt: skip
-            assert refusal is not None  # the fence passed: only a quota refuses
-            raise refusal
-        return int(row.inserted)
+        result = session.connection().execute(
+            pg_ingest.PG_RECORD,
+            pg_ingest.params(job_id, attempt, cols, newest, progress=progress, limits=limits,
+                             now=now),
+        )  # fmt: skip
+        return pg_ingest.outcome(
+            result.one_or_none(), job_id, attempt, limits=limits, n=len(cols), now=now,
+            stored_of_batch=lambda: names_stored(latest_metrics(session, job_id), newest),
+        )  # fmt: skip
     job = lock_attempt(session, job_id, attempt)
     window_at, window_points = session.execute(
         select(Job.metric_window_at, Job.metric_window_points).where(Job.id == job_id)
@@ -308,7 +191,7 @@ def record_metrics(
     if newest:
         values["latest_metrics"] = _merge_latest(job.latest_metrics, newest)
     if progress is not None:
-        values["progress"] = _json_progress(progress)
+        values["progress"] = pg_ingest.json_progress(progress)
     if inserted:
         values["metric_window_at"] = window_at
         values["metric_window_points"] = int(window_points or 0) + inserted

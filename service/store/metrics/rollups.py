@@ -3,7 +3,7 @@ million-step run reads a few thousand buckets instead of every point.
 
 For each (job, name) and each level k in ``LEVELS`` a bucket holds the current points with
 ``step >> k == bucket`` (``models.MetricRollup``). The ingest adds a batch's newly stored
-points to their buckets in the same transaction (PostgreSQL: inside ``points._PG_RECORD``'s
+points to their buckets in the same transaction (PostgreSQL: inside ``pg_ingest.PG_RECORD``'s
 one statement, with the SQL of ``PG_ROLLUP_CTE``; SQLite: ``add_points``); a resume that
 supersedes points rebuilds the buckets from its resume step on (``rebuild``), behind the
 same attempt fence. ``curves`` reads them.
@@ -107,7 +107,7 @@ _UPSERT_HEAD = f"INSERT INTO metric_rollups AS r ({', '.join(_COLUMNS)}) "
 _CONFLICT_KEY = " ON CONFLICT (job_id, name, level, bucket) DO UPDATE SET "
 _ON_CONFLICT = _CONFLICT_KEY + _merge_set()
 
-# PostgreSQL: the rollup upsert as a CTE of ``points._PG_RECORD``, over the rows its ``ins``
+# PostgreSQL: the rollup upsert as a CTE of ``pg_ingest.PG_RECORD``, over the rows its ``ins``
 # CTE returned (``name, step, value`` of the points actually inserted): duplicates a resend
 # brought add nothing. Plain aggregates over two-element float8 arrays, no sort: an array
 # compares element by element and puts NULL after every number, so ``min([value, step])`` is

@@ -2,9 +2,8 @@
 downsampled history), each owning its transaction and returning plain values (``values``).
 
 Both are hot paths and stay as lean as the measurements made them: the ingest is one
-autocommit statement on PostgreSQL (``Database.session(one_statement=True)``, see
-``points.record_metrics``); the poll reads plain Core rows (``values.PointRow``), handed out
-as they come.
+autocommit statement on PostgreSQL, run on the driver's connection (``pg_ingest``); the poll
+reads plain Core rows (``values.PointRow``), handed out as they come.
 """
 
 from __future__ import annotations
@@ -14,15 +13,17 @@ from typing import Any
 
 from service.core.metrics.points import MAX_STEP, CheckedPoint
 from service.core.owners.quotas import MetricQuotas, QuotaExceededError
-from service.core.wire.metric_columns import CheckedColumns
+from service.core.wire.metric_columns import CheckedColumns, columns_of_points
 from service.store.attempts.fence import superseded_on_fence
 from service.store.attempts.values import AttemptRef
 from service.store.db import Database
 from service.store.jobs.crud import get_job
+from service.store.metrics import pg_ingest
 from service.store.metrics.curves import curve
 from service.store.metrics.history import downsample_superseded, history_page
 from service.store.metrics.points import (
     metric_names,
+    newest_entries,
     query_points,
     record_metrics,
 )
@@ -56,7 +57,14 @@ def record_batch(
     try:
         if quotas is not None:
             check_batch_size(len(points), quotas)
-        with superseded_on_fence(), db.session(one_statement=True) as session:
+        if db.dialect == "postgresql":
+            cols = points if isinstance(points, CheckedColumns) else columns_of_points(points)
+            with superseded_on_fence():
+                return pg_ingest.record_on_driver(
+                    db, ref.job_id, ref.attempt, cols, newest_entries(cols), progress=progress,
+                    limits=quotas or pg_ingest.NO_LIMITS,
+                )  # fmt: skip
+        with superseded_on_fence(), db.session() as session:
             return record_metrics(session, ref.job_id, ref.attempt, points, progress=progress,
                                   quotas=quotas)  # fmt: skip
     except QuotaExceededError as exc:
