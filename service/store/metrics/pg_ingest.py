@@ -47,18 +47,18 @@ _PG_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(_ACTIVE)) + "]"
 
 
 # A whole ``record_metrics`` in one statement, so it needs no transaction of its own
-# (``Database.one_row`` runs it in autocommit). The CTE ``job`` takes
-# the row lock that ``leases.check_attempt`` takes; the insert and the job update happen only
-# while the attempt is current and active (``ok``), and the caller gets the fence columns back
-# to raise the same errors as ``leases.check_attempt``. The batch travels as one JSON
-# text array per column (names, steps, epochs, values, times, ranks), zipped back into rows
-# by ``ROWS FROM``: json.dumps of a flat list is C, where psycopg dumped array parameters
-# element by element (half the client CPU of a 1,000-point batch), a record per point cost
-# a dict each, and SQLAlchemy would compile a 7-parameters-per-row VALUES list anew for
-# every batch. ``latest_metrics`` is
-# merged as in ``points._merge_latest``: a name's entry is replaced only by a later step (a repeated
-# step keeps its first value, as the metrics table does). The points inserted go on into their
-# rollup buckets (``rollups.PG_ROLLUP_CTE``) in the same statement.
+# (``Database.one_row`` runs it in autocommit). The CTE ``job`` takes the row lock that
+# ``leases.check_attempt`` takes; the insert and the job update happen only while the attempt
+# is current and active (``ok``), and the caller gets the fence columns back to raise the same
+# errors as ``leases.check_attempt``. The batch travels as one JSON text array per column
+# (names, steps, epochs, values, times, ranks), zipped back into rows by ``ROWS FROM``:
+# json.dumps of a flat list is C, where psycopg dumped array parameters element by element
+# (half the client CPU of a 1,000-point batch), a record per point cost a dict each, and
+# SQLAlchemy would compile a 7-parameters-per-row VALUES list anew for every batch.
+# ``latest_metrics`` is merged as in ``points._merge_latest``: a name's entry is replaced only
+# by a later step (a repeated step keeps its first value, as the metrics table does). The
+# points inserted go on into their rollup buckets (``rollups.PG_ROLLUP_CTE``) in the same
+# statement.
 PG_RECORD = text(
     "WITH job AS (SELECT attempt, state, latest_metrics, metric_window_at, metric_window_points "
     "FROM jobs WHERE id = :job_id FOR UPDATE), "
