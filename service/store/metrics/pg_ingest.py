@@ -13,6 +13,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -133,31 +134,35 @@ def _columns_params(cols: CheckedColumns) -> dict[str, str]:
     }
 
 
-def params(
-    job_id: int,
-    attempt: int,
-    cols: CheckedColumns,
-    newest: dict[str, dict[str, Any]],
-    *,
-    progress: dict[str, Any] | None,
-    limits: MetricQuotas,
-    now: datetime,
-) -> dict[str, Any]:
-    """``PG_RECORD``'s parameters for a batch: ``cols`` of job ``job_id``'s ``attempt``,
-    each name's ``newest`` entry (``latest_metrics`` form), the progress snapshot or None,
-    the quotas, and ``now`` (UTC)."""
+@dataclass(frozen=True, slots=True)
+class IngestBatch:
+    """One batch for ``PG_RECORD``: ``cols`` of job ``job_id``'s ``attempt``, each name's
+    ``newest`` entry (``latest_metrics`` form, ``points.newest_entries``), the progress
+    snapshot or None, and the job's metric quotas."""
+
+    job_id: int
+    attempt: int
+    cols: CheckedColumns
+    newest: dict[str, dict[str, Any]]
+    progress: dict[str, Any] | None
+    limits: MetricQuotas
+
+
+def params(batch: IngestBatch, now: datetime) -> dict[str, Any]:
+    """``PG_RECORD``'s parameters for ``batch`` at ``now`` (UTC)."""
+    progress = batch.progress
     return {
-        "job_id": job_id,
-        "attempt": attempt,
-        **_columns_params(cols),
+        "job_id": batch.job_id,
+        "attempt": batch.attempt,
+        **_columns_params(batch.cols),
         "now": now,
         "set_progress": progress is not None,
         "progress": json.dumps(json_progress(progress)) if progress is not None else None,
-        "newest": json.dumps(newest),
-        "names": json.dumps(list(newest)),
-        "n": len(cols),
-        "max_names": limits.max_names,
-        "per_minute": limits.per_minute,
+        "newest": json.dumps(batch.newest),
+        "names": json.dumps(list(batch.newest)),
+        "n": len(batch.cols),
+        "max_names": batch.limits.max_names,
+        "per_minute": batch.limits.per_minute,
         "window_start": window_start(now),
     }
 
@@ -169,28 +174,22 @@ def json_progress(progress: dict[str, Any]) -> dict[str, Any]:
 
 
 def outcome(
-    row: Any,
-    job_id: int,
-    attempt: int,
-    *,
-    limits: MetricQuotas,
-    n: int,
-    now: datetime,
-    stored_of_batch: Callable[[], Iterable[str]],
+    row: Any, batch: IngestBatch, now: datetime, stored_of_batch: Callable[[], Iterable[str]]
 ) -> int:
-    """The points ``PG_RECORD``'s result ``row`` (None: no such job) says were inserted.
+    """The points ``PG_RECORD``'s result ``row`` (None: no such job) for ``batch`` at ``now``
+    says were inserted.
 
     Raises:
         NotFoundError / StaleAttemptError: the fence refused (``leases.fence_attempt``).
         QuotaExceededError: a quota refused the batch (nothing stored); ``stored_of_batch``
             gives the batch's names the job already has, for the name quota's refusal.
     """
-    row = fence_attempt(job_id, attempt, row)
+    row = fence_attempt(batch.job_id, batch.attempt, row)
     if not row.taken:
         refusal = quota_refusal(
-            limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
+            batch.limits, stored_names=int(row.stored_names), new_names=int(row.new_names),
             window_points=int(row.window_points), window_at=row.metric_window_at,
-            n=n, now=now, stored_of_batch=stored_of_batch,
+            n=len(batch.cols), now=now, stored_of_batch=stored_of_batch,
         )  # fmt: skip
         assert refusal is not None  # the fence passed: only a quota refuses
         raise refusal
@@ -203,33 +202,20 @@ def _driver_sql(statement: TextClause | TextualSelect) -> str:
     return str(statement.compile(dialect=pg_psycopg.dialect()))
 
 
-def record_on_driver(
-    db: Database,
-    job_id: int,
-    attempt: int,
-    cols: CheckedColumns,
-    newest: dict[str, dict[str, Any]],
-    *,
-    progress: dict[str, Any] | None,
-    limits: MetricQuotas,
-) -> int:
+def record_on_driver(db: Database, batch: IngestBatch) -> int:
     """``points.record_metrics`` for checked columns on PostgreSQL, as one autocommit
-    statement on the driver's connection (``Database.one_row``); ``newest`` is each name's
-    newest point of ``cols`` (``points.newest_entries``). The number of points inserted.
+    statement on the driver's connection (``Database.one_row``). The number of points
+    inserted.
 
     Raises:
         NotFoundError / StaleAttemptError / QuotaExceededError: see ``outcome``.
         DatabaseUnavailableError / ConflictError: see ``Database.one_row``.
     """
     now = utcnow()
-    row = db.one_row(
-        _driver_sql(PG_RECORD),
-        params(job_id, attempt, cols, newest, progress=progress, limits=limits, now=now),
-    )
+    row = db.one_row(_driver_sql(PG_RECORD), params(batch, now))
 
     def stored_of_batch() -> list[str]:
         with db.session(write=False) as session:
-            return names_stored(latest_metrics(session, job_id), newest)
+            return names_stored(latest_metrics(session, batch.job_id), batch.newest)
 
-    return outcome(row, job_id, attempt, limits=limits, n=len(cols), now=now,
-                   stored_of_batch=stored_of_batch)  # fmt: skip
+    return outcome(row, batch, now, stored_of_batch)

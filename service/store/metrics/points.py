@@ -160,15 +160,12 @@ def record_metrics(
     limits = quotas or pg_ingest.NO_LIMITS
     now = utcnow()
     if session.get_bind().dialect.name == "postgresql":
+        batch = pg_ingest.IngestBatch(job_id, attempt, cols, newest, progress, limits)
         # On the session's connection: the ORM's execute adds nothing to a text statement.
-        result = session.connection().execute(
-            pg_ingest.PG_RECORD,
-            pg_ingest.params(job_id, attempt, cols, newest, progress=progress, limits=limits,
-                             now=now),
-        )  # fmt: skip
+        result = session.connection().execute(pg_ingest.PG_RECORD, pg_ingest.params(batch, now))
         return pg_ingest.outcome(
-            result.one_or_none(), job_id, attempt, limits=limits, n=len(cols), now=now,
-            stored_of_batch=lambda: names_stored(latest_metrics(session, job_id), newest),
+            result.one_or_none(), batch, now,
+            lambda: names_stored(latest_metrics(session, job_id), newest),
         )  # fmt: skip
     job = lock_attempt(session, job_id, attempt)
     window_at, window_points = session.execute(

@@ -60,10 +60,9 @@ def record_batch(
         if db.dialect == "postgresql":
             cols = points if isinstance(points, CheckedColumns) else columns_of_points(points)
             with superseded_on_fence():
-                return pg_ingest.record_on_driver(
-                    db, ref.job_id, ref.attempt, cols, newest_entries(cols), progress=progress,
-                    limits=quotas or pg_ingest.NO_LIMITS,
-                )  # fmt: skip
+                batch = pg_ingest.IngestBatch(ref.job_id, ref.attempt, cols, newest_entries(cols),
+                                              progress, quotas or pg_ingest.NO_LIMITS)  # fmt: skip
+                return pg_ingest.record_on_driver(db, batch)
         with superseded_on_fence(), db.session() as session:
             return record_metrics(session, ref.job_id, ref.attempt, points, progress=progress,
                                   quotas=quotas)  # fmt: skip
