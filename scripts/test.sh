@@ -72,6 +72,8 @@ echo "test: ruff + mypy + lint-imports (beside pytest; their output comes after 
 lint_log=$(mktemp)
 (ruff check . && mypy && lint-imports) >"$lint_log" 2>&1 &
 lint_pid=$!
+# Interrupted or done, leave no linter running and no log behind.
+trap 'kill "$lint_pid" 2>/dev/null || true; rm -f "$lint_log"' EXIT
 
 rc=0
 for i in "${!passes[@]}"; do

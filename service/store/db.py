@@ -294,12 +294,17 @@ class Database:
             raise ValueError(f"one_row runs on PostgreSQL only, not {self.dialect}")
         from psycopg.rows import namedtuple_row  # PostgreSQL deployments only
 
+        dbapi = self.engine.dialect.loaded_dbapi
         try:
+            # The pool hands out the driver's own error for a connection it cannot open.
             pooled = self.engine.raw_connection()
         except sa_exc.DBAPIError as exc:
             raise _translated(exc) from exc
+        except dbapi.Error as exc:
+            wrapped = sa_exc.DBAPIError.instance(sql, None, exc, dbapi.Error)
+            assert isinstance(wrapped, sa_exc.DBAPIError)  # a driver error is wrapped as one
+            raise _translated(wrapped) from exc
         driver: Any = pooled.driver_connection
-        dbapi = self.engine.dialect.loaded_dbapi
         try:
             driver.autocommit = True
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from service.core.metrics.points import MAX_STEP, CheckedPoint
+from service.core.metrics.points import MAX_STEP, CheckedPoint, checked_point
 from service.core.owners.quotas import MetricQuotas, QuotaExceededError
 from service.core.wire.metric_columns import CheckedColumns, columns_of_points
 from service.store.attempts.fence import superseded_on_fence
@@ -58,7 +58,9 @@ def record_batch(
         if quotas is not None:
             check_batch_size(len(points), quotas)
         if db.dialect == "postgresql":
-            cols = points if isinstance(points, CheckedColumns) else columns_of_points(points)
+            cols = points
+            if not isinstance(cols, CheckedColumns):  # a CheckedPoint passes through as it is
+                cols = columns_of_points([checked_point(p) for p in cols])
             with superseded_on_fence():
                 batch = pg_ingest.IngestBatch(ref.job_id, ref.attempt, cols, newest_entries(cols),
                                               progress, quotas or pg_ingest.NO_LIMITS)  # fmt: skip
