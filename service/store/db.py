@@ -208,6 +208,11 @@ class Database:
         """``"sqlite"`` or ``"postgresql"``."""
         return self.engine.dialect.name
 
+    @property
+    def on_psycopg(self) -> bool:
+        """PostgreSQL through psycopg 3 (the driver ddpq ships), where ``one_row`` runs."""
+        return self.dialect == "postgresql" and self.engine.dialect.driver == "psycopg"
+
     @contextmanager
     def session(self, *, write: bool = True, one_statement: bool = False) -> Iterator[Session]:
         """A session in one transaction: commit on success, roll back on error.
@@ -286,12 +291,14 @@ class Database:
         scope; a connection that failed is dropped from the pool.
 
         Raises:
-            ValueError: the database is not PostgreSQL.
+            ValueError: the database is not PostgreSQL through psycopg (``on_psycopg``).
             DatabaseUnavailableError: connection or operational failure (HTTP 503).
             ConflictError: an integrity constraint was violated (HTTP 409).
         """
-        if self.dialect != "postgresql":
-            raise ValueError(f"one_row runs on PostgreSQL only, not {self.dialect}")
+        if not self.on_psycopg:
+            raise ValueError(
+                f"one_row runs on PostgreSQL through psycopg only, not {self.engine.url.drivername}"
+            )
         from psycopg.rows import namedtuple_row  # PostgreSQL deployments only
 
         dbapi = self.engine.dialect.loaded_dbapi

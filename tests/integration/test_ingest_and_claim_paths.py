@@ -288,7 +288,7 @@ def test_one_row_translates_driver_errors_and_drops_a_killed_connection(db: Data
         db.one_row("SELECT pg_terminate_backend(pg_backend_pid()) AS gone", {})
     row = db.one_row("SELECT pg_backend_pid() AS pid, %(a)s::int AS a", {"a": 7})
     assert row.a == 7 and row.pid != pid
-    with pytest.raises(ValueError, match="PostgreSQL only"):
+    with pytest.raises(ValueError, match="through psycopg only"):
         Database.from_url("sqlite://").one_row("SELECT 1", {})
     nowhere = Database.from_url("postgresql+psycopg://postgres@127.0.0.1:1/test")
     with pytest.raises(DatabaseUnavailableError, match="unavailable"):  # 503, not a 500

@@ -57,7 +57,7 @@ def record_batch(
     try:
         if quotas is not None:
             check_batch_size(len(points), quotas)
-        if db.dialect == "postgresql":
+        if db.on_psycopg:
             cols = points
             if not isinstance(cols, CheckedColumns):  # a CheckedPoint passes through as it is
                 cols = columns_of_points([checked_point(p) for p in cols])
