@@ -6,6 +6,7 @@ on an asyncio loop with a fake probe (our own interface); no database, no server
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from service.api.claim_waits import ClaimWaits
 
@@ -71,6 +72,15 @@ def test_a_wait_nobody_wakes_ends_empty_and_leaves_no_waiter() -> None:
     asyncio.run(scenario())
 
 
+async def _eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds, yielding to the loop (a loaded box delays the probe
+    task by more than its period, so a fixed sleep is not enough); fail after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.005)
+
+
 def test_a_key_is_known_empty_only_after_a_probe_found_nothing_and_no_submission_since() -> None:
     async def scenario() -> None:
         work = {LOCAL: 0, GPU: 1}
@@ -78,19 +88,17 @@ def test_a_key_is_known_empty_only_after_a_probe_found_nothing_and_no_submission
         assert not waits.known_empty(LOCAL), "no probe yet: the claim must look itself"
         local = await _waiters(waits, LOCAL, 1)
         gpu = await _waiters(waits, GPU, 1)
-        await asyncio.sleep(0.05)
-        assert waits.known_empty(LOCAL), "probed empty a moment ago"
+        await _eventually(lambda: waits.known_empty(LOCAL), "a probe to find LOCAL empty")
         assert not waits.known_empty(GPU), "the probe found work for it"
         waits.notify()  # a submission here (it wakes the waiting claim): a new one must look
         assert not waits.known_empty(LOCAL)
         local += await _waiters(waits, LOCAL, 1)
-        await asyncio.sleep(0.05)  # the probe ran again meanwhile
-        assert waits.known_empty(LOCAL)
+        await _eventually(lambda: waits.known_empty(LOCAL), "the probe to run again")
         for t in [*local, *gpu]:
             t.cancel()
         await waits.close()
-        await asyncio.sleep(0.05)  # no probe runs now: what it found grows old
-        assert not waits.known_empty(LOCAL), "older than two probe periods"
+        # No probe runs now: what it found grows old.
+        await _eventually(lambda: not waits.known_empty(LOCAL), "older than two probe periods")
 
     asyncio.run(scenario())
 
