@@ -308,9 +308,7 @@ class Database:
         except sa_exc.DBAPIError as exc:
             raise _translated(exc) from exc
         except dbapi.Error as exc:
-            wrapped = sa_exc.DBAPIError.instance(sql, None, exc, dbapi.Error)
-            assert isinstance(wrapped, sa_exc.DBAPIError)  # a driver error is wrapped as one
-            raise _translated(wrapped) from exc
+            raise _translated_driver_error(sql, exc, dbapi.Error, invalidated=False) from exc
         driver: Any = pooled.driver_connection
         try:
             driver.autocommit = True
@@ -325,11 +323,7 @@ class Database:
             disconnect = self.engine.dialect.is_disconnect(exc, driver, None)
             if disconnect:
                 pooled.invalidate(exc)
-            wrapped = sa_exc.DBAPIError.instance(
-                sql, None, exc, dbapi.Error, connection_invalidated=disconnect
-            )
-            assert isinstance(wrapped, sa_exc.DBAPIError)  # a driver error is wrapped as one
-            raise _translated(wrapped) from exc
+            raise _translated_driver_error(sql, exc, dbapi.Error, invalidated=disconnect) from exc
         finally:
             pooled.close()
 
@@ -359,6 +353,18 @@ def _translated(exc: sa_exc.DBAPIError) -> DdpqError:
             public=UNAVAILABLE_PUBLIC,
         )
     return DatabaseUnavailableError(f"database error: {exc.orig}", public="database error")
+
+
+def _translated_driver_error(
+    sql: str, exc: Exception, dbapi_error: type[Exception], *, invalidated: bool
+) -> DdpqError:
+    """``_translated`` for an error the driver raised outside SQLAlchemy's execution layer
+    (``Database.one_row``): wrapped as SQLAlchemy wraps it, then translated alike."""
+    wrapped = sa_exc.DBAPIError.instance(
+        sql, None, exc, dbapi_error, connection_invalidated=invalidated
+    )
+    assert isinstance(wrapped, sa_exc.DBAPIError)  # a driver error is wrapped as one
+    return _translated(wrapped)
 
 
 def _safe_rollback(session: Session) -> None:
