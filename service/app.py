@@ -24,6 +24,7 @@ from service.api.attempts import notes as attempt_notes
 from service.api.attempts import routes as attempts
 from service.api.attempts import uploads as attempt_uploads
 from service.api.attempts import workspace as attempt_workspace
+from service.api.attempts.direct_ingest import DirectIngest
 from service.api.checkpoints import routes as checkpoints
 from service.api.claim_waits import ClaimWaits
 from service.api.errors import install_error_handlers
@@ -111,6 +112,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # objects, 2-core box). Once per process (tests build many apps).
         if gc.get_freeze_count() == 0:
             gc.freeze()
+        # Metric batches await their statement on this loop (PostgreSQL only).
+        loop_pool = await db.open_loop_pool(settings.attempt_ingest_concurrency)
         reaper = asyncio.create_task(
             reap_forever(
                 db,
@@ -129,7 +132,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-            db.dispose()
+            try:
+                await db.close_loop_pool(loop_pool)
+            finally:
+                db.dispose()
 
     app = FastAPI(
         title="ddpq",
@@ -168,6 +174,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         exempt=CHUNK_UPLOAD_PATH_RE,
         larger=(("POST", WORKSPACE_CREATE_PATH_RE, manifest_bytes),),
     )
+    # Added last, so outermost: a plain metric batch skips the layers above and the router.
+    app.add_middleware(DirectIngest, max_bytes=settings.max_body_bytes)
     # The metric ingest first: the hottest route, matched before any other router is tried.
     app.include_router(attempts.ingest_router, prefix=API_PREFIX)
     for module in (

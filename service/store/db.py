@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
@@ -18,6 +18,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.core.errors import ConflictError, DatabaseUnavailableError, DdpqError
+
+if TYPE_CHECKING:
+    from service.store.loop_pool import LoopPool
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,8 @@ class Database:
     _read: sessionmaker[Session]
     _write: sessionmaker[Session]
     _one_statement: sessionmaker[Session]
+    # Connections the API's event loop awaits itself (``open_loop_pool``); None elsewhere.
+    loop_pool: LoopPool | None = None
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> Database:
@@ -280,13 +285,15 @@ class Database:
                 raise _translated(exc) from exc
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def one_row(self, sql: str, params: Mapping[str, Any]) -> Any:
+    def one_row(self, sql: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         """The first row of one self-contained statement (None if it returns no row), run
         in autocommit on a pooled PostgreSQL connection through the driver itself: no
         Session, no Core ``Connection``. ``sql`` has the driver's ``%(name)s`` placeholders
-        (a ``text()`` compiled for psycopg). The row is a named tuple (psycopg's
-        ``namedtuple_row``). For a hot write that is one statement (the metric ingest): on a
-        batch of ~20 points the layers skipped cost about as much CPU as the driver's work.
+        (a ``text()`` compiled for psycopg). The row is a plain tuple in the statement's
+        column order: a caller names it with a named tuple class made once (psycopg's
+        ``namedtuple_row`` reads the cursor's description on every call). For a hot write
+        that is one statement (the metric ingest): on a batch of ~20 points the layers
+        skipped cost about as much CPU as the driver's work.
         Pool checkout hooks (a connection the server closed is replaced) apply as for any
         scope; a connection that failed is dropped from the pool.
 
@@ -299,8 +306,6 @@ class Database:
             raise ValueError(
                 f"one_row runs on PostgreSQL through psycopg only, not {self.engine.url.drivername}"
             )
-        from psycopg.rows import namedtuple_row  # PostgreSQL deployments only
-
         dbapi = self.engine.dialect.loaded_dbapi
         try:
             # The pool hands out the driver's own error for a connection it cannot open.
@@ -313,7 +318,7 @@ class Database:
         try:
             driver.autocommit = True
             try:
-                with driver.cursor(row_factory=namedtuple_row) as cursor:
+                with driver.cursor() as cursor:
                     cursor.execute(sql, params)
                     return cursor.fetchone()
             finally:
@@ -326,6 +331,29 @@ class Database:
             raise _translated_driver_error(sql, exc, dbapi.Error, invalidated=disconnect) from exc
         finally:
             pooled.close()
+
+    async def open_loop_pool(self, max_size: int) -> LoopPool | None:
+        """On PostgreSQL through psycopg, open ``loop_pool``: at most ``max_size``
+        connections, opened as needed, for statements awaited on the running event loop
+        (``loop_pool.LoopPool``). Elsewhere, or when one is open already, nothing. Returns
+        the pool it opened (None otherwise): close that with ``close_loop_pool``."""
+        if not self.on_psycopg or self.loop_pool is not None:
+            return None
+        from service.store.loop_pool import LoopPool  # PostgreSQL deployments only
+
+        pool = LoopPool(self.engine, max_size, PG_CONNECT_TIMEOUT_S)
+        await pool.open()
+        self.loop_pool = pool
+        return pool
+
+    async def close_loop_pool(self, pool: LoopPool | None) -> None:
+        """Close ``pool`` (what ``open_loop_pool`` returned; None: nothing) on the loop that
+        opened it, and forget it if it is ``loop_pool``."""
+        if pool is None:
+            return
+        if self.loop_pool is pool:
+            self.loop_pool = None
+        await pool.close()
 
     def scrubbed(self, message: str) -> str:
         """``message`` with this database's password (if any) replaced by ``***``."""

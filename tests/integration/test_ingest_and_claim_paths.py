@@ -283,11 +283,14 @@ def test_one_row_translates_driver_errors_and_drops_a_killed_connection(db: Data
     dropped from the pool, and the next statement runs on a fresh connection."""
     with pytest.raises(DatabaseUnavailableError):
         db.one_row("SELECT 1 / %(zero)s AS x", {"zero": 0})
-    pid = db.one_row("SELECT pg_backend_pid() AS pid", {}).pid
+    first = db.one_row("SELECT pg_backend_pid() AS pid", {})
+    assert first is not None
+    (pid,) = first
     with pytest.raises(DatabaseUnavailableError, match="unavailable"):
         db.one_row("SELECT pg_terminate_backend(pg_backend_pid()) AS gone", {})
     row = db.one_row("SELECT pg_backend_pid() AS pid, %(a)s::int AS a", {"a": 7})
-    assert row.a == 7 and row.pid != pid
+    assert row is not None and row[1] == 7 and row[0] != pid, row
+    assert db.one_row("SELECT 1 WHERE false", {}) is None, "no row: None"
     with pytest.raises(ValueError, match="through psycopg only"):
         Database.from_url("sqlite://").one_row("SELECT 1", {})
     nowhere = Database.from_url("postgresql+psycopg://postgres@127.0.0.1:1/test")

@@ -52,6 +52,11 @@ from service.store.metrics import service as metrics
 
 # Seconds a rank waits before it sends a batch refused for back-pressure again.
 RETRY_AFTER_S = 1
+# A metric body up to this many bytes (~500 points) is parsed and checked on the event loop
+# when its statement runs there too (``Database.loop_pool``): that costs less than the hop
+# to a thread and back. A bigger one (up to ``MAX_BATCH_ROWS`` points) would hold the loop
+# for milliseconds, so it goes to a thread whole.
+ON_LOOP_BODY_BYTES = 16 * 1024
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     **ATTEMPT_UNAUTHORIZED,
@@ -61,9 +66,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 router = APIRouter(tags=["attempts"], dependencies=[REQUIRE_ATTEMPT], responses=ERRORS)
 # The metric ingest alone, without the router-wide dependency: its route checks the token
-# itself (``deps.attempt_of``), and the app includes this router before all others, so a batch
-# is matched at the first try and solves no dependency (together about a third of the CPU a
-# batch costs the event loop).
+# itself (``deps.attempt_of``), so it solves no dependency. A plain batch reaches the route
+# function straight from ``direct_ingest.DirectIngest``; the app includes this router before
+# all others for the rest (a chunked body), and for the OpenAPI document.
 ingest_router = APIRouter(tags=["attempts"], responses=ERRORS)
 
 
@@ -256,24 +261,41 @@ async def metrics_route(request: Request) -> Response:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     try:
-        ack: wire.MetricBatchAck = await _in_thread(
-            _write_batch, _db(request), ref, body, metric_quotas(request.app)
-        )
+        db, quotas = _db(request), metric_quotas(request.app)
+        if db.loop_pool is not None and len(body) <= ON_LOOP_BODY_BYTES:
+            checked = _checked_batch(body)
+            inserted = await metrics.record_columns_on_loop(
+                db, ref, checked.columns, progress=checked.progress, quotas=quotas
+            )
+            if inserted is None:  # not taken there: stored, or refused, the usual way
+                inserted = await _in_thread(_record, db, ref, checked, quotas)
+            ack = checked.ack(inserted)
+        else:
+            ack = await _in_thread(_write_batch, db, ref, body, quotas)
     finally:
         limiter.leave()
     # Serialised here: a returned model would be validated once more by FastAPI.
     return Response(ack.model_dump_json(), media_type="application/json")
 
 
-def _write_batch(
-    db: Database, ref: AttemptRef, body: bytes, quotas: MetricQuotas
-) -> wire.MetricBatchAck:
-    """Parse, check and write one batch (in a worker thread: all of it is CPU or I/O).
+@dataclass(frozen=True, slots=True)
+class _CheckedBatch:
+    """A batch's storable points, why each other one was refused, and its progress."""
+
+    columns: CheckedColumns
+    refused: list[str]
+    progress: dict[str, Any] | None
+
+    def ack(self, inserted: int) -> wire.MetricBatchAck:
+        return wire.MetricBatchAck(accepted=len(self.columns), inserted=inserted,
+                                   refused=self.refused)  # fmt: skip
+
+
+def _checked_batch(body: bytes) -> _CheckedBatch:
+    """Parse and check one batch (CPU only).
 
     Raises:
         RequestValidationError: not a ``MetricBatch`` (422).
-        StaleAttemptError: the attempt is superseded (409).
-        QuotaExceededError: over a metric quota (422 names, 429 rate; nothing stored).
     """
     try:
         batch = wire.MetricBatch.model_validate_json(body)
@@ -288,11 +310,28 @@ def _write_batch(
         columns, refused_points = checked_columns(batch.series)
         parts.append(columns)
         refused += refused_points
-    checked = joined(parts)
-    inserted = metrics.record_batch(
-        db, ref, checked, progress=_progress(batch.progress), quotas=quotas
-    )
-    return wire.MetricBatchAck(accepted=len(checked), inserted=inserted, refused=refused)
+    return _CheckedBatch(joined(parts), refused, _progress(batch.progress))
+
+
+def _record(db: Database, ref: AttemptRef, checked: _CheckedBatch, quotas: MetricQuotas) -> int:
+    """Store a checked batch (blocking: in a worker thread); the points inserted.
+
+    Raises:
+        StaleAttemptError: the attempt is superseded (409).
+        QuotaExceededError: over a metric quota (422 names, 429 rate; nothing stored).
+    """
+    return metrics.record_batch(db, ref, checked.columns, progress=checked.progress, quotas=quotas)
+
+
+def _write_batch(
+    db: Database, ref: AttemptRef, body: bytes, quotas: MetricQuotas
+) -> wire.MetricBatchAck:
+    """Parse, check and write one batch (in a worker thread: all of it is CPU or I/O).
+
+    Raises: as ``_checked_batch`` and ``_record``.
+    """
+    checked = _checked_batch(body)
+    return checked.ack(_record(db, ref, checked, quotas))
 
 
 @router.post(

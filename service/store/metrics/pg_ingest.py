@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import column, text
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
@@ -37,6 +37,9 @@ from service.store.metrics.rollups import PG_ROLLUP_CTE
 from service.store.models import utcnow
 from service.store.workers.leases import fence_attempt
 
+if TYPE_CHECKING:
+    from service.store.loop_pool import LoopPool
+
 # What ``quotas=None`` means: no bound a job could reach.
 NO_LIMITS = MetricQuotas(max_names=2**62, per_minute=2**62)
 
@@ -45,6 +48,20 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
 # parameter (and psycopg dumping a list for every batch) buys nothing.
 assert all(re.fullmatch("[a-z_]+", s) for s in _ACTIVE)
 _PG_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(_ACTIVE)) + "]"
+
+
+class RecordRow(NamedTuple):
+    """``PG_RECORD``'s one row, named (``Database.one_row`` hands a plain tuple: naming it
+    from the cursor's description cost more than this class per batch)."""
+
+    attempt: int
+    state: str
+    inserted: int
+    taken: bool
+    stored_names: int
+    new_names: int
+    window_points: int
+    metric_window_at: datetime | None
 
 
 # A whole ``record_metrics`` in one statement, so it needs no transaction of its own
@@ -102,8 +119,7 @@ PG_RECORD = text(
 ).columns(
     # Declared, so SQLAlchemy keeps the result's column map with the compiled statement
     # instead of building it from the cursor's description on every batch.
-    *(column(c) for c in ("attempt", "state", "inserted", "taken", "stored_names")),
-    *(column(c) for c in ("new_names", "window_points", "metric_window_at")),
+    *(column(c) for c in RecordRow._fields)
 )
 
 
@@ -202,6 +218,18 @@ def _driver_sql(statement: TextClause | TextualSelect) -> str:
     return str(statement.compile(dialect=pg_psycopg.dialect()))
 
 
+async def record_on_loop(pool: LoopPool, batch: IngestBatch) -> int | None:
+    """``PG_RECORD`` for ``batch`` awaited on the event loop (``loop_pool.LoopPool``): the
+    points inserted when the statement took the batch; None when it did not run or did
+    not take it (the fence or a quota refused: nothing stored), for the caller to do it
+    again through ``record_on_driver``, which raises the refusal's error."""
+    row = await pool.one_row(_driver_sql(PG_RECORD), params(batch, utcnow()))
+    if row is None:
+        return None
+    result = RecordRow._make(row)
+    return int(result.inserted) if result.taken else None
+
+
 def record_on_driver(db: Database, batch: IngestBatch) -> int:
     """``points.record_metrics`` for checked columns on PostgreSQL, as one autocommit
     statement on the driver's connection (``Database.one_row``). The number of points
@@ -213,6 +241,8 @@ def record_on_driver(db: Database, batch: IngestBatch) -> int:
     """
     now = utcnow()
     row = db.one_row(_driver_sql(PG_RECORD), params(batch, now))
+    if row is not None:
+        row = RecordRow._make(row)
 
     def stored_of_batch() -> list[str]:
         with db.session(write=False) as session:

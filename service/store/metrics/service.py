@@ -75,6 +75,28 @@ def record_batch(
         raise
 
 
+async def record_columns_on_loop(
+    db: Database,
+    ref: AttemptRef,
+    cols: CheckedColumns,
+    *,
+    progress: dict[str, Any] | None,
+    quotas: MetricQuotas | None = None,
+) -> int | None:
+    """``record_batch`` of checked columns as one statement awaited on the running event
+    loop (``db.loop_pool``, PostgreSQL only): the number of points inserted, when the
+    statement took the batch. None when it did not: no loop pool here, a driver error, or a
+    refusal (the fence, a quota; nothing of the batch was stored). The caller then calls
+    ``record_batch`` (in a thread), which stores it or raises the refusal's error and
+    records a quota's event, so a client sees the same answers either way."""
+    pool = db.loop_pool
+    if pool is None or (quotas is not None and len(cols) > quotas.per_minute):
+        return None  # the second: check_batch_size's refusal, raised by record_batch
+    batch = pg_ingest.IngestBatch(ref.job_id, ref.attempt, cols, newest_entries(cols), progress,
+                                  quotas or pg_ingest.NO_LIMITS)  # fmt: skip
+    return await pg_ingest.record_on_loop(pool, batch)
+
+
 def read_metric_page(
     db: Database,
     job_id: int,
