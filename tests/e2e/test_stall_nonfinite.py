@@ -215,7 +215,12 @@ def test_nonfinite_skip_step_skips_on_every_rank_and_succeeds(
         assert "at step 4: optimizer step skipped on every rank" in log.read_text(), rank
     with db.session(write=False) as s:
         newest = list_checkpoints(s, job_id)[0]
-    state = torch.load(newest.path, map_location="cpu", weights_only=False)
+    # Shared (an absolute path), or uploaded by a rank whose first call to the API timed out
+    # on a loaded box, so it could not tell that it shares the API's filesystem (a path
+    # relative to the store's root, the artifact dir): either is the job's checkpoint.
+    stored = Path(newest.path)
+    stored = stored if stored.is_absolute() else settings.resolved_artifact_dir / stored
+    state = torch.load(stored, map_location="cpu", weights_only=False)
     assert state["step"] == STEPS and state["skipped_steps"] == 1
     adam_steps = {float(v["step"]) for v in state["optimizer"]["state"].values()}
     assert adam_steps == {STEPS - 1.0}, "the optimizer stepped on every step but the NaN one"
