@@ -4,8 +4,9 @@ without the layers every other request passes through.
 
 A batch is the API's most frequent request (every rank 0 sends one per flush), its answer is
 small, and its route solves no dependency. The layers it skips (Starlette's exception and
-exit-stack middleware, the router trying its routes, FastAPI's request handler) cost about
-two thirds of the event loop's CPU per batch, measured with ``bench/ingest_cpu.py``. The same
+exit-stack middleware, the app's other middleware, the router trying its routes, FastAPI's
+request handler) cost about a third of what the event loop spends on a batch around its
+store call (~40 of ~125 µs here, the store call stubbed out; ``bench/ingest_cpu.py``). The same
 route function answers either way, and an error is answered by the handler the app
 registered for it (``errors.install_error_handlers``), so a batch gets the same answer by
 both paths (``tests/integration/test_direct_ingest.py`` compares them).
