@@ -182,6 +182,11 @@ class LogsOut(_Out):
     rank: int
     attempt: int
     eof: bool = Field(description="True when this slice reached the current end of the file.")
+    found: bool = Field(
+        description="False when the API's host holds no such log: the rank has not started, "
+        "or it ran on a worker whose artifact dir is not shared with the API (a rank's log "
+        "stays on its worker's host)."
+    )
 
 
 class WorkerOut(_Out):

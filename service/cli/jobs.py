@@ -345,13 +345,14 @@ def logs(
 ) -> None:
     """Print a rank's log; with --follow, keep printing until the job ends. A rank the job
     does not have exits 2 naming its ranks."""
-    offset, ended = 0, False
+    offset, ended, found = 0, False, True
     with friendly_errors():
         client = make_client()
         try:
             while True:
                 chunk = client.logs(job_id, rank=rank, attempt=attempt, offset=offset)
                 attempt = chunk["attempt"]
+                found = chunk.get("found", True)  # an older API does not say
                 sys.stdout.write(chunk["text"])
                 sys.stdout.flush()
                 offset = chunk["next_offset"]
@@ -366,4 +367,14 @@ def logs(
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
     if offset == 0:  # on stderr: a script reading stdout still gets the (empty) log
-        err.print(f"rank {rank} of job {job_id} logged nothing in attempt {attempt} (yet)")
+        with friendly_errors():
+            job = client.get_job(job_id) if not found else None
+        if job is not None and job.get("started_at") and job.get("attempt") == attempt:
+            err.print(
+                f"no log of rank {rank} of job {job_id} attempt {attempt} on the API's host: "
+                "a rank's log stays in the artifact dir of the worker that ran it "
+                f"({job.get('worker_id') or 'see `ddpq events`'}) unless that dir is shared "
+                "with the API"
+            )
+        else:
+            err.print(f"rank {rank} of job {job_id} logged nothing in attempt {attempt} (yet)")

@@ -131,7 +131,8 @@ def test_a_missing_log_inside_is_still_empty_text(served: Any) -> None:
     with served.client() as client:
         r = client.get(f"/jobs/{served.job_ids[0]}/logs", params={"rank": 1, "offset": 7})
     assert r.status_code == 200, r.text
-    assert r.json() == {"text": "", "next_offset": 7, "rank": 1, "attempt": 1, "eof": True}
+    assert r.json() == {"text": "", "next_offset": 7, "rank": 1, "attempt": 1, "eof": True,
+                        "found": False}  # fmt: skip
 
 
 def test_checkpoint_rows_and_links_pointing_anywhere_else_are_404(

@@ -279,7 +279,8 @@ def test_logs_missing_file_and_bad_params(api: TestClient, db: Database) -> None
     job_id = running_job(db)
     r = api.get(f"{API}/jobs/{job_id}/logs", params={"rank": 1, "offset": 42, "attempt": 1})
     assert r.status_code == 200
-    assert r.json() == {"text": "", "next_offset": 42, "rank": 1, "attempt": 1, "eof": True}
+    assert r.json() == {"text": "", "next_offset": 42, "rank": 1, "attempt": 1, "eof": True,
+                        "found": False}  # fmt: skip
     for params in (
         {"rank": "../../etc/passwd"},
         {"rank": -1},

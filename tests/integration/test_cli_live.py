@@ -130,6 +130,10 @@ def test_submit_ls_show_metrics_logs_cancel(
     no_rank = ddpq(live_url, "logs", str(job_id), "--rank", "5")
     assert no_rank.exit_code == 2, no_rank.output
     assert f"job {job_id} has ranks 0–1" in no_rank.output
+    elsewhere = ddpq(live_url, "logs", str(job_id), "--rank", "0")  # ran, its log not here
+    assert elsewhere.exit_code == 0, elsewhere.output
+    assert f"no log of rank 0 of job {job_id} attempt 1 on the API's host" in elsewhere.output
+    assert "artifact dir of the worker that ran it" in elsewhere.output, elsewhere.output
 
     cancel = ddpq(live_url, "cancel", str(job_id))
     assert cancel.exit_code == 0 and "cancel requested" in cancel.output

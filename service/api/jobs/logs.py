@@ -50,4 +50,5 @@ def logs_route(
         rank=chunk.rank,
         attempt=chunk.attempt,
         eof=chunk.eof,
+        found=chunk.found,
     )

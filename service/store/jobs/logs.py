@@ -66,7 +66,7 @@ def read_rank_log(
         artifact_dir, rank_log_path(artifact_dir, job.id, attempt, rank), must_exist=False
     )
     text, next_offset, eof = read_log_chunk(path, offset)
-    return LogChunk(text, next_offset, rank, attempt, eof)
+    return LogChunk(text, next_offset, rank, attempt, eof, found=path.is_file())
 
 
 def _world_size(stored_spec: Any) -> int | None:

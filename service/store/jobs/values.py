@@ -233,10 +233,12 @@ class SubmissionPlan:
 class LogChunk:
     """A slice of one rank's log: ``text`` (UTF-8, bad bytes as U+FFFD) up to byte
     ``next_offset`` (ask again from there), of ``rank`` in ``attempt``; ``eof`` when the
-    slice reached the current end of the file."""
+    slice reached the current end of the file; ``found`` False when this host holds no such
+    file (the rank has not started, or its worker's artifact dir is not this one)."""
 
     text: str
     next_offset: int
     rank: int
     attempt: int
     eof: bool
+    found: bool = True
