@@ -153,10 +153,19 @@ def _drop_if_closed_by_server(dbapi_conn: Any, record: Any, _proxy: Any) -> None
         return
     if dbapi_conn.closed:
         raise sa_exc.DisconnectionError("pooled connection already closed")
-    poller = select.poll()
-    poller.register(dbapi_conn.fileno(), select.POLLIN)
-    if poller.poll(0):
+    if idle_socket_readable(dbapi_conn.fileno()):
         raise sa_exc.DisconnectionError("the server closed this pooled connection")
+
+
+def idle_socket_readable(fileno: int) -> bool:
+    """Whether an idle database connection's socket ``fileno`` has something to read: the
+    server's "terminating connection" notice or its close (an idle connection is sent
+    nothing else). A local ``poll``, no round trip; False where ``poll`` is missing."""
+    if not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(fileno, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def redact_url(url: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +25,8 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy import Engine
+
+from service.store.db import idle_socket_readable
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,7 @@ async def _refuse_if_closed_by_server(conn: psycopg.AsyncConnection[Any]) -> Non
     another) replaces it instead of keeping it: the pool keeps a connection whose driver
     still reads it as idle."""
     if not conn.closed:
-        if not hasattr(select, "poll"):  # Windows: a failing statement tells instead
-            return
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
-        if not poller.poll(0):
+        if not idle_socket_readable(conn.fileno()):
             return
         await conn.close()
     raise psycopg.OperationalError("the server closed this pooled connection")
