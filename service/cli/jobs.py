@@ -78,12 +78,16 @@ def with_overrides(spec: dict[str, Any], assignments: list[str]) -> dict[str, An
 def checkpoint_file(settings: Settings, checkpoint: dict[str, Any] | None) -> str | None:
     """Where a checkpoint's file is, for people: ``<artifact_dir>/jobs/3/…`` when this
     machine's artifact directory holds it (same host or shared file system), else the path
-    relative to the server's artifact directory; None when the API gave no path."""
+    relative to the server's artifact directory, saying so; None when the API gave no path."""
     relative = (checkpoint or {}).get("path")
     if not isinstance(relative, str) or not relative:
         return None
     local = settings.resolved_artifact_dir / relative
-    return str(local) if local.is_file() else relative
+    if local.is_file():
+        return str(local)
+    return (
+        f"{relative} (in the API server's artifact dir; `ddpq checkpoints --download` fetches it)"
+    )
 
 
 def _summary(client: DdpqClient, settings: Settings, job: dict[str, Any]) -> Any:

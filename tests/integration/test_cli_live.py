@@ -271,8 +271,11 @@ def test_submit_wait_follows_the_job_to_its_end(
     assert f"{live_url}/jobs/{job_id}" in out
     assert ("rank 1 raised RuntimeError: boom" in out) == (outcome == JobState.FAILED)
     relative = f"jobs/{job_id}/checkpoints/step-4.pt"
-    shown = str(settings.resolved_artifact_dir / relative) if local else relative
-    assert re.search(rf"^file\s+{re.escape(shown)}\s*$", out, re.M), out
+    if local:
+        shown = re.escape(str(settings.resolved_artifact_dir / relative)) + r"\s*$"
+    else:  # the server's path, saying where it is
+        shown = re.escape(f"{relative} (in the API server's artifact dir")
+    assert re.search(rf"^file\s+{shown}", out, re.M), out
     bar = next(line for line in out.splitlines() if line.lstrip().startswith(("✓", "✗")))
     assert f"job {job_id} {outcome.value}" in bar and "step 4/4" in bar, bar
     assert not re.search("[\u2800-\u28ff]", out), "the spinner must not stay on the last line"

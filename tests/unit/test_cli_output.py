@@ -6,12 +6,14 @@ from __future__ import annotations
 import io
 import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from service.api.schemas import progress_out
 from service.cli.job_data import checkpoints_table
+from service.cli.jobs import checkpoint_file
 from service.cli.output import (
     epoch_number,
     field_error_lines,
@@ -22,6 +24,7 @@ from service.cli.output import (
     printable,
     progress_line,
 )
+from service.core.config import Settings
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 SPINNER_GLYPHS = re.compile("[\u2800-\u28ff]")  # rich's "dots" spinner is braille
@@ -177,3 +180,20 @@ def test_the_checkpoints_table_names_a_followed_checkpoints_file_only_when_there
     followed = render(checkpoints_table(3, [base | {"file_name": "ckpt/e1.pt"}, base]), 120)
     assert "file" in followed.splitlines()[2] and "ckpt/e1.pt" in followed
     assert "file" not in render(checkpoints_table(3, [base]), 120).splitlines()[2]
+
+
+def test_the_checkpoint_file_is_a_local_path_only_where_this_machine_holds_it(
+    tmp_path: Path,
+) -> None:
+    """``ddpq show``'s "file": this machine's path when its artifact dir holds the file,
+    else the server's relative path, saying where it is and how to fetch it."""
+    settings = Settings(home=tmp_path / ".ddpq", artifact_dir=tmp_path / "artifacts")
+    checkpoint = {"path": "jobs/1/checkpoints/step-4.upload-2.pt"}
+    elsewhere = checkpoint_file(settings, checkpoint)
+    assert elsewhere is not None and elsewhere.startswith("jobs/1/checkpoints/step-4.upload-2.pt")
+    assert "API server's artifact dir" in elsewhere and "--download" in elsewhere, elsewhere
+    local = settings.resolved_artifact_dir / checkpoint["path"]
+    local.parent.mkdir(parents=True)
+    local.write_bytes(b"x")
+    assert checkpoint_file(settings, checkpoint) == str(local)
+    assert checkpoint_file(settings, None) is None
