@@ -21,14 +21,14 @@ MAX_LOG_CHUNK_BYTES = 256 * 1024
 
 def read_log_chunk(
     path: Path, offset: int, max_bytes: int = MAX_LOG_CHUNK_BYTES
-) -> tuple[str, int, bool]:
+) -> tuple[str, int, bool, bool]:
     """Up to ``max_bytes`` bytes of ``path`` from byte ``offset``, decoded as UTF-8.
 
     A multi-byte character cut at the end of the chunk is left for the next call; bytes that
     are not UTF-8 become U+FFFD.
 
     Returns:
-        ``(text, next_offset, eof)``; a missing file gives ``("", offset, True)``.
+        ``(text, next_offset, eof, found)``; a missing file gives ``("", offset, True, False)``.
     """
     try:
         with path.open("rb") as f:
@@ -36,12 +36,12 @@ def read_log_chunk(
             f.seek(min(offset, size))
             data = f.read(max_bytes) if offset < size else b""
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return "", offset, True
+        return "", offset, True, False
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     text = decoder.decode(data, final=False)
     pending = len(decoder.getstate()[0])
     end = offset + len(data)
-    return text, end - pending, end >= size
+    return text, end - pending, end >= size, True
 
 
 def read_rank_log(
@@ -65,8 +65,8 @@ def read_rank_log(
     path = confine(
         artifact_dir, rank_log_path(artifact_dir, job.id, attempt, rank), must_exist=False
     )
-    text, next_offset, eof = read_log_chunk(path, offset)
-    return LogChunk(text, next_offset, rank, attempt, eof, found=path.is_file())
+    text, next_offset, eof, found = read_log_chunk(path, offset)
+    return LogChunk(text, next_offset, rank, attempt, eof, found=found)
 
 
 def _world_size(stored_spec: Any) -> int | None:

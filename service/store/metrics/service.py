@@ -90,8 +90,13 @@ async def record_columns_on_loop(
     ``record_batch`` (in a thread), which stores it or raises the refusal's error and
     records a quota's event, so a client sees the same answers either way."""
     pool = db.loop_pool
-    if pool is None or (quotas is not None and len(cols) > quotas.per_minute):
-        return None  # the second: check_batch_size's refusal, raised by record_batch
+    if pool is None:
+        return None
+    if quotas is not None:
+        try:
+            check_batch_size(len(cols), quotas)
+        except QuotaExceededError:
+            return None  # record_batch raises it and records its event
     batch = pg_ingest.IngestBatch(ref.job_id, ref.attempt, cols, newest_entries(cols), progress,
                                   quotas or pg_ingest.NO_LIMITS)  # fmt: skip
     return await pg_ingest.record_on_loop(pool, batch)
